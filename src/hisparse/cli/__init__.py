@@ -1,0 +1,1 @@
+"""The `hisparse` command line: one module per subcommand, each exposing `register(subparsers)`."""

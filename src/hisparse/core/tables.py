@@ -1,0 +1,53 @@
+"""The tensors every swap-in implementation reads and writes (docs/ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(eq=False)
+class CacheTables:
+    """Device-resident state of the hot buffers plus the host pool rows.
+
+    Shapes use the symbols of docs/ARCHITECTURE.md. The engine owns one instance; kernels
+    receive it and mutate the tensors in place (never rebind them: graph capture holds
+    their addresses).
+    """
+
+    device_kv: torch.Tensor  # [L, R*S, W] uint8, device
+    host_kv: list[torch.Tensor]  # L x [N, W] uint8, host memory of the backend
+    page_table: torch.Tensor  # [R, P] int32: extent id per E tokens, -1 = none
+    seq_lens: torch.Tensor  # [R] int32
+    slot_row: torch.Tensor  # [G, R, H] int32: host row per hot slot, -1 = empty
+    lru: torch.Tensor  # [G, R, H] int32: slot ids, index 0 = least recently used
+    resident: torch.Tensor  # [G, N] int32: hot slot holding host row n, -1 = none
+    counters: torch.Tensor  # [L, 3] int64: hits, misses, invalid entries
+    hot_slots: int  # H
+    extent_tokens: int  # E
+
+    @property
+    def slots_per_request(self) -> int:
+        return self.hot_slots + 1
+
+    @property
+    def row_bytes(self) -> int:
+        return int(self.device_kv.shape[-1])
+
+
+@dataclass(eq=False)
+class MissPlan:
+    """Misses recorded by one planning call, replayable as copy-only work on other layers."""
+
+    src: torch.Tensor  # [Bcap, K] int32 host rows
+    dst: torch.Tensor  # [Bcap, K] int32 device rows
+    count: torch.Tensor  # [Bcap] int32
+
+    @classmethod
+    def empty(cls, batch_capacity: int, top_k: int, device: torch.device) -> MissPlan:
+        return cls(
+            src=torch.zeros(batch_capacity, top_k, dtype=torch.int32, device=device),
+            dst=torch.zeros(batch_capacity, top_k, dtype=torch.int32, device=device),
+            count=torch.zeros(batch_capacity, dtype=torch.int32, device=device),
+        )

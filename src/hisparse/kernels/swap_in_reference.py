@@ -1,0 +1,118 @@
+"""Swap-in and planned copy in plain torch ops: the semantics of docs/ARCHITECTURE.md.
+
+This is production code on the CPU backend and the reference the Triton kernels are tested
+against everywhere. It is vectorised over the batch; boolean indexing makes it synchronise
+with the host on accelerators, which is why the GPU backends bind the Triton kernels instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse.core.tables import CacheTables, MissPlan
+
+
+def swap_in_reference(
+    tables: CacheTables,
+    layer: int,
+    group: int,
+    req_slots: torch.Tensor,  # [Bcap] int32 request slot per batch row
+    top_k: torch.Tensor,  # [Bcap, K] int32 token positions, -1 = none
+    num_real: torch.Tensor,  # [1] int32: rows >= num_real are padding
+    out: torch.Tensor,  # [Bcap, K] int32: device row per entry, -1 = none
+    plan: MissPlan | None = None,
+    skip_io: bool = False,
+) -> None:
+    t = tables
+    hot = t.hot_slots
+    slots = t.slots_per_request
+    ext = t.extent_tokens
+    batch_cap, k = top_k.shape
+    dev = top_k.device
+
+    real = torch.arange(batch_cap, device=dev) < num_real.to(dev).long()
+    r = torch.where(real, req_slots.long(), 0)
+    n = t.seq_lens[r].long()[:, None]
+    pos = top_k.long()
+    valid = real[:, None] & (pos >= 0) & (pos < n)
+    invalid = real[:, None] & ((pos < -1) | (pos >= n))
+    base = (r * slots)[:, None]
+    short = n <= hot
+
+    result = torch.where(valid & short, base + pos, -1)
+    newest = valid & ~short & (pos == n - 1)
+    result = torch.where(newest, base + hot, result)
+    candidate = valid & ~short & ~newest
+
+    safe_pos = torch.where(candidate, pos, 0)
+    page = t.page_table[r[:, None], safe_pos // ext].long()
+    row = torch.where(candidate, page * ext + safe_pos % ext, 0)
+    resident_slot = t.resident[group, row].long()
+    hit = candidate & (resident_slot >= 0)
+    miss = candidate & (resident_slot < 0)
+    result = torch.where(hit, base + resident_slot, result)
+
+    # Exact LRU over the long-regime rows; everything below only touches those rows.
+    lru = t.lru[group, r].long()  # [B, H]
+    hit_slot = torch.zeros(batch_cap, hot + 1, dtype=torch.bool, device=dev)
+    hit_slot.scatter_(1, torch.where(hit, resident_slot, hot), True)
+    hit_in_lru = hit_slot[:, :hot].gather(1, lru)
+    evictable = ~hit_in_lru
+    evict_rank = evictable.long().cumsum(1) - 1
+    hit_rank = hit_in_lru.long().cumsum(1) - 1
+    num_evictable = evictable.sum(1, keepdim=True)
+
+    evict_order = torch.full((batch_cap, hot + 1), -1, dtype=torch.long, device=dev)
+    evict_order.scatter_(1, torch.where(evictable, evict_rank, hot), lru)
+    miss_rank = miss.long().cumsum(1) - 1
+    num_miss = miss.sum(1, keepdim=True)
+    victim = evict_order.gather(1, miss_rank.clamp(min=0))
+    result = torch.where(miss, base + victim, result)
+
+    new_position = torch.where(
+        evictable,
+        torch.where(
+            evict_rank >= num_miss, evict_rank - num_miss, num_evictable - num_miss + evict_rank
+        ),
+        num_evictable + hit_rank,
+    )
+    new_lru = torch.empty_like(lru).scatter_(1, new_position, lru)
+    update = real & ~short[:, 0]
+    t.lru[group, r[update]] = new_lru[update].to(t.lru.dtype)
+
+    miss_b, miss_k = miss.nonzero(as_tuple=True)
+    miss_req = r[miss_b]
+    miss_slot = victim[miss_b, miss_k]
+    miss_row = row[miss_b, miss_k]
+    old_row = t.slot_row[group, miss_req, miss_slot].long()
+    t.resident[group, old_row[old_row >= 0]] = -1
+    t.resident[group, miss_row] = miss_slot.to(t.resident.dtype)
+    t.slot_row[group, miss_req, miss_slot] = miss_row.to(t.slot_row.dtype)
+    miss_dst = miss_req * slots + miss_slot
+    if not skip_io and miss_row.numel():
+        host = t.host_kv[layer]
+        t.device_kv[layer][miss_dst] = host[miss_row.to(host.device)].to(dev, non_blocking=True)
+
+    if plan is not None:
+        plan.count[:batch_cap].copy_(torch.where(update, num_miss[:, 0], 0).to(plan.count.dtype))
+        plan.src[miss_b, miss_rank[miss_b, miss_k]] = miss_row.to(plan.src.dtype)
+        plan.dst[miss_b, miss_rank[miss_b, miss_k]] = miss_dst.to(plan.dst.dtype)
+
+    t.counters[layer, 0] += (valid & ~miss).sum()
+    t.counters[layer, 1] += miss.sum()
+    t.counters[layer, 2] += invalid.sum()
+    out.copy_(result.to(out.dtype))
+
+
+def copy_planned_reference(tables: CacheTables, layer: int, plan: MissPlan) -> None:
+    """Copy the rows a plan recorded into `layer`'s device rows (shared-index replay)."""
+    batch_cap, k = plan.src.shape
+    take = torch.arange(k, device=plan.count.device)[None, :] < plan.count[:, None]
+    src = plan.src[take].long()
+    dst = plan.dst[take].long()
+    if src.numel():
+        host = tables.host_kv[layer]
+        rows = host[src.to(host.device)]
+        tables.device_kv[layer][dst.to(tables.device_kv.device)] = rows.to(
+            tables.device_kv.device, non_blocking=True
+        )

@@ -1,0 +1,126 @@
+"""The interface every backend implements, and the shell that enforces its feature table.
+
+A backend states device facts (how to find the device, allocate host memory, translate host
+addresses, make streams, events and graphs) and binds kernels. Policy (LRU, planning, which
+path runs) lives in `hisparse.core`, which asks `backend.supports(Feature.X)`, never for a name.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from hisparse.backends.features import Feature, FeatureTable, Support
+from hisparse.errors import UnsupportedFeatureError
+
+# swap_in(tables, layer, group, req_slots, top_k, num_real, out, plan=None, skip_io=False)
+SwapInFn = Callable[..., None]
+# copy_planned(tables, layer, plan)
+CopyPlannedFn = Callable[..., None]
+
+
+class Backend(abc.ABC):
+    """One device type. Subclasses set the class attributes and implement the hooks."""
+
+    name: str  # registry key: "cuda", "rocm", "xpu", "cpu", or an out-of-tree name
+    torch_device_type: str  # what torch calls the device ("cuda" also on ROCm)
+    features: FeatureTable
+    # False until the backend's GPU paths have run on real hardware; the probe says so.
+    verified_on_hardware: bool = True
+
+    # --- detection -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def unavailable_reason(self) -> str | None:
+        """None when this backend can run here, else one line saying why not."""
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device(self.torch_device_type, index)
+
+    def device_names(self) -> list[str]:
+        """Human-readable names of the visible devices (empty for CPU)."""
+        return []
+
+    # --- host memory -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def alloc_host(self, num_bytes: int) -> torch.Tensor:
+        """A uint8 CPU tensor of exactly `num_bytes` that this backend's kernels can read.
+
+        Raises HostAllocationError naming the size asked for and what was available.
+        """
+
+    @abc.abstractmethod
+    def free_host(self, buffer: torch.Tensor) -> None:
+        """Release a buffer from `alloc_host` (unregistering exactly what was registered)."""
+
+    def register_host(self, buffer: torch.Tensor) -> None:
+        """Make existing host memory (e.g. a transfer engine's buffer) device-readable."""
+        self.require(Feature.REGISTER_HOST_MEMORY)
+        raise NotImplementedError  # pragma: no cover - supported backends override
+
+    def unregister_host(self, buffer: torch.Tensor) -> None:
+        self.require(Feature.REGISTER_HOST_MEMORY)
+        raise NotImplementedError  # pragma: no cover
+
+    def device_address(self, buffer: torch.Tensor) -> int:
+        """The address a kernel must use to read `buffer` (differs from the host one on ROCm)."""
+        return int(buffer.data_ptr())
+
+    # --- streams, events, graphs -----------------------------------------------------------
+    def new_stream(self) -> Any | None:
+        """A side stream, or None where work runs synchronously (CPU)."""
+        return None
+
+    def stream_scope(self, stream: Any | None) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def new_event(self) -> Any | None:
+        return None
+
+    def record_event(self, event: Any | None) -> None:
+        """Record `event` on the current stream."""
+
+    def wait_event(self, event: Any | None) -> None:
+        """Make the current stream wait for `event`."""
+
+    def synchronize(self) -> None:
+        """Wait for all work on the device."""
+
+    def new_graph(self) -> Any:
+        self.require(Feature.GRAPH_CAPTURE)
+        raise NotImplementedError  # pragma: no cover
+
+    def graph_capture(self, graph: Any, stream: Any | None = None) -> contextlib.AbstractContextManager[Any]:
+        self.require(Feature.GRAPH_CAPTURE)
+        raise NotImplementedError  # pragma: no cover
+
+    # --- kernels ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def swap_in_kernel(self) -> SwapInFn:
+        """The swap-in implementation this backend runs (Triton or the torch reference)."""
+
+    @abc.abstractmethod
+    def copy_planned_kernel(self) -> CopyPlannedFn:
+        """The copy-only replay of a miss plan."""
+
+    # --- the shell -------------------------------------------------------------------------
+    def supports(self, feature: Feature) -> bool:
+        return self.features[Feature(feature)].usable
+
+    def support(self, feature: Feature) -> Support:
+        return self.features[Feature(feature)]
+
+    def require(self, feature: Feature) -> None:
+        """Raise UnsupportedFeatureError unless the feature table says `feature` works here."""
+        entry = self.features[Feature(feature)]
+        if not entry.usable:
+            raise UnsupportedFeatureError(str(feature), self.name, entry.reason, entry.instead)
+
+    def describe_features(self) -> Iterator[tuple[Feature, Support]]:
+        yield from self.features.items()
+
+    def __repr__(self) -> str:
+        return f"<hisparse backend {self.name}>"

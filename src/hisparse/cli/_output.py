@@ -1,0 +1,222 @@
+"""Output helpers shared by `plan`, `simulate` and `bench`: tables, JSON, progress, plots.
+
+Only the standard library at import time: `hisparse --help` imports every subcommand module.
+matplotlib and tqdm are optional and imported when asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TextIO
+
+# Bumped when a field is renamed or removed; adding fields keeps the version.
+JSON_SCHEMA_VERSION = 1
+
+
+def fail(command: str, message: str) -> int:
+    """Print a one-line error the way argparse does and return the exit code for a failed run."""
+    print(f"hisparse {command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def format_bytes(num_bytes: float | None) -> str:
+    if num_bytes is None:
+        return "-"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_rate(bytes_per_s: float | None) -> str:
+    """Bandwidth in decimal GB/s, the unit link speeds and DESIGN.md use."""
+    if bytes_per_s is None or not math.isfinite(bytes_per_s):
+        return "-"
+    return f"{bytes_per_s / 1e9:.2f} GB/s"
+
+
+def format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        parts = [row[0].ljust(widths[0])]
+        parts += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
+
+
+def _to_jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
+
+def dumps(document: dict[str, Any]) -> str:
+    return json.dumps(document, indent=2, default=_to_jsonable, allow_nan=False)
+
+
+def emit_json(document: dict[str, Any], stream: TextIO | None = None) -> None:
+    print(dumps(document), file=stream or sys.stdout)
+
+
+def write_json(path: str | Path, document: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dumps(document) + "\n")
+    return path
+
+
+def import_pyplot(option: str = "--plot") -> ModuleType | str:
+    """matplotlib.pyplot with a file-only backend, or the message to fail with."""
+    try:
+        import matplotlib
+    except ImportError:
+        return f"{option} needs matplotlib, which is not installed; run `pip install matplotlib`"
+    matplotlib.use("Agg")  # files only: never open a window or need a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+class Progress:
+    """A progress bar on stderr: tqdm when installed, else a plain counter. Never on stdout."""
+
+    def __init__(self, total: int, description: str, enabled: bool = True) -> None:
+        self.total = total
+        self.description = description
+        self.enabled = enabled
+        self.done = 0
+        self._bar: Any = None
+        self._last_percent = -1
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self._bar = tqdm(total=total, desc=description, file=sys.stderr, leave=False)
+
+    def update(self, count: int = 1) -> None:
+        self.done += count
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(count)
+            return
+        # Plain counter: at most one line per 10% so logs stay short when stderr is a file.
+        percent = 100 * self.done // max(self.total, 1)
+        if percent // 10 != self._last_percent // 10 or self.done == self.total:
+            self._last_percent = percent
+            print(f"{self.description}: {self.done}/{self.total}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def iterate(self, items: Sequence[Any]) -> Iterator[Any]:
+        for item in items:
+            yield item
+            self.update()
+
+
+# --- argparse value types: their messages become "argument --x: <message>" ---------------------
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+    return value
+
+
+def load_preset(
+    parser: argparse.ArgumentParser,
+    name: str,
+    flags: dict[str, str] | None = None,
+    **overrides: Any,
+) -> Any:
+    """`HiSparseConfig.from_preset(name, **overrides)`; a bad preset or value is a usage error.
+
+    `flags` maps config keys to the options that set them, so the error names the option.
+    """
+    try:
+        from hisparse.config import HiSparseConfig
+    except ImportError as exc:
+        parser.exit(1, f"{parser.prog}: error: presets need hisparse.config, which failed to "
+                       f"import ({exc})\n")
+    from hisparse.errors import ConfigError
+
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    try:
+        return HiSparseConfig.from_preset(name, **overrides)
+    except ConfigError as exc:
+        text = "; ".join(exc.problems)
+        blamed = [flag for key, flag in (flags or {}).items() if key in text and key in overrides]
+        parser.error(f"argument {'/'.join(blamed) or '--preset'}: {text}")

@@ -1,0 +1,262 @@
+"""`hisparse plan`: how many concurrent requests fit on one GPU, with and without HiSparse."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from hisparse.cli import _output as out
+from hisparse.planning import (
+    DSA_INDEXER_KEY_BYTES,
+    FORMULAS,
+    GIB,
+    ContextPlan,
+    ModelShape,
+    PlanSettings,
+)
+
+# The measured bulk pinned host-to-device rate of an H200 (DESIGN.md section 8: 52-55 GB/s).
+H200_BULK_H2D_GBPS = 52.0
+DEFAULT_CONTEXTS = (8192, 32768, 65536, 131072)
+# Options that override a preset key, so a rejected value is reported under its option.
+CONFIG_FLAGS = {
+    "kv_dtype": "--kv-dtype",
+    "top_k": "--top-k",
+    "device_buffer_size": "--hot-buffer",
+    "extent_tokens": "--extent-tokens",
+    "index_group_size": "--index-group-size",
+}
+
+EPILOG = f"""\
+example:
+  hisparse plan --preset deepseek-v3.2 --gpu-mem-gib 140 --weights-gib 80 \\
+      --context 32768 131072 --miss-rate 0.1 --plot plan.png
+
+{FORMULAS}
+The default miss rate (0.1) is a planning guess: published traces keep about 60% of
+a step's top-k from the previous step, and a 2x LRU buffer catches more; measure
+yours with `hisparse simulate`. Decimal GB/s for links, binary GiB for memory."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="concurrent requests per GPU with and without HiSparse, host pool and link traffic",
+        description="Capacity plan for one GPU: how many concurrent requests fit with full\n"
+        "device KV versus HiSparse hot buffers, the host memory the pool needs, and the\n"
+        "host-to-device traffic of a decode step.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--preset", default="deepseek-v3.2",
+                       help="model preset from configs/ (default: %(default)s)")
+    model.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8",
+                       help="KV cache dtype; picks the row size (default: %(default)s)")
+    model.add_argument("--indexer-bytes", type=out.non_negative_int, default=None,
+                       help="indexer key bytes per token per layer (default: the preset's, "
+                       f"else {DSA_INDEXER_KEY_BYTES}, the DSA key of DeepSeek-V3.2 and GLM-5)")
+    model.add_argument("--index-group-size", type=out.positive_int, default=None,
+                       help="layers sharing one indexer (default: the preset's)")
+
+    budget = parser.add_argument_group("GPU and host budget")
+    budget.add_argument("--gpu-mem-gib", type=out.positive_float, default=140.0,
+                        help="memory of one GPU in GiB (default: %(default)s, one H200)")
+    budget.add_argument("--weights-gib", type=out.non_negative_float, default=80.0,
+                        help="model weights on this GPU in GiB (default: %(default)s, about "
+                        "DeepSeek-V3.2 FP8 over 8 GPUs)")
+    budget.add_argument("--reserve-gib", type=out.non_negative_float, default=10.0,
+                        help="activations, graphs and allocator slack in GiB "
+                        "(default: %(default)s)")
+    budget.add_argument("--host-mem-gib", type=out.positive_float, default=None,
+                        help="host memory the pool may use per GPU; caps the HiSparse "
+                        "concurrency (default: unlimited)")
+
+    cache = parser.add_argument_group("cache geometry and traffic")
+    cache.add_argument("--context", type=out.positive_int, nargs="+", default=None,
+                       metavar="TOKENS", help="context lengths to plan for (default: "
+                       f"{' '.join(map(str, DEFAULT_CONTEXTS))})")
+    cache.add_argument("--top-k", type=out.positive_int, default=None,
+                       help="top-k entries per step (default: the preset's)")
+    cache.add_argument("--hot-buffer", type=out.positive_int, default=None, metavar="SLOTS",
+                       help="LRU hot slots per request and layer group (default: the "
+                       "preset's, 2 x top-k)")
+    cache.add_argument("--extent-tokens", type=out.positive_int, default=None,
+                       help="host extent size in tokens (default: the preset's)")
+    cache.add_argument("--miss-rate", type=out.fraction, default=0.1,
+                       help="fraction of top-k entries that miss per layer and step "
+                       "(default: %(default)s)")
+    cache.add_argument("--link-gbps", type=out.positive_float, default=H200_BULK_H2D_GBPS,
+                       help="host-to-device bandwidth in GB/s (default: %(default)s, the "
+                       "measured H200 bulk rate)")
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    output.add_argument("--plot", metavar="PNG", default=None,
+                        help="write concurrency against context length to this PNG "
+                        "(needs matplotlib)")
+    parser.set_defaults(handler=run, parser=parser)
+
+
+def model_shape(config: Any, args: argparse.Namespace) -> ModelShape:
+    indexer = args.indexer_bytes
+    if indexer is None:
+        indexer = getattr(config, "indexer_key_bytes", DSA_INDEXER_KEY_BYTES)
+    return ModelShape(
+        name=config.model,
+        num_layers=config.num_layers,
+        row_bytes=config.row_bytes,
+        indexer_key_bytes=int(indexer),
+        index_group_size=config.index_group_size,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from hisparse import planning
+    from hisparse.errors import InvalidInputError
+
+    parser: argparse.ArgumentParser = args.parser
+    if args.plot:
+        pyplot = out.import_pyplot()
+        if isinstance(pyplot, str):
+            return out.fail("plan", pyplot)
+    config = load_config(parser, args)
+    shape = model_shape(config, args)
+    hot_slots = config.device_buffer_size or 2 * config.top_k
+    settings = PlanSettings(
+        gpu_mem_bytes=round(args.gpu_mem_gib * GIB),
+        weights_bytes=round(args.weights_gib * GIB),
+        reserve_bytes=round(args.reserve_gib * GIB),
+        top_k=config.top_k,
+        hot_slots=hot_slots,
+        extent_tokens=config.extent_tokens,
+        miss_rate=args.miss_rate,
+        link_bytes_per_s=args.link_gbps * 1e9,
+        host_mem_bytes=None if args.host_mem_gib is None else round(args.host_mem_gib * GIB),
+    )
+    if settings.available_bytes <= 0:
+        parser.error(
+            f"argument --weights-gib/--reserve-gib: weights {args.weights_gib:g} GiB + reserve "
+            f"{args.reserve_gib:g} GiB leave nothing of --gpu-mem-gib {args.gpu_mem_gib:g}; "
+            "lower them or raise --gpu-mem-gib"
+        )
+    if hot_slots < config.top_k:
+        parser.error(
+            f"argument --hot-buffer: {hot_slots} slots cannot hold top-k {config.top_k}; "
+            "use at least top-k (2 x top-k is the default)"
+        )
+    contexts = args.context or list(DEFAULT_CONTEXTS)
+    try:
+        plans = planning.plan(shape, settings, contexts)
+    except InvalidInputError as exc:
+        parser.error(str(exc))
+
+    document = to_document(shape, config, settings, args, plans)
+    if args.json:
+        out.emit_json(document)
+    else:
+        print(render(shape, config, settings, plans))
+    if args.plot:
+        path = plot(pyplot, shape, plans, args.plot)
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def load_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    return out.load_preset(
+        parser,
+        args.preset,
+        CONFIG_FLAGS,
+        kv_dtype=args.kv_dtype,
+        top_k=args.top_k,
+        device_buffer_size=args.hot_buffer,
+        extent_tokens=args.extent_tokens,
+        index_group_size=args.index_group_size,
+    )
+
+
+def to_document(
+    shape: ModelShape,
+    config: Any,
+    settings: PlanSettings,
+    args: argparse.Namespace,
+    plans: list[ContextPlan],
+) -> dict[str, Any]:
+    return {
+        "schema_version": out.JSON_SCHEMA_VERSION,
+        "command": "plan",
+        "model": {
+            "preset": args.preset,
+            "kv_dtype": config.kv_dtype,
+            "num_layers": shape.num_layers,
+            "row_bytes": shape.row_bytes,
+            "indexer_key_bytes": shape.indexer_key_bytes,
+            "index_group_size": shape.index_group_size,
+            "num_groups": shape.num_groups,
+        },
+        "settings": {
+            "gpu_mem_bytes": settings.gpu_mem_bytes,
+            "weights_bytes": settings.weights_bytes,
+            "reserve_bytes": settings.reserve_bytes,
+            "available_bytes": settings.available_bytes,
+            "host_mem_bytes": settings.host_mem_bytes,
+            "top_k": settings.top_k,
+            "hot_slots": settings.hot_slots,
+            "extent_tokens": settings.extent_tokens,
+            "miss_rate": settings.miss_rate,
+            "link_bytes_per_s": settings.link_bytes_per_s,
+        },
+        "contexts": [p.to_dict() for p in plans],
+    }
+
+
+def render(
+    shape: ModelShape, config: Any, settings: PlanSettings, plans: list[ContextPlan]
+) -> str:
+    header = (
+        f"{shape.name} {config.kv_dtype}: {shape.num_layers} layers, {shape.row_bytes} B rows "
+        f"+ {shape.indexer_key_bytes} B indexer key per token per layer; top-k "
+        f"{settings.top_k}, hot buffer {settings.hot_slots}+1 slots\n"
+        f"device budget {out.format_bytes(settings.available_bytes)} for KV; miss rate "
+        f"{settings.miss_rate:g}; link {out.format_rate(settings.link_bytes_per_s)}"
+    )
+    rows = []
+    for p in plans:
+        gain = "-" if p.gain is None else f"{p.gain:.1f}x"
+        hisparse = str(p.hisparse_max_requests) + (" (host)" if p.limited_by == "host" else "")
+        rows.append((
+            p.context_tokens,
+            p.baseline_max_requests,
+            hisparse,
+            gain,
+            out.format_bytes(p.baseline_request_bytes),
+            out.format_bytes(p.hisparse_request_bytes),
+            out.format_bytes(p.host_pool_bytes),
+            out.format_bytes(p.h2d_bytes_per_step),
+            out.format_seconds(p.h2d_seconds_per_step),
+        ))
+    table = out.render_table(
+        ("context", "requests", "HiSparse", "gain", "device/req", "HiSparse/req",
+         "host pool", "H2D/step", "H2D time/step"),
+        rows,
+    )
+    return f"{header}\n\n{table}"
+
+
+def plot(pyplot: Any, shape: ModelShape, plans: list[ContextPlan], path: str) -> str:
+    contexts = [p.context_tokens for p in plans]
+    figure, axes = pyplot.subplots(figsize=(6.4, 4.0))
+    axes.plot(contexts, [p.baseline_max_requests for p in plans], marker="o",
+              label="full KV on device")
+    axes.plot(contexts, [p.hisparse_max_requests for p in plans], marker="o", label="HiSparse")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("context length (tokens)")
+    axes.set_ylabel("concurrent requests per GPU")
+    axes.set_title(f"{shape.name}: requests that fit")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return path

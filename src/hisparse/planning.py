@@ -1,0 +1,220 @@
+"""Capacity arithmetic behind `hisparse plan`: how many requests fit, with and without HiSparse.
+
+Pure integer arithmetic on sizes; no torch. Every formula is spelled out in `FORMULAS`, which
+the CLI prints in its help, and each is checked against a hand calculation in the tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from hisparse.errors import InvalidInputError
+
+GIB = 1 << 30
+INT32_BYTES = 4
+# The DSA indexer key of DeepSeek-V3.2 and GLM-5: 128 FP8 values + one fp32 scale, per token
+# per layer (vLLM's mla/indexer.py). It stays on the device with or without HiSparse.
+DSA_INDEXER_KEY_BYTES = 132
+
+FORMULAS = """\
+Arithmetic (per request; W = row bytes, I = indexer-key bytes, L = layers,
+G = ceil(L / index-group-size), H = hot slots, E = extent tokens, C = context tokens,
+C_E = C rounded up to whole extents, K = top-k, m = miss rate):
+  available device bytes   = gpu-mem - weights - reserve
+  without HiSparse         = C * L * (W + I)                   (full KV + indexer keys)
+  with HiSparse            = (H+1) * L * W                     (hot buffer + newest slot)
+                           + C * L * I                         (indexer keys, full context)
+                           + 2 * G * H * 4                     (lru + slot_row, int32)
+                           + ceil(C/E) * 4 + 4                 (page table + seq_len)
+                           + G * C_E * 4                       (resident map, 4 B per host row)
+  concurrent requests      = floor(available / per-request bytes)   [then capped by --host-mem-gib]
+  host pool                = requests * C_E * L * W
+  H2D bytes per step       = requests * L * m * K * W          (0 while C <= H: no copies)
+  H2D time per step        = H2D bytes / link bandwidth
+  D2H bytes per step       = requests * L * W                  (newest-token backup)"""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The per-token sizes of a model that decide its memory footprint."""
+
+    name: str
+    num_layers: int
+    row_bytes: int  # one token, one layer, in the KV dtype
+    indexer_key_bytes: int = DSA_INDEXER_KEY_BYTES
+    index_group_size: int = 1  # layers sharing one indexer top-k share one residency table
+
+    @property
+    def num_groups(self) -> int:
+        return math.ceil(self.num_layers / self.index_group_size)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The deployment being planned: one GPU's budget and the cache geometry."""
+
+    gpu_mem_bytes: int
+    weights_bytes: int
+    reserve_bytes: int
+    top_k: int
+    hot_slots: int  # H
+    extent_tokens: int  # E
+    miss_rate: float  # fraction of a long request's top-k entries that miss, per layer
+    link_bytes_per_s: float  # host-to-device bandwidth
+    host_mem_bytes: int | None = None  # cap on the host pool; None = unlimited
+
+    @property
+    def available_bytes(self) -> int:
+        return self.gpu_mem_bytes - self.weights_bytes - self.reserve_bytes
+
+
+@dataclass(frozen=True)
+class HiSparseFootprint:
+    """Device bytes one request holds under HiSparse, by what holds them."""
+
+    hot_rows: int
+    indexer_keys: int
+    lru_tables: int
+    page_table: int  # extent ids plus the seq_len entry
+    resident_map: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.hot_rows + self.indexer_keys + self.lru_tables + self.page_table
+            + self.resident_map
+        )
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """The answer for one context length."""
+
+    context_tokens: int
+    baseline_request_bytes: int
+    baseline_max_requests: int
+    hisparse_request_bytes: int
+    hisparse_footprint: HiSparseFootprint
+    hisparse_max_requests: int
+    limited_by: str  # "device" or "host": which memory caps the HiSparse concurrency
+    host_request_bytes: int
+    host_pool_bytes: int
+    h2d_bytes_per_step: float
+    h2d_seconds_per_step: float
+    d2h_bytes_per_step: int
+
+    @property
+    def gain(self) -> float | None:
+        """HiSparse concurrency over the baseline's; None when the baseline fits nothing."""
+        if self.baseline_max_requests == 0:
+            return None
+        return self.hisparse_max_requests / self.baseline_max_requests
+
+    def to_dict(self) -> dict[str, object]:
+        data = asdict(self)
+        data["hisparse_footprint"] = {
+            **asdict(self.hisparse_footprint), "total": self.hisparse_footprint.total
+        }
+        data["gain"] = self.gain
+        return data
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def baseline_request_bytes(shape: ModelShape, context_tokens: int) -> int:
+    return context_tokens * shape.num_layers * (shape.row_bytes + shape.indexer_key_bytes)
+
+
+def hisparse_footprint(
+    shape: ModelShape, settings: PlanSettings, context_tokens: int
+) -> HiSparseFootprint:
+    groups = shape.num_groups
+    return HiSparseFootprint(
+        hot_rows=(settings.hot_slots + 1) * shape.num_layers * shape.row_bytes,
+        indexer_keys=context_tokens * shape.num_layers * shape.indexer_key_bytes,
+        lru_tables=2 * groups * settings.hot_slots * INT32_BYTES,
+        page_table=(math.ceil(context_tokens / settings.extent_tokens) + 1) * INT32_BYTES,
+        resident_map=groups * round_up(context_tokens, settings.extent_tokens) * INT32_BYTES,
+    )
+
+
+def host_request_bytes(shape: ModelShape, settings: PlanSettings, context_tokens: int) -> int:
+    """Host pool bytes one request owns: whole extents, every layer."""
+    return round_up(context_tokens, settings.extent_tokens) * shape.num_layers * shape.row_bytes
+
+
+def validate(shape: ModelShape, settings: PlanSettings, contexts: Sequence[int]) -> None:
+    """Raise InvalidInputError listing every value that makes the plan meaningless."""
+    problems = []
+    for name in ("num_layers", "row_bytes", "index_group_size"):
+        if getattr(shape, name) < 1:
+            problems.append(f"{name} must be >= 1, got {getattr(shape, name)}")
+    if shape.indexer_key_bytes < 0:
+        problems.append(f"indexer_key_bytes must be >= 0, got {shape.indexer_key_bytes}")
+    if settings.top_k < 1:
+        problems.append(f"top_k must be >= 1, got {settings.top_k}")
+    if settings.hot_slots < settings.top_k:
+        problems.append(
+            f"hot buffer ({settings.hot_slots} slots) must hold at least top_k "
+            f"({settings.top_k}); raise the hot buffer or lower top_k"
+        )
+    if settings.extent_tokens < 1:
+        problems.append(f"extent_tokens must be >= 1, got {settings.extent_tokens}")
+    if not 0.0 <= settings.miss_rate <= 1.0:
+        problems.append(f"miss rate must be in [0, 1], got {settings.miss_rate}")
+    if settings.link_bytes_per_s <= 0:
+        problems.append(f"link bandwidth must be > 0, got {settings.link_bytes_per_s}")
+    if settings.available_bytes <= 0:
+        problems.append(
+            f"weights + reserve ({(settings.weights_bytes + settings.reserve_bytes) / GIB:g} GiB)"
+            f" leave no room in {settings.gpu_mem_bytes / GIB:g} GiB of GPU memory"
+        )
+    bad = [c for c in contexts if c < 1]
+    if bad or not contexts:
+        problems.append(f"context lengths must be >= 1 token, got {list(contexts)}")
+    if problems:
+        raise InvalidInputError("; ".join(problems))
+
+
+def plan_context(shape: ModelShape, settings: PlanSettings, context_tokens: int) -> ContextPlan:
+    available = settings.available_bytes
+    baseline_bytes = baseline_request_bytes(shape, context_tokens)
+    footprint = hisparse_footprint(shape, settings, context_tokens)
+    host_bytes = host_request_bytes(shape, settings, context_tokens)
+
+    requests = available // footprint.total
+    limited_by = "device"
+    if settings.host_mem_bytes is not None and settings.host_mem_bytes // host_bytes < requests:
+        requests = settings.host_mem_bytes // host_bytes
+        limited_by = "host"
+
+    # A request no longer than its hot buffer is served from it without copies.
+    long_regime = context_tokens > settings.hot_slots
+    misses_per_layer = settings.miss_rate * settings.top_k if long_regime else 0.0
+    h2d_bytes = requests * shape.num_layers * misses_per_layer * shape.row_bytes
+    return ContextPlan(
+        context_tokens=context_tokens,
+        baseline_request_bytes=baseline_bytes,
+        baseline_max_requests=available // baseline_bytes,
+        hisparse_request_bytes=footprint.total,
+        hisparse_footprint=footprint,
+        hisparse_max_requests=requests,
+        limited_by=limited_by,
+        host_request_bytes=host_bytes,
+        host_pool_bytes=requests * host_bytes,
+        h2d_bytes_per_step=h2d_bytes,
+        h2d_seconds_per_step=h2d_bytes / settings.link_bytes_per_s,
+        d2h_bytes_per_step=requests * shape.num_layers * shape.row_bytes,
+    )
+
+
+def plan(
+    shape: ModelShape, settings: PlanSettings, contexts: Sequence[int]
+) -> list[ContextPlan]:
+    """One ContextPlan per context length; raises InvalidInputError on meaningless inputs."""
+    validate(shape, settings, contexts)
+    return [plan_context(shape, settings, c) for c in contexts]

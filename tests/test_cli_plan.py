@@ -1,0 +1,188 @@
+"""`hisparse plan`: the capacity arithmetic against hand calculations, and the command itself."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from hisparse import planning
+from hisparse.cli.main import main
+from hisparse.errors import InvalidInputError
+from hisparse.planning import GIB, ModelShape, PlanSettings
+
+DSV32_FP8 = ModelShape("deepseek-v3.2", num_layers=61, row_bytes=656, indexer_key_bytes=132)
+ONE_H200 = PlanSettings(
+    gpu_mem_bytes=140 * GIB, weights_bytes=80 * GIB, reserve_bytes=10 * GIB, top_k=2048,
+    hot_slots=4096, extent_tokens=512, miss_rate=0.1, link_bytes_per_s=52e9,
+)
+
+
+def test_deepseek_v32_fp8_at_32k_matches_the_hand_calculation() -> None:
+    [p] = planning.plan(DSV32_FP8, ONE_H200, [32768])
+    # 50 GiB = 53,687,091,200 B for KV. Full KV: 32768 tokens x 61 layers x (656 + 132) B.
+    assert p.baseline_request_bytes == 1_575_092_224
+    assert p.baseline_max_requests == 34  # 53,687,091,200 / 1,575,092,224 = 34.08
+    f = p.hisparse_footprint
+    assert f.hot_rows == 163_945_552  # 4097 slots x 61 x 656
+    assert f.indexer_keys == 263_847_936  # 32768 x 61 x 132
+    assert f.lru_tables == 1_998_848  # 2 tables x 61 groups x 4096 x 4 B
+    assert f.page_table == 260  # 64 extents x 4 B + seq_len
+    assert f.resident_map == 7_995_392  # 61 groups x 32768 host rows x 4 B
+    assert p.hisparse_request_bytes == 437_787_988
+    assert p.hisparse_max_requests == 122  # 53,687,091,200 / 437,787,988 = 122.6
+    assert p.limited_by == "device"
+    assert p.host_request_bytes == 1_311_244_288  # 32768 x 61 x 656
+    assert p.host_pool_bytes == 122 * 1_311_244_288
+    # 122 requests x 61 layers x 204.8 misses x 656 B, over 52 GB/s.
+    assert p.h2d_bytes_per_step == pytest.approx(999_823_769.6)
+    assert p.h2d_seconds_per_step == pytest.approx(0.019227380, rel=1e-6)
+    assert p.d2h_bytes_per_step == 122 * 61 * 656
+    assert p.gain == pytest.approx(122 / 34)
+
+
+def test_short_contexts_need_no_copies_and_host_memory_caps_concurrency() -> None:
+    short_settings = PlanSettings(**{**ONE_H200.__dict__, "host_mem_bytes": 10 * GIB})
+    short, long = planning.plan(DSV32_FP8, short_settings, [4096, 8192])
+    assert short.h2d_bytes_per_step == 0  # 4096 tokens fit the 4096-slot hot buffer
+    # Host: 8192 x 61 x 656 = 327,811,072 B per request; 10 GiB holds 32 of them.
+    assert long.limited_by == "host"
+    assert long.hisparse_max_requests == 10 * GIB // 327_811_072 == 32
+    assert long.h2d_bytes_per_step == pytest.approx(32 * 61 * 204.8 * 656)
+
+
+def test_index_groups_shrink_only_the_tables() -> None:
+    glm_shared = ModelShape("glm-5", num_layers=78, row_bytes=656, index_group_size=4)
+    [p] = planning.plan(glm_shared, ONE_H200, [1000])
+    assert glm_shared.num_groups == 20  # ceil(78 / 4)
+    assert p.hisparse_footprint.lru_tables == 2 * 20 * 4096 * 4
+    assert p.hisparse_footprint.resident_map == 20 * 1024 * 4  # 1000 tokens -> 2 extents
+    assert p.hisparse_footprint.hot_rows == 4097 * 78 * 656
+
+
+def test_random_shapes_against_an_independent_formula() -> None:
+    rng = random.Random()
+    for _ in range(50):
+        layers, row, indexer = rng.randint(1, 100), rng.randint(1, 2048), rng.randint(0, 256)
+        group, top_k = rng.randint(1, 8), rng.randint(1, 4096)
+        hot, extent = top_k + rng.randint(0, 4096), rng.randint(1, 1024)
+        context = rng.randint(1, 10**6)
+        shape = ModelShape("m", layers, row, indexer, group)
+        settings = PlanSettings(
+            gpu_mem_bytes=rng.randint(10, 200) * GIB, weights_bytes=rng.randint(0, 9) * GIB,
+            reserve_bytes=0, top_k=top_k, hot_slots=hot, extent_tokens=extent,
+            miss_rate=rng.random(), link_bytes_per_s=rng.uniform(1e9, 1e11),
+        )
+        [p] = planning.plan(shape, settings, [context])
+        groups = -(-layers // group)
+        extents = -(-context // extent)
+        per_request = ((hot + 1) * layers * row + context * layers * indexer
+                       + 8 * groups * hot + 4 * extents + 4 + 4 * groups * extents * extent)
+        assert p.hisparse_request_bytes == per_request
+        assert p.hisparse_max_requests == settings.available_bytes // per_request
+        baseline = context * layers * (row + indexer)
+        assert p.baseline_max_requests == settings.available_bytes // baseline
+        misses = settings.miss_rate * top_k if context > hot else 0
+        assert math.isclose(p.h2d_bytes_per_step,
+                            p.hisparse_max_requests * layers * misses * row, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"hot_slots": 1000}, "hot buffer"),
+        ({"weights_bytes": 200 * GIB}, "leave no room"),
+        ({"miss_rate": 1.5}, "miss rate"),
+    ],
+)
+def test_meaningless_plans_are_rejected(change: dict[str, object], named: str) -> None:
+    with pytest.raises(InvalidInputError, match=named):
+        planning.plan(DSV32_FP8, PlanSettings(**{**ONE_H200.__dict__, **change}), [32768])
+
+
+# --- the command -----------------------------------------------------------------------------
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_for_the_deepseek_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, "--preset", "deepseek-v3.2", "--gpu-mem-gib", "140",
+                   "--weights-gib", "80", "--reserve-gib", "10", "--context", "32768", "8192")
+    assert doc["schema_version"] == 1 and doc["command"] == "plan"
+    assert doc["model"] == {
+        "preset": "deepseek-v3.2", "kv_dtype": "fp8", "num_layers": 61, "row_bytes": 656,
+        "indexer_key_bytes": 132, "index_group_size": 1, "num_groups": 61,
+    }
+    assert doc["settings"]["available_bytes"] == 50 * GIB
+    first, second = doc["contexts"]
+    assert first["context_tokens"] == 32768 and second["context_tokens"] == 8192
+    assert first["baseline_max_requests"] == 34
+    assert first["hisparse_max_requests"] == 122
+    assert first["hisparse_footprint"]["total"] == 437_787_988
+    assert set(first) >= {"host_pool_bytes", "h2d_bytes_per_step", "h2d_seconds_per_step",
+                          "d2h_bytes_per_step", "limited_by", "gain"}
+
+
+def test_bf16_doubles_the_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, "--kv-dtype", "bf16", "--context", "65536", "--indexer-bytes", "0")
+    assert doc["model"]["row_bytes"] == 1152  # 576 bf16 values
+    [p] = doc["contexts"]
+    assert p["baseline_request_bytes"] == 65536 * 61 * 1152
+
+
+def test_plan_table_names_the_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--context", "32768"]) == 0
+    text = capsys.readouterr().out
+    assert "deepseek-v3.2 fp8: 61 layers, 656 B rows" in text
+    assert "HiSparse" in text and "H2D time/step" in text
+    row = next(line for line in text.splitlines() if line.startswith("32768"))
+    assert row.split()[1:3] == ["34", "122"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--kv-dtype", "fp16"], "--kv-dtype"),
+        (["--context", "0"], "--context"),
+        (["--miss-rate", "2"], "--miss-rate"),
+        (["--gpu-mem-gib", "abc"], "--gpu-mem-gib"),
+        (["--weights-gib", "500"], "--weights-gib"),
+        (["--hot-buffer", "100"], "--hot-buffer"),
+        (["--preset", "no-such-model"], "--preset"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_argument(
+    capsys: pytest.CaptureFixture[str], argv: list[str], named: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *argv])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("hisparse plan: error:") and named in error
+
+
+def test_plot_writes_a_png_or_says_matplotlib_is_missing(
+    capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    target = tmp_path / "plan.png"
+    code = main(["plan", "--context", "8192", "32768", "--plot", str(target)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert code == 1
+        assert "--plot needs matplotlib" in capsys.readouterr().err
+        assert not target.exists()
+    else:
+        assert code == 0
+        assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_help_shows_an_example_and_the_formulas(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = capsys.readouterr().out
+    assert "hisparse plan --preset deepseek-v3.2" in text
+    assert "C * L * (W + I)" in text

@@ -27,7 +27,7 @@ def swap_in_reference(
     hot = t.hot_slots
     slots = t.slots_per_request
     ext = t.extent_tokens
-    batch_cap, k = top_k.shape
+    batch_cap = top_k.shape[0]
     dev = top_k.device
 
     real = torch.arange(batch_cap, device=dev) < num_real.to(dev).long()
@@ -106,7 +106,7 @@ def swap_in_reference(
 
 def copy_planned_reference(tables: CacheTables, layer: int, plan: MissPlan) -> None:
     """Copy the rows a plan recorded into `layer`'s device rows (shared-index replay)."""
-    batch_cap, k = plan.src.shape
+    k = plan.src.shape[1]
     take = torch.arange(k, device=plan.count.device)[None, :] < plan.count[:, None]
     src = plan.src[take].long()
     dst = plan.dst[take].long()
@@ -116,3 +116,24 @@ def copy_planned_reference(tables: CacheTables, layer: int, plan: MissPlan) -> N
         tables.device_kv[layer][dst.to(tables.device_kv.device)] = rows.to(
             tables.device_kv.device, non_blocking=True
         )
+
+
+def backup_newest_reference(
+    tables: CacheTables,
+    newest_rows: torch.Tensor,  # [Bcap] int32 device row of each batch row's newest token
+    host_rows: torch.Tensor,  # [Bcap] int32 host row the newest token belongs to
+    num_real: torch.Tensor,  # [1] int32: rows >= num_real are padding
+) -> None:
+    """Copy every layer's newest rows back to their host rows (the decode backup path).
+
+    Reads the real count back to the host: fine on the CPU, a sync on accelerators, which
+    bind a kernel that writes host memory directly instead.
+    """
+    count = int(num_real.reshape(-1)[0])
+    if count == 0:
+        return
+    device_rows = newest_rows[:count].long()
+    rows = tables.device_kv[:, device_rows]  # [L, B, W]
+    targets = host_rows[:count].long()
+    for layer, host in enumerate(tables.host_kv):
+        host[targets.to(host.device)] = rows[layer].to(host.device)

@@ -1,0 +1,651 @@
+"""`HiSparseCache`: the hierarchical sparse KV cache a serving framework drives.
+
+Full KV lives in the host pool; each running request owns a device request slot with `H` LRU
+hot slots per index group plus slot `H` for its newest token (docs/ARCHITECTURE.md). This
+module holds the policy: request lifecycle, seeding, the decode step, and which kernel runs on
+which stream. The per-entry work is the backend's swap-in kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hisparse.backends.base import Backend
+from hisparse.core.host_pool import HostPool, HostReservation, token_rows, token_runs
+from hisparse.core.requests import (
+    RequestRecord,
+    RequestState,
+    RequestTable,
+    SlotAllocator,
+)
+from hisparse.core.stats import CacheStats, Occupancy, TrafficCounters
+from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.core.validation import (
+    as_rows,
+    check_batch_rows,
+    check_positions_against_lengths,
+    check_tensor,
+)
+from hisparse.errors import InvalidInputError, RequestStateError
+from hisparse.kernels.swap_in_reference import backup_newest_reference
+
+LIVE = (RequestState.RESERVED, RequestState.PREFILLING, RequestState.RUNNING,
+        RequestState.PREEMPTED)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """The open decode step. Device tensors are the engine's persistent `[Bcap]` buffers."""
+
+    request_ids: tuple[Hashable, ...]
+    positions: tuple[int, ...]  # position of each request's new token (its seq_len - 1)
+    req_slots: torch.Tensor  # [Bcap] int32 request slot per batch row (0 for padding)
+    num_real: torch.Tensor  # [1] int32
+    newest_rows: torch.Tensor  # [Bcap] int32 device row the new token is written to
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.request_ids)
+
+
+class HiSparseCache:
+    """A hierarchical sparse KV cache on one device.
+
+    Args:
+        config: a `hisparse.HiSparseConfig`; feature flags are resolved against the backend
+            (features it lacks are turned off with a `FeatureDisabledWarning`).
+        device: None (the best backend here), a backend name or device string ("cuda:1"),
+            a `torch.device`, or a `Backend`.
+
+    Raises:
+        ConfigError, UnsupportedFeatureError: from resolving the config on this backend.
+        HostAllocationError: the host pool could not be allocated (nothing is kept).
+
+    Example:
+        >>> cache = HiSparseCache(HiSparseConfig.from_preset("tiny"), device="cpu")
+        >>> cache.admit("r0", 100); cache.write_prefill("r0", kv); cache.commit_prefill("r0")
+    """
+
+    def __init__(self, config: Any, device: str | torch.device | Backend | None = None) -> None:
+        from hisparse.backends.registry import get_backend
+        from hisparse.config import resolve_features
+
+        backend = get_backend(device)
+        config, disabled = resolve_features(config, backend)
+        self.config = config
+        self.backend = backend
+        self.disabled_features = [str(f) for f in disabled]
+        self.device = _device_of(backend, device)
+
+        self.num_layers = L = config.num_layers
+        self.row_bytes = W = config.row_bytes
+        self.top_k = K = config.top_k
+        self.hot_slots = H = config.device_buffer_size or 2 * K
+        self.slots_per_request = S = H + 1
+        self.max_requests = R = config.max_requests
+        self.batch_capacity = B = config.max_batch or R
+        self.extent_tokens = E = config.extent_tokens
+        self.max_seq_len = config.max_seq_len
+        self.index_group_size = config.index_group_size
+        self.num_groups = G = -(-L // config.index_group_size)
+        num_extents = -(-config.host_pool_tokens // E)
+        pages = -(-config.max_seq_len // E)
+
+        self._pool = HostPool(backend, L, num_extents, E, W)
+        dev = self.device
+        try:
+            i32 = {"dtype": torch.int32, "device": dev}
+            # Row R*S of every layer is a sink for padded batch rows' newest-token writes, so
+            # write_newest stays one index_copy a captured graph can replay with any real count.
+            self._padding_row = R * S
+            self.tables = CacheTables(
+                device_kv=torch.zeros(L, R * S + 1, W, dtype=torch.uint8, device=dev),
+                host_kv=self._pool.layers,
+                page_table=torch.full((R, pages), -1, **i32),
+                seq_lens=torch.zeros(R, **i32),
+                slot_row=torch.full((G, R, H), -1, **i32),
+                lru=torch.arange(H, **i32).repeat(G, R, 1),
+                resident=torch.full((G, self._pool.num_rows), -1, **i32),
+                counters=torch.zeros(L, 3, dtype=torch.int64, device=dev),
+                hot_slots=H,
+                extent_tokens=E,
+            )
+            self._req_slots = torch.zeros(B, **i32)
+            self._num_real = torch.zeros(1, **i32)
+            self._newest_rows = torch.full((B,), self._padding_row, **i32)
+            self._newest_rows_long = self._newest_rows.long()
+            self._newest_host_rows = torch.full((B,), -1, **i32)
+            self._top_k = torch.full((B, K), -1, **i32)
+            self._out = torch.full((G, B, K), -1, **i32)
+            has_followers = config.index_group_size > 1
+            self._plans = [MissPlan.empty(B, K, dev) if has_followers else None for _ in range(G)]
+            self._anchor_delta = torch.zeros(G, 3, dtype=torch.int64, device=dev)
+        except BaseException:
+            self._pool.close()
+            raise
+
+        self._swap_in = (
+            backend.skip_io_swap_in_kernel() if config.skip_io
+            else backend.zero_copy_swap_in_kernel() if config.zero_copy_swap_in
+            else backend.swap_in_kernel()
+        )
+        self._copy_planned = backend.copy_planned_kernel()
+        # Fused backup kernels come with the GPU path; every backend has the reference.
+        backup_kernel = getattr(backend, "backup_kernel", None)
+        self._backup = backup_kernel() if backup_kernel else backup_newest_reference
+        self._backup_stream = backend.backup_stream() if config.async_backup else None
+        self._prefetch_stream = (
+            backend.prefetch_stream() if config.shared_index_prefetch and has_followers else None
+        )
+        self._backup_done = backend.new_event()
+        self._step_written = backend.new_event()
+        self._planned = [backend.new_event() for _ in range(G)]
+        self._follower_ready = [backend.new_event() for _ in range(L)]
+        self._replay_done = [backend.new_event() for _ in range(G)]
+        self._host_io_pending = False  # async device<->host copies the CPU must not race
+
+        self._requests = RequestTable()
+        self._slots = SlotAllocator(R)
+        self._traffic = TrafficCounters(L)
+        self._step: DecodeStep | None = None
+        self._step_records: list[RequestRecord] = []
+        self._anchored: set[int] = set()  # groups whose anchor planned in the open step
+        self._pending_replay: dict[int, set[int]] = {}  # group -> followers not yet copied
+        self._closed = False
+
+    # --- admission and prefill ------------------------------------------------------------
+    def admit(self, request_id: Hashable, num_tokens: int) -> None:
+        """Take host extents for a `num_tokens` prompt and a device request slot.
+
+        Raises:
+            RequestStateError: the id is live. InvalidInputError: bad `num_tokens`.
+            PoolExhaustedError: no slot or too few extents (nothing is taken).
+        """
+        self._check_open()
+        self._requests.check_new(request_id, "admit")
+        self._check_length(num_tokens, "admit")
+        self._slots.check_free(f"admitting request {request_id!r}")
+        extents = self._pool.allocate(self._pool.extents_for(num_tokens))
+        record = RequestRecord(request_id, RequestState.PREFILLING, num_tokens, num_tokens,
+                               extents, self._slots.take())
+        self._requests.add(record)
+
+    def reserve_host_slots(self, request_id: Hashable, num_tokens: int) -> HostReservation:
+        """PD decode side: reserve host rows a transfer engine will write; no device slot yet.
+
+        Write token `p` of layer `l` to `res.host_tensors[l][res.rows[p]]` (or at
+        `res.layers[l].base_address + res.rows[p] * res.row_bytes`), then `complete_transfer`.
+        """
+        self._check_open()
+        self._requests.check_new(request_id, "reserve host slots for")
+        self._check_length(num_tokens, "reserve host slots for")
+        extents = self._pool.allocate(self._pool.extents_for(num_tokens))
+        record = RequestRecord(request_id, RequestState.RESERVED, num_tokens, num_tokens, extents)
+        self._requests.add(record)
+        self._drain_host_io()  # a backup of the rows' previous owner may still be landing
+        E = self.extent_tokens
+        return HostReservation(
+            request_id=request_id,
+            num_tokens=num_tokens,
+            row_bytes=self.row_bytes,
+            extents=[(row, n) for _, row, n in token_runs(extents, E, 0, num_tokens)],
+            rows=token_rows(extents, E, 0, num_tokens),
+            layers=[self._pool.region(layer) for layer in range(self.num_layers)],
+            host_tensors=list(self._pool.layers),
+        )
+
+    def write_prefill(
+        self, request_id: Hashable, kv: torch.Tensor, layer: int | None = None, start: int = 0
+    ) -> None:
+        """Write prompt rows `start .. start+T-1` to the host: `kv` is `[T, W]` for one layer
+        or `[L, T, W]` for all; any dtype whose last dimension is one row of `W` bytes."""
+        self._check_open()
+        record = self._requests.expect(
+            request_id, "write prefill for", (RequestState.PREFILLING, RequestState.RESERVED)
+        )
+        if layer is not None:
+            self._check_layer(layer)
+        rows = as_rows("kv", kv, self.row_bytes, 2 if layer is not None else 3)
+        if layer is None and rows.shape[0] != self.num_layers:
+            raise InvalidInputError(
+                f"kv holds {rows.shape[0]} layers, the cache has {self.num_layers}; pass "
+                "[L, T, W] for all layers, or [T, W] with layer=..."
+            )
+        count = rows.shape[-2]
+        if not isinstance(start, int) or start < 0 or start + count > record.admitted_tokens:
+            raise InvalidInputError(
+                f"prefill rows {start}..{start + count - 1} of request {request_id!r} fall "
+                f"outside the {record.admitted_tokens} tokens it was admitted with; admit the "
+                "full prompt length"
+            )
+        self._drain_host_io()
+        layers = [layer] if layer is not None else range(self.num_layers)
+        runs = token_runs(record.extents, self.extent_tokens, start, start + count)
+        for index, target in enumerate(layers):
+            source = rows if layer is not None else rows[index]
+            host = self._pool.layers[target]
+            for token, row, length in runs:
+                part = source[token - start : token - start + length]
+                host[row : row + length].copy_(part, non_blocking=True)
+            self._traffic.offloaded_tokens[target] += count
+        if rows.device != self._pool.layers[0].device:
+            self._host_io_pending = True  # device-to-host copies may still be landing
+
+    def commit_prefill(self, request_id: Hashable) -> None:
+        """Seed the hot buffer from the written prompt; the request can decode."""
+        self._check_open()
+        record = self._requests.expect(request_id, "commit prefill for",
+                                       (RequestState.PREFILLING,))
+        self._seed(record)
+
+    def complete_transfer(self, request_id: Hashable) -> None:
+        """PD: the reserved rows have been written; take a device slot, seed, decode.
+
+        Raises PoolExhaustedError when no device slot is free (the request stays reserved).
+        """
+        self._check_open()
+        record = self._requests.expect(request_id, "complete the transfer of",
+                                       (RequestState.RESERVED,))
+        self._slots.check_free(f"completing the transfer of request {request_id!r}")
+        record.slot = self._slots.take()
+        self._seed(record)
+
+    # --- decode ---------------------------------------------------------------------------
+    def begin_decode_step(self, request_ids: Sequence[Hashable]) -> DecodeStep:
+        """Append one token to each request and set the batch buffers the step's kernels read.
+
+        Raises:
+            RequestStateError: a step is open, or a request is not running.
+            InvalidInputError: empty, duplicated or over-capacity batch, or max_seq_len reached.
+            PoolExhaustedError: a request needs a new extent and the pool has too few free.
+        """
+        self._check_open()
+        if self._step is not None:
+            raise RequestStateError(
+                "a decode step is already open; call end_decode_step() before the next one"
+            )
+        ids = list(request_ids)
+        if not 1 <= len(ids) <= self.batch_capacity:
+            raise InvalidInputError(
+                f"a decode step takes 1..{self.batch_capacity} requests (max_batch), got "
+                f"{len(ids)}; split the batch or raise max_batch"
+            )
+        records = [self._requests.expect(i, "decode", (RequestState.RUNNING,)) for i in ids]
+        if len({id(r) for r in records}) != len(records):
+            raise InvalidInputError(f"request ids repeat in the decode batch {ids!r}")
+        grow = [r for r in records if r.num_tokens + 1 > len(r.extents) * self.extent_tokens]
+        full = [r.request_id for r in records if r.num_tokens + 1 > self.max_seq_len]
+        if full:
+            raise InvalidInputError(
+                f"requests {full!r} already hold max_seq_len={self.max_seq_len} tokens; "
+                "finish them or raise max_seq_len"
+            )
+        self._pool.check_free(len(grow))
+
+        H, S, E = self.hot_slots, self.slots_per_request, self.extent_tokens
+        page_updates: list[tuple[int, int, int]] = []
+        for record in grow:
+            record.extents += self._pool.allocate(1, after=record.extents[-1])
+            page_updates.append((record.slot, len(record.extents) - 1, record.extents[-1]))
+        short_updates: list[tuple[int, int, int]] = []  # (slot, hot slot, host row)
+        newest_rows, host_rows, positions = [], [], []
+        for record in records:
+            record.num_tokens += 1
+            position = record.num_tokens - 1
+            row = record.extents[position // E] * E + position % E
+            positions.append(position)
+            host_rows.append(row)
+            if record.num_tokens <= H:  # short: the token's own slot, tracked for the switch
+                newest_rows.append(record.slot * S + position)
+                short_updates.append((record.slot, position, row))
+            else:
+                newest_rows.append(record.slot * S + H)
+        batch = len(records)
+        pad = self.batch_capacity - batch
+        slots = [r.slot for r in records]
+        uploaded = self._upload(
+            [slots + [0] * pad, [batch], newest_rows + [self._padding_row] * pad,
+             host_rows + [-1] * pad, slots, [r.num_tokens for r in records],
+             *zip(*page_updates, strict=True), *zip(*short_updates, strict=True)]
+        )
+        t = self.tables
+        # The previous step's backup (maybe still running on its side stream) reads the batch
+        # buffers, and the new token's slot H still holds the token it is copying out.
+        self.backend.wait_event(self._backup_done)
+        self._req_slots.copy_(uploaded[0])
+        self._num_real.copy_(uploaded[1])
+        self._newest_rows.copy_(uploaded[2])
+        self._newest_rows_long.copy_(uploaded[2])
+        self._newest_host_rows.copy_(uploaded[3])
+        t.seq_lens[uploaded[4].long()] = uploaded[5]
+        rest = uploaded[6:]
+        if page_updates:
+            slot_index, page_index, extent = rest[:3]
+            t.page_table[slot_index.long(), page_index.long()] = extent
+            rest = rest[3:]
+        if short_updates:
+            slot_index, hot_slot, row = (x.long() for x in rest[:3])
+            t.slot_row[:, slot_index, hot_slot] = row.to(torch.int32)
+            t.resident[:, row] = hot_slot.to(torch.int32)
+        self._step = DecodeStep(tuple(ids), tuple(positions), self._req_slots, self._num_real,
+                                self._newest_rows)
+        self._step_records = records
+        self._anchored.clear()
+        return self._step
+
+    def write_newest(self, layer: int, kv: torch.Tensor) -> None:
+        """Write the new token's row of `layer` for every request of the step: `kv [B, W]`,
+        B between the step's request count and `max_batch` (padding rows are dropped)."""
+        step = self._open_step("write_newest")
+        self._check_layer(layer)
+        rows = as_rows("kv", kv, self.row_bytes, 2)
+        check_tensor("kv", kv, device=self.device)
+        check_batch_rows("kv", rows.shape[0], step.batch_size, self.batch_capacity)
+        self.tables.device_kv[layer].index_copy_(
+            0, self._newest_rows_long[: rows.shape[0]], rows
+        )
+
+    def swap_in(self, layer: int, top_k: torch.Tensor) -> torch.Tensor:
+        """Map each top-k position to the device row holding it, loading the misses.
+
+        Args:
+            layer: the KV layer attention is about to read.
+            top_k: `[B, K]` int32 positions on the cache's device, -1 = none; B between the
+                step's request count and `max_batch` (rows past the real count are padding).
+
+        Returns:
+            `[B, K]` int32 rows of `device_kv(layer)` (-1 for none, invalid and padding). The
+            tensor is a view of a buffer reused by the group's next call; layers of one index
+            group return the anchor's result.
+        """
+        step = self._open_step("swap_in")
+        self._check_layer(layer)
+        check_tensor("top_k", top_k, dtype=torch.int32, device=self.device, ndim=2)
+        rows = top_k.shape[0]
+        check_batch_rows("top_k", rows, step.batch_size, self.batch_capacity)
+        if top_k.shape[1] != self.top_k:
+            raise InvalidInputError(
+                f"top_k has {top_k.shape[1]} columns, the cache was built for top_k="
+                f"{self.top_k}; pad rows with -1 to {self.top_k} columns"
+            )
+        group = layer // self.index_group_size
+        anchor = group * self.index_group_size
+        if layer != anchor:
+            return self._follow(layer, group, anchor, top_k)
+        if self.config.validate:
+            check_positions_against_lengths(
+                top_k, [r.num_tokens for r in self._step_records], step.request_ids
+            )
+        if top_k.data_ptr() != self._top_k.data_ptr():
+            self._top_k[:rows].copy_(top_k)
+        plan = self._plans[group]
+        if plan is not None:
+            self._flush_replays(group)
+            self.backend.wait_event(self._replay_done[group])  # the side stream reads the plan
+            counts_before = self.tables.counters[layer].clone()
+        self._swap_in(self.tables, layer, group, self._req_slots, self._top_k, self._num_real,
+                      self._out[group], plan=plan, skip_io=self.config.skip_io)
+        self._anchored.add(group)
+        if plan is not None:
+            torch.sub(self.tables.counters[layer], counts_before, out=self._anchor_delta[group])
+            self._issue_replays(group)
+        return self._out[group][:rows]
+
+    def end_decode_step(self) -> None:
+        """Back every layer's new row up to its host row (on a side stream where supported)."""
+        step = self._open_step("end_decode_step")
+        for group in list(self._pending_replay):
+            self._flush_replays(group)
+        if self._backup_stream is not None:
+            self.backend.record_event(self._step_written)
+            with self.backend.stream_scope(self._backup_stream):
+                self.backend.wait_event(self._step_written)
+                self._backup(self.tables, self._newest_rows, self._newest_host_rows,
+                             self._num_real)
+                self.backend.record_event(self._backup_done)
+            self._host_io_pending = True
+        else:
+            self._backup(self.tables, self._newest_rows, self._newest_host_rows, self._num_real)
+        self._traffic.backed_up_tokens += step.batch_size
+        self._step = None
+        self._step_records = []
+
+    def device_kv(self, layer: int) -> torch.Tensor:
+        """`[R*S, W]` uint8: the rows attention reads at the indices `swap_in` returned."""
+        self._check_layer(layer)
+        return self.tables.device_kv[layer, : self._padding_row]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Every layer's `[N, W]` uint8 host pool tensor (e.g. to register with NIXL)."""
+        return list(self._pool.layers)
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def preempt(self, request_id: Hashable) -> None:
+        """Release the request's device slot; its host KV stays for `resume`."""
+        self._check_open()
+        record = self._requests.expect(request_id, "preempt", (RequestState.RUNNING,))
+        self._check_not_in_step(record, "preempt")
+        self._release_slot(record)
+        record.state = RequestState.PREEMPTED
+
+    def resume(self, request_id: Hashable) -> None:
+        """Give a preempted request a device slot again and seed it from its host KV."""
+        self._check_open()
+        record = self._requests.expect(request_id, "resume", (RequestState.PREEMPTED,))
+        self._slots.check_free(f"resuming request {request_id!r}")
+        record.slot = self._slots.take()
+        self._seed(record)
+
+    def finish(self, request_id: Hashable) -> None:
+        """Free a running or preempted request's host rows and device slot."""
+        self._end(request_id, "finish", (RequestState.RUNNING, RequestState.PREEMPTED),
+                  RequestState.FINISHED)
+
+    def abort(self, request_id: Hashable) -> None:
+        """Free a request in any live state (e.g. a PD transfer that failed)."""
+        self._end(request_id, "abort", LIVE, RequestState.ABORTED)
+
+    def request_state(self, request_id: Hashable) -> RequestState:
+        return self._requests.get(request_id, "look up").state
+
+    def seq_len(self, request_id: Hashable) -> int:
+        return self._requests.get(request_id, "look up").num_tokens
+
+    def stats(self) -> CacheStats:
+        """Traffic per layer and occupancy. Reads the device counters (one host sync)."""
+        self._check_open()
+        used_rows = sum(r.num_tokens for r in self._requests)
+        extents = self._pool.allocator
+        by_state: dict[str, int] = {}
+        for record in self._requests:
+            by_state[str(record.state)] = by_state.get(str(record.state), 0) + 1
+        occupancy = Occupancy(
+            host_extents_used=extents.used_extents,
+            host_extents_total=extents.num_extents,
+            host_rows_used=used_rows,
+            host_rows_total=self._pool.num_rows,
+            internal_fragmentation_rows=extents.used_extents * self.extent_tokens - used_rows,
+            request_slots_used=self.max_requests - self._slots.free_slots,
+            request_slots_total=self.max_requests,
+            requests_by_state=by_state,
+        )
+        layers = self._traffic.layer_stats(self.tables.counters, self.row_bytes)
+        return CacheStats(layers, occupancy, list(self.disabled_features))
+
+    def close(self) -> None:
+        """Wait for the device, then free the host pool. Later calls raise; idempotent."""
+        if self._closed:
+            return
+        self.backend.synchronize()
+        self._closed = True
+        self._pool.close()
+
+    def __enter__(self) -> HiSparseCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ------------------------------------------------------------------------
+    def _seed(self, record: RequestRecord) -> None:
+        """Load the newest `H+1` tokens into the hot buffer (ARCHITECTURE.md "seeding")."""
+        H, S, E = self.hot_slots, self.slots_per_request, self.extent_tokens
+        n, r = record.num_tokens, record.slot
+        assert r is not None
+        # (first token, count, first device slot) of each piece of the hot buffer
+        if n <= H:
+            pieces, lru_tokens = [(0, n, 0)], (0, n)
+        else:
+            pieces, lru_tokens = [(n - 1 - H, H, 0), (n - 1, 1, H)], (n - 1 - H, n - 1)
+        t = self.tables
+        self.backend.wait_event(self._backup_done)  # the slot's last owner may be backing up
+        t.page_table[r].fill_(-1)
+        t.page_table[r, : len(record.extents)] = torch.tensor(record.extents, dtype=torch.int32)
+        t.seq_lens[r] = n
+        lru_rows = torch.from_numpy(token_rows(record.extents, E, *lru_tokens)).to(self.device)
+        t.slot_row[:, r].fill_(-1)
+        t.slot_row[:, r, : lru_rows.numel()] = lru_rows.to(torch.int32)
+        t.resident[:, lru_rows] = torch.arange(lru_rows.numel(), dtype=torch.int32,
+                                               device=self.device)
+        t.lru[:, r] = torch.arange(H, dtype=torch.int32, device=self.device)
+        for first, count, slot in pieces:
+            for token, row, length in token_runs(record.extents, E, first, first + count):
+                device_row = r * S + slot + token - first
+                for layer in range(self.num_layers):
+                    t.device_kv[layer, device_row : device_row + length].copy_(
+                        self._pool.layers[layer][row : row + length], non_blocking=True
+                    )
+        self._traffic.seeded_tokens += min(n, H + 1)
+        record.state = RequestState.RUNNING
+
+    def _release_slot(self, record: RequestRecord) -> None:
+        r = record.slot
+        if r is None:
+            return
+        t = self.tables
+        own_row = record.extents[0] * self.extent_tokens
+        # Empty hot slots hold -1; point them at one of the request's own rows, cleared anyway,
+        # so the scatter needs no host sync to filter them out.
+        held = t.slot_row[:, r].long()
+        t.resident.scatter_(1, torch.where(held >= 0, held, own_row), -1)
+        t.slot_row[:, r].fill_(-1)
+        t.lru[:, r] = torch.arange(self.hot_slots, dtype=torch.int32, device=self.device)
+        t.seq_lens[r] = 0
+        t.page_table[r].fill_(-1)
+        self._slots.release(r)
+        record.slot = None
+
+    def _end(self, request_id: Hashable, action: str, allowed: Sequence[RequestState],
+             final: RequestState) -> None:
+        self._check_open()
+        record = self._requests.expect(request_id, action, allowed)
+        self._check_not_in_step(record, action)
+        self._release_slot(record)
+        self._pool.release(record.extents)
+        record.extents = []
+        self._requests.remove(record, final)
+
+    def _follow(self, layer: int, group: int, anchor: int, top_k: torch.Tensor) -> torch.Tensor:
+        if group not in self._anchored:
+            raise RequestStateError(
+                f"layer {layer} shares the top-k of its anchor layer {anchor}, which has not "
+                f"swapped in during this step; call swap_in({anchor}, top_k) first"
+            )
+        rows = top_k.shape[0]
+        if self.config.validate and not torch.equal(top_k, self._top_k[:rows]):
+            raise InvalidInputError(
+                f"layer {layer} got a top-k that differs from its anchor layer {anchor}'s; "
+                f"layers {anchor}..{anchor + self.index_group_size - 1} share one indexer, "
+                "so pass the anchor's top-k (or set index_group_size=1)"
+            )
+        if self._prefetch_stream is not None:
+            self.backend.wait_event(self._follower_ready[layer])
+        elif layer in self._pending_replay.get(group, ()):
+            self._replay(group, layer)
+            self._pending_replay[group].discard(layer)
+        return self._out[group][:rows]
+
+    def _followers(self, group: int) -> range:
+        anchor = group * self.index_group_size
+        return range(anchor + 1, min(anchor + self.index_group_size, self.num_layers))
+
+    def _issue_replays(self, group: int) -> None:
+        if self._prefetch_stream is None:
+            self._pending_replay[group] = set(self._followers(group))
+            return
+        self.backend.record_event(self._planned[group])
+        with self.backend.stream_scope(self._prefetch_stream):
+            self.backend.wait_event(self._planned[group])
+            for follower in self._followers(group):
+                self._replay(group, follower)
+                self.backend.record_event(self._follower_ready[follower])
+            self.backend.record_event(self._replay_done[group])
+
+    def _flush_replays(self, group: int) -> None:
+        for follower in sorted(self._pending_replay.pop(group, ())):
+            self._replay(group, follower)
+
+    def _replay(self, group: int, layer: int) -> None:
+        plan = self._plans[group]
+        assert plan is not None
+        if not self.config.skip_io:
+            self._copy_planned(self.tables, layer, plan)
+        self.tables.counters[layer] += self._anchor_delta[group]
+
+    def _upload(self, columns: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """One host-to-device copy for all of a step's small int32 updates."""
+        lengths = [len(c) for c in columns]
+        flat = torch.tensor([v for c in columns for v in c], dtype=torch.int32)
+        on_device = flat.to(self.device, non_blocking=True)
+        return list(torch.split(on_device, lengths))
+
+    def _drain_host_io(self) -> None:
+        if self._host_io_pending:
+            self.backend.synchronize()
+            self._host_io_pending = False
+
+    def _open_step(self, action: str) -> DecodeStep:
+        self._check_open()
+        if self._step is None:
+            raise RequestStateError(
+                f"{action} needs an open decode step; call begin_decode_step(request_ids) first"
+            )
+        return self._step
+
+    def _check_not_in_step(self, record: RequestRecord, action: str) -> None:
+        if self._step is not None and any(r is record for r in self._step_records):
+            raise RequestStateError(
+                f"cannot {action} request {record.request_id!r} during the decode step it is "
+                "part of; call end_decode_step() first"
+            )
+
+    def _check_layer(self, layer: int) -> None:
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise InvalidInputError(
+                f"layer must be an int in 0..{self.num_layers - 1}, got {layer!r}"
+            )
+
+    def _check_length(self, num_tokens: int, action: str) -> None:
+        if not isinstance(num_tokens, int) or not 1 <= num_tokens <= self.max_seq_len:
+            raise InvalidInputError(
+                f"cannot {action} a request of {num_tokens!r} tokens: it must be an int in "
+                f"1..{self.max_seq_len} (max_seq_len)"
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RequestStateError("this HiSparseCache is closed; create a new one")
+
+
+def _device_of(backend: Backend, device: str | torch.device | Backend | None) -> torch.device:
+    if isinstance(device, str | torch.device):
+        try:
+            parsed = torch.device(device)
+        except RuntimeError:
+            return backend.device()  # a backend name such as "rocm"
+        return backend.device(parsed.index)
+    return backend.device()

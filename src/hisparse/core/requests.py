@@ -1,0 +1,135 @@
+"""Python-side bookkeeping of requests: state, device request slot, host extents, length."""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+from hisparse.errors import PoolExhaustedError, RequestStateError, UnknownRequestError
+
+
+class RequestState(str, enum.Enum):
+    RESERVED = "reserved"  # PD: host rows reserved, KV arriving from another node
+    PREFILLING = "prefilling"  # admitted; prompt rows being written
+    RUNNING = "running"  # hot buffer seeded; decodes
+    PREEMPTED = "preempted"  # host KV kept, device slot released
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    request_id: Hashable
+    state: RequestState
+    admitted_tokens: int  # prompt length given to admit / reserve_host_slots
+    num_tokens: int  # tokens whose rows exist on the host (the seq_len once running)
+    extents: list[int] = field(default_factory=list)
+    slot: int | None = None
+
+
+class SlotAllocator:
+    """Device request slots `0..R-1`, lowest free first."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots))  # already a heap
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def check_free(self, what: str) -> None:
+        if not self._free:
+            raise PoolExhaustedError(
+                f"no device request slot free for {what}: all {self.num_slots} are in use; "
+                "finish or preempt a request first, or raise max_requests"
+            )
+
+    def take(self) -> int:
+        return heapq.heappop(self._free)
+
+    def release(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+
+class RequestTable:
+    """Live requests by id, plus a bounded memory of freed ids for clear double-free errors."""
+
+    _FORGET_AFTER = 4096
+
+    def __init__(self) -> None:
+        self._live: dict[Hashable, RequestRecord] = {}
+        self._ended: OrderedDict[Hashable, RequestState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self):
+        return iter(self._live.values())
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._live
+
+    def get(self, request_id: Hashable, action: str) -> RequestRecord:
+        try:
+            return self._live[request_id]
+        except (KeyError, TypeError):
+            pass
+        ended = self._ended.get(request_id) if _hashable(request_id) else None
+        if ended is not None:
+            raise RequestStateError(
+                f"cannot {action} request {request_id!r}: it was already {ended} and its "
+                "memory freed; admit it again under a new id"
+            )
+        raise UnknownRequestError(
+            f"cannot {action} request {request_id!r}: no such request is admitted "
+            f"({len(self._live)} live); admit it (or reserve_host_slots) first"
+        )
+
+    def expect(
+        self, request_id: Hashable, action: str, allowed: Iterable[RequestState]
+    ) -> RequestRecord:
+        record = self.get(request_id, action)
+        allowed = tuple(allowed)
+        if record.state not in allowed:
+            raise RequestStateError(
+                f"cannot {action} request {request_id!r}: it is {record.state}, and {action} "
+                f"needs {' or '.join(str(s) for s in allowed)}"
+            )
+        return record
+
+    def check_new(self, request_id: Hashable, action: str) -> None:
+        if not _hashable(request_id):
+            raise UnknownRequestError(
+                f"cannot {action}: request id {request_id!r} is not hashable; use an int or str"
+            )
+        if request_id in self._live:
+            raise RequestStateError(
+                f"cannot {action} request {request_id!r}: it is already "
+                f"{self._live[request_id].state}; finish or abort it before reusing the id"
+            )
+
+    def add(self, record: RequestRecord) -> None:
+        self._ended.pop(record.request_id, None)
+        self._live[record.request_id] = record
+
+    def remove(self, record: RequestRecord, final: RequestState) -> None:
+        del self._live[record.request_id]
+        record.state = final
+        self._ended[record.request_id] = final
+        while len(self._ended) > self._FORGET_AFTER:
+            self._ended.popitem(last=False)
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True

@@ -1,0 +1,108 @@
+"""Statistics of a cache: traffic per layer and in total, and host and device occupancy.
+
+Hits, misses and invalid entries are counted on the device by the swap-in kernels and read
+only here, when `stats()` is called; the byte counts the engine knows on the host (seeding,
+prefill offload, newest-row backups) are kept in plain integer arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    layer: int
+    hits: int
+    misses: int
+    invalid: int  # top-k entries outside [-1, seq_len): ignored, returned as -1
+    bytes_host_to_device: int  # misses + seeding preloads
+    bytes_device_to_host: int  # newest-row backups + prefill offload
+
+    @property
+    def hit_rate(self) -> float:
+        looked_up = self.hits + self.misses
+        return self.hits / looked_up if looked_up else 0.0
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    host_extents_used: int
+    host_extents_total: int
+    host_rows_used: int  # rows holding a token (per layer)
+    host_rows_total: int
+    internal_fragmentation_rows: int  # rows in owned extents that hold no token yet
+    request_slots_used: int
+    request_slots_total: int
+    requests_by_state: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    layers: list[LayerStats]
+    occupancy: Occupancy
+    disabled_features: list[str]
+
+    @property
+    def hits(self) -> int:
+        return sum(s.hits for s in self.layers)
+
+    @property
+    def misses(self) -> int:
+        return sum(s.misses for s in self.layers)
+
+    @property
+    def invalid(self) -> int:
+        return sum(s.invalid for s in self.layers)
+
+    @property
+    def bytes_host_to_device(self) -> int:
+        return sum(s.bytes_host_to_device for s in self.layers)
+
+    @property
+    def bytes_device_to_host(self) -> int:
+        return sum(s.bytes_device_to_host for s in self.layers)
+
+    def to_dict(self) -> dict[str, object]:
+        totals = {
+            "hits": self.hits,
+            "misses": self.misses,
+            "invalid": self.invalid,
+            "bytes_host_to_device": self.bytes_host_to_device,
+            "bytes_device_to_host": self.bytes_device_to_host,
+        }
+        return {
+            "total": totals,
+            "layers": [asdict(s) for s in self.layers],
+            "occupancy": asdict(self.occupancy),
+            "disabled_features": list(self.disabled_features),
+        }
+
+
+class TrafficCounters:
+    """Per-layer token counts the host already knows; rows are converted to bytes on read."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.seeded_tokens = np.zeros(num_layers, dtype=np.int64)
+        self.offloaded_tokens = np.zeros(num_layers, dtype=np.int64)
+        self.backed_up_tokens = np.zeros(num_layers, dtype=np.int64)
+
+    def layer_stats(self, device_counters: torch.Tensor, row_bytes: int) -> list[LayerStats]:
+        counts = device_counters.cpu().tolist()  # the one host sync of statistics
+        return [
+            LayerStats(
+                layer=layer,
+                hits=hits,
+                misses=misses,
+                invalid=invalid,
+                bytes_host_to_device=(misses + int(self.seeded_tokens[layer])) * row_bytes,
+                bytes_device_to_host=(
+                    int(self.backed_up_tokens[layer]) + int(self.offloaded_tokens[layer])
+                )
+                * row_bytes,
+            )
+            for layer, (hits, misses, invalid) in enumerate(counts)
+        ]

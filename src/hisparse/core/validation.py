@@ -1,0 +1,88 @@
+"""Input checks of the public engine calls. Each raises InvalidInputError before any change.
+
+`check_*` functions that take only shapes, dtypes and Python values never touch the device;
+the `*_against_device` ones read tensors back (a host sync) and run only with `validate=True`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hisparse.errors import InvalidInputError
+
+
+def check_tensor(
+    name: str,
+    value: object,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    ndim: int | None = None,
+) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dtype is not None and value.dtype != dtype:
+        raise InvalidInputError(f"{name} must be {dtype}, got {value.dtype}; convert it first")
+    if device is not None and not same_device(value.device, device):
+        raise InvalidInputError(
+            f"{name} must be on {device}, got {value.device}; move it to the cache's device"
+        )
+    if ndim is not None and value.dim() != ndim:
+        raise InvalidInputError(
+            f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}"
+        )
+    if not value.is_contiguous():
+        raise InvalidInputError(f"{name} must be contiguous; call .contiguous() on it first")
+    return value
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda` and `cuda:0` name the same device when the current index is 0."""
+    if a.type != b.type:
+        return False
+    return a.index is None or b.index is None or a.index == b.index
+
+
+def as_rows(name: str, kv: torch.Tensor, row_bytes: int, ndim: int) -> torch.Tensor:
+    """View a KV tensor of any dtype, last dimension one token's row, as uint8 `[..., W]`."""
+    check_tensor(name, kv, ndim=ndim)
+    width = kv.shape[-1] * kv.element_size()
+    if width != row_bytes:
+        raise InvalidInputError(
+            f"{name} rows are {width} bytes ({kv.shape[-1]} x {kv.dtype}), the cache's rows are "
+            f"{row_bytes} bytes; pass each token's row for one layer in the last dimension"
+        )
+    return kv.view(torch.uint8) if kv.dtype != torch.uint8 else kv
+
+
+def check_batch_rows(name: str, rows: int, num_real: int, capacity: int) -> None:
+    if not num_real <= rows <= capacity:
+        raise InvalidInputError(
+            f"{name} has {rows} rows; the open decode step has {num_real} requests and the "
+            f"padded capacity is {capacity}: pass between {num_real} and {capacity} rows"
+        )
+
+
+def check_positions_against_lengths(
+    top_k: torch.Tensor, seq_lens: Sequence[int], request_ids: Sequence[object]
+) -> None:
+    """Every real row's positions lie in [-1, seq_len) and are distinct (host sync)."""
+    real = top_k[: len(seq_lens)].cpu().long()
+    limits = torch.tensor(list(seq_lens), dtype=torch.long)[:, None]
+    bad = (real < -1) | (real >= limits)
+    if bool(bad.any()):
+        b, k = (int(i) for i in bad.nonzero()[0])
+        raise InvalidInputError(
+            f"top_k[{b}, {k}] = {int(real[b, k])} is outside [-1, {seq_lens[b]}) for request "
+            f"{request_ids[b]!r} (seq_len {seq_lens[b]}); use -1 for an empty entry"
+        )
+    ordered = real.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if bool(repeated.any()):
+        b, k = (int(i) for i in repeated.nonzero()[0])
+        raise InvalidInputError(
+            f"top_k row {b} (request {request_ids[b]!r}) lists position {int(ordered[b, k])} "
+            "more than once; each position may appear once per row"
+        )

@@ -44,6 +44,10 @@ class Backend(abc.ABC):
         """Human-readable names of the visible devices (empty for CPU)."""
         return []
 
+    def runtime_versions(self) -> dict[str, str | None]:
+        """Driver and runtime versions the probe reports (e.g. {"cuda_runtime": "12.8"})."""
+        return {}
+
     # --- host memory -----------------------------------------------------------------------
     @abc.abstractmethod
     def alloc_host(self, num_bytes: int) -> torch.Tensor:
@@ -93,11 +97,33 @@ class Backend(abc.ABC):
         self.require(Feature.GRAPH_CAPTURE)
         raise NotImplementedError  # pragma: no cover
 
-    def graph_capture(self, graph: Any, stream: Any | None = None) -> contextlib.AbstractContextManager[Any]:
+    def graph_capture(
+        self, graph: Any, stream: Any | None = None
+    ) -> contextlib.AbstractContextManager[Any]:
         self.require(Feature.GRAPH_CAPTURE)
         raise NotImplementedError  # pragma: no cover
 
+    def backup_stream(self) -> Any | None:
+        """The side stream that backs the newest tokens up to the host while decode goes on."""
+        self.require(Feature.ASYNC_BACKUP)
+        return self.new_stream()
+
+    def prefetch_stream(self) -> Any | None:
+        """Where follower layers replay the anchor's miss plan (None: inline, synchronously)."""
+        self.require(Feature.SHARED_INDEX_PREFETCH)
+        return self.new_stream()
+
     # --- kernels ---------------------------------------------------------------------------
+    def zero_copy_swap_in_kernel(self) -> SwapInFn:
+        """The fused swap-in that reads missing rows straight out of host memory."""
+        self.require(Feature.ZERO_COPY_SWAP_IN)
+        return self.swap_in_kernel()
+
+    def skip_io_swap_in_kernel(self) -> SwapInFn:
+        """The swap-in to call with `skip_io=True` (plans and updates the LRU, moves no bytes)."""
+        self.require(Feature.SKIP_IO_PROBE)
+        return self.swap_in_kernel()
+
     @abc.abstractmethod
     def swap_in_kernel(self) -> SwapInFn:
         """The swap-in implementation this backend runs (Triton or the torch reference)."""
@@ -124,3 +150,15 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<hisparse backend {self.name}>"
+
+
+# The methods that are a feature's way in; each calls `require`, so a backend whose table does
+# not support the feature raises there. Tests walk this map to prove every stub raises.
+FEATURE_ENTRY_POINTS: dict[Feature, tuple[str, ...]] = {
+    Feature.REGISTER_HOST_MEMORY: ("register_host", "unregister_host"),
+    Feature.ZERO_COPY_SWAP_IN: ("zero_copy_swap_in_kernel",),
+    Feature.GRAPH_CAPTURE: ("new_graph", "graph_capture"),
+    Feature.ASYNC_BACKUP: ("backup_stream",),
+    Feature.SHARED_INDEX_PREFETCH: ("prefetch_stream",),
+    Feature.SKIP_IO_PROBE: ("skip_io_swap_in_kernel",),
+}

@@ -1,0 +1,79 @@
+"""What the GPU backends share: streams, events and graphs through a torch device module
+(`torch.cuda` on CUDA and ROCm, `torch.xpu` on XPU), and the Triton kernel binding."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from hisparse.backends.base import Backend, CopyPlannedFn, SwapInFn
+from hisparse.kernels import swap_in_reference
+
+logger = logging.getLogger("hisparse.backends")
+
+TRITON_KERNELS = "hisparse.kernels.swap_in_triton"
+_warned_no_triton = False
+
+
+def bind_triton_kernel(name: str) -> Any:
+    """`name` from the Triton kernels, or its torch reference when triton is not installed."""
+    global _warned_no_triton
+    try:
+        module = importlib.import_module(TRITON_KERNELS)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "triton":
+            raise  # our own kernels module is missing: a broken install, not a fallback case
+        if not _warned_no_triton:
+            _warned_no_triton = True
+            logger.warning(
+                "triton is not installed, so swap-in runs the torch reference (it syncs with "
+                "the host every step). Install it with: pip install 'hisparse[triton]'"
+            )
+        return getattr(swap_in_reference, name.replace("_triton", "_reference"))
+    return getattr(module, name)
+
+
+class AcceleratorBackend(Backend):
+    """A backend whose device is driven through a torch device module."""
+
+    @property
+    def module(self) -> ModuleType:
+        return getattr(torch, self.torch_device_type)
+
+    def device_names(self) -> list[str]:
+        module = self.module
+        return [module.get_device_name(i) for i in range(module.device_count())]
+
+    # --- streams, events, graphs ---------------------------------------------------------
+    def new_stream(self) -> Any:
+        return self.module.Stream()
+
+    def stream_scope(self, stream: Any | None) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if stream is None else self.module.stream(stream)
+
+    def new_event(self) -> Any:
+        return self.module.Event()
+
+    def record_event(self, event: Any | None) -> None:
+        if event is not None:
+            event.record()
+
+    def wait_event(self, event: Any | None) -> None:
+        if event is not None:
+            self.module.current_stream().wait_event(event)
+
+    def synchronize(self) -> None:
+        self.module.synchronize()
+
+    # --- kernels -------------------------------------------------------------------------
+    def swap_in_kernel(self) -> SwapInFn:
+        return bind_triton_kernel("swap_in_triton")
+
+    def copy_planned_kernel(self) -> CopyPlannedFn:
+        return bind_triton_kernel("copy_planned_triton")
+

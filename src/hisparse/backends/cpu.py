@@ -1,0 +1,74 @@
+"""The host as its own device: plain memory, the torch reference swap-in, no streams.
+
+Always available, so it is the fallback of detection and the backend CI tests everything on.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from hisparse.backends._host_register import allocate_plain
+from hisparse.backends.base import Backend, CopyPlannedFn, SwapInFn
+from hisparse.backends.features import Feature, FeatureTable, supported, unsupported
+from hisparse.errors import HostAllocationError
+from hisparse.kernels.swap_in_reference import copy_planned_reference, swap_in_reference
+
+CPU_FEATURES = FeatureTable({
+    Feature.REGISTER_HOST_MEMORY: unsupported(
+        "host memory is already the device's memory, so there is nothing to register",
+        "pass the tensor as it is, or allocate it with backend.alloc_host()",
+    ),
+    Feature.ZERO_COPY_SWAP_IN: unsupported(
+        "there is no fused zero-copy kernel for the host",
+        "swap-in runs the torch reference (swap_in_kernel()), which copies with torch ops",
+    ),
+    Feature.BATCHED_SWAP_IN: supported("torch reference"),
+    Feature.GRAPH_CAPTURE: unsupported(
+        "the CPU has no graphs to capture",
+        "run swap-in eagerly (graph_capture: false)",
+    ),
+    Feature.ASYNC_BACKUP: unsupported(
+        "the CPU backend has no side streams",
+        "newest-token backups run synchronously at end_decode_step",
+    ),
+    Feature.SHARED_INDEX_PREFETCH: supported("replayed synchronously, no side stream"),
+    Feature.SKIP_IO_PROBE: supported(),
+})
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    torch_device_type = "cpu"
+    features = CPU_FEATURES
+
+    def __init__(self) -> None:
+        self._live: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device("cpu")  # one host, whatever index was asked for
+
+    def alloc_host(self, num_bytes: int) -> torch.Tensor:
+        buffer = allocate_plain(num_bytes, "host pool")
+        with self._lock:
+            self._live[buffer.data_ptr()] = buffer
+        return buffer
+
+    def free_host(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if self._live.pop(buffer.data_ptr(), None) is None:
+                raise HostAllocationError(
+                    f"host pool: no buffer from alloc_host starts at {buffer.data_ptr():#x}; "
+                    "pass the exact tensor alloc_host returned (each is freed once)."
+                )
+
+    def swap_in_kernel(self) -> SwapInFn:
+        return swap_in_reference
+
+    def copy_planned_kernel(self) -> CopyPlannedFn:
+        return copy_planned_reference

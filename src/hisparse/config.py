@@ -1,0 +1,347 @@
+"""`HiSparseConfig`: the typed, frozen, validated configuration, loaded from YAML presets.
+
+Field meanings and symbols are in docs/ARCHITECTURE.md ("Config"). YAML keys are the field
+names. Presets live in `configs/` (source tree) or `hisparse/_configs` (installed wheel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from hisparse.backends.features import RAISE_WHEN_REQUESTED, Feature
+from hisparse.errors import ConfigError, FeatureDisabledWarning
+
+if TYPE_CHECKING:
+    from hisparse.backends.base import Backend
+
+KV_DTYPES = ("fp8", "bf16")
+INT32_LIMIT = 2**31  # rows and slots are int32 on the device
+# Config flags that switch a backend feature; None = use it where supported.
+FEATURE_FLAGS: Mapping[str, Feature] = MappingProxyType({
+    "graph_capture": Feature.GRAPH_CAPTURE,
+    "async_backup": Feature.ASYNC_BACKUP,
+    "shared_index_prefetch": Feature.SHARED_INDEX_PREFETCH,
+    "zero_copy_swap_in": Feature.ZERO_COPY_SWAP_IN,
+    "skip_io": Feature.SKIP_IO_PROBE,
+})
+_DEEPSEEK_ROW_BYTES = MappingProxyType({"fp8": 656, "bf16": 1152})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HiSparseConfig:
+    """One cache's shape and switches. Build with `from_preset`, `from_yaml` or `from_dict`.
+
+    Defaults describe DeepSeek-V3.2 (configs/default.yaml lists them). Fields left as None
+    are derived: `row_bytes` from `row_bytes_by_dtype[kv_dtype]`, `device_buffer_size` as
+    `2 * top_k`, `max_batch` as `max_requests`; `replace()` derives them again.
+    """
+
+    model: str = "default"
+    num_layers: int = 61
+    kv_dtype: str = "fp8"
+    row_bytes: int | None = None
+    row_bytes_by_dtype: Mapping[str, int] | None = dataclasses.field(
+        default_factory=lambda: _DEEPSEEK_ROW_BYTES, hash=False
+    )
+    top_k: int = 2048
+    device_buffer_size: int | None = None
+    index_group_size: int = 1
+    max_requests: int = 64
+    max_batch: int | None = None
+    max_seq_len: int = 131072
+    host_pool_tokens: int = 1048576
+    extent_tokens: int = 512
+    graph_capture: bool | None = None
+    async_backup: bool | None = None
+    shared_index_prefetch: bool | None = None
+    zero_copy_swap_in: bool | None = None
+    skip_io: bool = False
+    validate: bool = False
+    _derived: frozenset[str] = dataclasses.field(
+        default=frozenset(), init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        derived = set()
+        set_field = object.__setattr__  # frozen: derived values are filled in here only
+
+        if not isinstance(self.model, str) or not self.model:
+            problems.append(f"model: expected a non-empty string, got {self.model!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            problems.append(
+                f"kv_dtype: got {self.kv_dtype!r}; valid choices: {', '.join(KV_DTYPES)}"
+            )
+        by_dtype = self.row_bytes_by_dtype
+        if by_dtype is not None:
+            if not isinstance(by_dtype, Mapping) or any(
+                k not in KV_DTYPES or not _is_int(v) or v <= 0 for k, v in by_dtype.items()
+            ):
+                problems.append(
+                    f"row_bytes_by_dtype: got {by_dtype!r}; expected a mapping from "
+                    f"{' / '.join(KV_DTYPES)} to a positive number of bytes"
+                )
+                by_dtype = None
+            else:
+                set_field(self, "row_bytes_by_dtype", MappingProxyType(dict(by_dtype)))
+        if self.row_bytes is None:
+            if by_dtype is not None and self.kv_dtype in KV_DTYPES and self.kv_dtype in by_dtype:
+                set_field(self, "row_bytes", by_dtype[self.kv_dtype])
+                derived.add("row_bytes")
+            elif self.kv_dtype in KV_DTYPES:
+                problems.append(
+                    f"row_bytes: not given and row_bytes_by_dtype has no entry for "
+                    f"kv_dtype {self.kv_dtype!r}; set one of them"
+                )
+        positive = ("num_layers", "top_k", "index_group_size", "max_requests", "max_seq_len",
+                    "host_pool_tokens", "extent_tokens", "row_bytes")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value <= 0):
+                problems.append(f"{name}: expected a positive int, got {value!r}")
+        bad = {name for name in positive if not _is_int(getattr(self, name))}
+
+        if self.device_buffer_size is None and "top_k" not in bad:
+            set_field(self, "device_buffer_size", 2 * self.top_k)
+            derived.add("device_buffer_size")
+        if self.max_batch is None and "max_requests" not in bad:
+            set_field(self, "max_batch", self.max_requests)
+            derived.add("max_batch")
+        for name, low in (("device_buffer_size", self.top_k), ("max_batch", 1)):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                problems.append(f"{name}: expected an int, got {value!r}")
+                bad.add(name)
+            elif _is_int(value) and _is_int(low) and value < low:
+                what = "top_k" if name == "device_buffer_size" else "1"
+                problems.append(f"{name}: got {value}, must be at least {what} ({low})")
+
+        for name in FEATURE_FLAGS:
+            value = getattr(self, name)
+            allowed = (True, False) if name == "skip_io" else (True, False, None)
+            if value not in allowed or not isinstance(value, (bool, type(None))):
+                choices = "true or false" if name == "skip_io" else "true, false or null"
+                problems.append(f"{name}: got {value!r}; valid choices: {choices}")
+        if not isinstance(self.validate, bool):
+            problems.append(f"validate: got {self.validate!r}; valid choices: true or false")
+
+        if not bad:
+            problems.extend(self._check_limits())
+        if problems:
+            raise ConfigError(problems)
+        set_field(self, "_derived", frozenset(derived))
+
+    def _check_limits(self) -> list[str]:
+        problems = []
+        if self.device_buffer_size >= INT32_LIMIT:
+            problems.append(f"device_buffer_size: got {self.device_buffer_size}, must be < 2**31")
+        if self.index_group_size > self.num_layers:
+            problems.append(
+                f"index_group_size: got {self.index_group_size}, larger than num_layers "
+                f"({self.num_layers})"
+            )
+        if self.max_batch > self.max_requests:
+            problems.append(
+                f"max_batch: got {self.max_batch}, larger than max_requests ({self.max_requests}); "
+                "a batch row is one decoding request"
+            )
+        if self.host_rows >= INT32_LIMIT:
+            problems.append(
+                f"host_pool_tokens: {self.host_pool_tokens} rounds up to {self.host_rows} rows, "
+                "must be < 2**31 (int32 row ids)"
+            )
+        if self.max_seq_len > self.host_rows:
+            problems.append(
+                f"max_seq_len: got {self.max_seq_len}, more than the host pool holds "
+                f"({self.host_rows} rows); raise host_pool_tokens or lower max_seq_len"
+            )
+        if self.max_requests * self.slots_per_request >= INT32_LIMIT:
+            problems.append(
+                f"max_requests * (device_buffer_size + 1) = "
+                f"{self.max_requests * self.slots_per_request} device rows, must be < 2**31"
+            )
+        return problems
+
+    # --- derived sizes (docs/ARCHITECTURE.md symbols) ------------------------------------
+    @property
+    def hot_slots(self) -> int:
+        """H: LRU-managed device slots per (request, index group)."""
+        return self.device_buffer_size
+
+    @property
+    def slots_per_request(self) -> int:
+        """S = H + 1: slot H holds the newest token."""
+        return self.device_buffer_size + 1
+
+    @property
+    def batch_capacity(self) -> int:
+        """Bcap: the padded batch size swap-in is captured for."""
+        return self.max_batch
+
+    @property
+    def num_index_groups(self) -> int:
+        """G: groups of layers that share one indexer's top-k (and one residency table)."""
+        return math.ceil(self.num_layers / self.index_group_size)
+
+    def group_of_layer(self, layer: int) -> int:
+        return layer // self.index_group_size
+
+    def anchor_layer(self, group: int) -> int:
+        """The first layer of `group`: it plans the misses the rest of the group replays."""
+        return group * self.index_group_size
+
+    @property
+    def num_extents(self) -> int:
+        return math.ceil(self.host_pool_tokens / self.extent_tokens)
+
+    @property
+    def host_rows(self) -> int:
+        """N: host rows per layer, `host_pool_tokens` rounded up to whole extents."""
+        return self.num_extents * self.extent_tokens
+
+    @property
+    def pages_per_request(self) -> int:
+        """P: page-table width."""
+        return math.ceil(self.max_seq_len / self.extent_tokens)
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return self.num_layers * self.host_rows * self.row_bytes
+
+    # --- building ------------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "") -> HiSparseConfig:
+        """Build from a mapping of field names; unknown keys are rejected with the valid list."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{source or 'config'}: expected a mapping of keys, got {values!r}")
+        known = set(cls.field_names())
+        unknown = sorted(map(str, set(values) - known))
+        problems = []
+        if unknown:
+            where = f" in {source}" if source else ""
+            problems.append(
+                f"unknown key(s){where}: {', '.join(unknown)}; "
+                f"valid keys: {', '.join(cls.field_names())}"
+            )
+        try:
+            config = cls(**{k: v for k, v in values.items() if k in known})
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+        if problems:
+            raise ConfigError(problems)
+        return config
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> HiSparseConfig:
+        """Load a YAML file of field names (unset ones keep their defaults), then `overrides`."""
+        path = Path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(
+                f"{path}: expected a mapping of config keys, got {type(loaded).__name__}"
+            )
+        values = {"model": path.stem, **loaded, **overrides}
+        return cls.from_dict(values, source=str(path))
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> HiSparseConfig:
+        """Load a shipped preset by name, then apply overrides.
+
+        Raises:
+            ConfigError: the preset does not exist (the message lists those that do), or a
+                value is invalid.
+
+        Example:
+            >>> HiSparseConfig.from_preset("glm-5", kv_dtype="bf16").row_bytes
+            1152
+        """
+        presets = preset_paths()
+        if name not in presets:
+            raise ConfigError(
+                f"unknown preset {name!r}; available presets: {', '.join(sorted(presets))} "
+                "(or load your own file with HiSparseConfig.from_yaml(path))"
+            )
+        return cls.from_yaml(presets[name], **overrides)
+
+    def replace(self, **changes: Any) -> HiSparseConfig:
+        """A validated copy with `changes`; derived fields are derived again."""
+        values = {k: v for k, v in self.to_dict().items() if k not in self._derived}
+        values.update(changes)
+        return type(self).from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        values = {name: getattr(self, name) for name in self.field_names()}
+        if values["row_bytes_by_dtype"] is not None:
+            values["row_bytes_by_dtype"] = dict(values["row_bytes_by_dtype"])
+        return values
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def preset_dirs() -> list[Path]:
+    """Where presets are looked up: the installed wheel's copy first, then the source tree."""
+    package = Path(__file__).resolve().parent
+    candidates = [package / "_configs", package.parents[1] / "configs"]
+    return [d for d in candidates if d.is_dir()]
+
+
+def preset_paths() -> dict[str, Path]:
+    """Preset name -> YAML file; the first directory of `preset_dirs()` that has a name wins."""
+    found: dict[str, Path] = {}
+    for directory in preset_dirs():
+        for path in sorted(directory.glob("*.yaml")):
+            found.setdefault(path.stem, path)
+    return found
+
+
+def resolve_features(
+    config: HiSparseConfig, backend: Backend
+) -> tuple[HiSparseConfig, list[Feature]]:
+    """The config with every feature flag decided for `backend`, and the features turned off.
+
+    None means "use it where supported" and stays silent; True on a backend that disables or
+    lacks the feature turns it off with one FeatureDisabledWarning; False stays off.
+
+    Raises:
+        UnsupportedFeatureError: `skip_io=True` (or another feature in RAISE_WHEN_REQUESTED)
+            on a backend without it: silently dropping it would time the wrong thing.
+    """
+    changes: dict[str, bool] = {}
+    turned_off: list[Feature] = []
+    for flag, feature in FEATURE_FLAGS.items():
+        asked = getattr(config, flag)
+        usable = backend.supports(feature)
+        if asked and not usable:
+            if feature in RAISE_WHEN_REQUESTED:
+                backend.require(feature)
+            support = backend.support(feature)
+            warnings.warn(
+                f"{flag} was requested but is {support.status} on the {backend.name} backend: "
+                f"{support.reason}; turning it off. Instead, {support.instead}.",
+                FeatureDisabledWarning,
+                stacklevel=2,
+            )
+            turned_off.append(feature)
+        changes[flag] = usable if asked is None else bool(asked) and usable
+    return config.replace(**changes), turned_off

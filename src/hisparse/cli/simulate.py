@@ -1,0 +1,235 @@
+"""`hisparse simulate`: decode steps on the real engine with a modelled top-k, measured."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from hisparse.cli import _output as out
+
+# Sizes when the device is the CPU (the torch reference): a few seconds on a 2-core machine.
+CPU_DEFAULTS = {"requests": 4, "layers": 2, "steps": 24, "warmup": 2, "context": 16384}
+# Sizes on an accelerator: SW-1's context and warm-up, a host pool of about 11 GB.
+DEVICE_DEFAULTS = {"requests": 32, "layers": 8, "steps": 128, "warmup": 8, "context": 32768}
+# TraceModel's defaults, repeated so `hisparse --help` need not import numpy (a test keeps
+# them equal).
+TRACE_DEFAULTS = {"carryover": 0.6, "recency_bias": 0.3, "recent_window": 4096,
+                  "heavy_hitters": None, "heavy_churn": 0.0}
+CONFIG_FLAGS = {
+    "kv_dtype": "--kv-dtype",
+    "num_layers": "--layers",
+    "top_k": "--top-k",
+    "device_buffer_size": "--hot-buffer",
+    "index_group_size": "--index-group-size",
+}
+
+EPILOG = """\
+example:
+  hisparse simulate --preset deepseek-v3.2 --requests 4 --layers 2 --steps 24 \\
+      --context 16384 --carryover 0.6 --seed 1 --json
+
+Each step, every request's top-k (per index group) is drawn by the trace model:
+  the newest token, --heavy-hitters persistent positions (each replaced with
+  probability --heavy-churn per step), then positions carried over from the previous
+  step's top-k until --carryover of it repeats, then fresh positions outside the
+  previous top-k: a --recency-bias share of them from the newest --recent-window
+  tokens, the rest uniform. The default carry-over 0.6 follows published traces
+  (GVR, arXiv 2604.22312: about 60% of DeepSeek-V3.2's top-k kept from one step to
+  the next; ShadowKV reports about 60% too).
+Timing: all layers' swap_in calls of a step, between two device synchronisations.
+Where the backend has the skip-IO probe, the same trace is replayed without moving
+bytes to split that time into planning and copy (--no-split skips the replay).
+Defaults differ by device: on the CPU {cpu}; elsewhere {device}.""".format(
+    cpu=", ".join(f"--{k} {v}" for k, v in CPU_DEFAULTS.items()),
+    device=", ".join(f"--{k} {v}" for k, v in DEVICE_DEFAULTS.items()),
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "simulate",
+        help="decode steps on the real engine with a modelled top-k: hit rate, traffic, time",
+        description="Run N requests x L layers x T decode steps through HiSparseCache on a\n"
+        "device, with top-k positions from a trace model; report hit rate, misses and bytes\n"
+        "per step, time per step, and peak host and device memory.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    where = parser.add_argument_group("device and cache")
+    where.add_argument("--device", default=None,
+                       help="backend or device, e.g. cpu, cuda, cuda:1 (default: the best here)")
+    where.add_argument("--preset", default="deepseek-v3.2",
+                       help="model preset for row size and top-k (default: %(default)s)")
+    where.add_argument("--kv-dtype", choices=("fp8", "bf16"), default=None,
+                       help="KV dtype (default: the preset's)")
+    where.add_argument("--top-k", type=out.positive_int, default=None,
+                       help="top-k entries per step (default: the preset's)")
+    where.add_argument("--hot-buffer", type=out.positive_int, default=None, metavar="SLOTS",
+                       help="LRU hot slots per request and group (default: the preset's)")
+    where.add_argument("--index-group-size", type=out.positive_int, default=None,
+                       help="layers sharing one top-k (default: the preset's)")
+
+    size = parser.add_argument_group("workload (defaults depend on the device, see below)")
+    size.add_argument("--requests", type=out.positive_int, default=None,
+                      help="concurrent requests, all in every step")
+    size.add_argument("--layers", type=out.positive_int, default=None,
+                      help="KV layers to simulate (overrides the preset's)")
+    size.add_argument("--steps", type=out.positive_int, default=None, help="decode steps")
+    size.add_argument("--warmup", type=out.non_negative_int, default=None,
+                      help="first steps left out of the summary (compilation, cold LRU)")
+    size.add_argument("--context", type=out.positive_int, default=None, metavar="TOKENS",
+                      help="prompt length of every request")
+
+    trace = parser.add_argument_group("top-k trace model")
+    trace.add_argument("--carryover", type=out.fraction, default=TRACE_DEFAULTS["carryover"],
+                       help="share of a step's top-k repeated from the previous step "
+                       "(default: %(default)s)")
+    trace.add_argument("--recency-bias", type=out.fraction,
+                       default=TRACE_DEFAULTS["recency_bias"],
+                       help="share of fresh picks from the recent window (default: %(default)s)")
+    trace.add_argument("--recent-window", type=out.positive_int,
+                       default=TRACE_DEFAULTS["recent_window"], metavar="TOKENS",
+                       help="the recent window (default: %(default)s)")
+    trace.add_argument("--heavy-hitters", type=out.non_negative_int,
+                       default=TRACE_DEFAULTS["heavy_hitters"],
+                       help="positions chosen in every step (default: top-k / 32)")
+    trace.add_argument("--heavy-churn", type=out.fraction, default=TRACE_DEFAULTS["heavy_churn"],
+                       help="chance per step that a heavy hitter is replaced "
+                       "(default: %(default)s)")
+    trace.add_argument("--seed", type=int, default=0, help="trace and KV seed (default: 0)")
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--no-split", action="store_true",
+                        help="skip the skip-IO replay (planning/copy split)")
+    output.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    output.add_argument("--output", metavar="JSON", default=None,
+                        help="also write the JSON document to this file")
+    output.add_argument("--plot", metavar="PNG", default=None,
+                        help="write hit rate and traffic per step to this PNG (needs matplotlib)")
+    output.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.set_defaults(handler=run, parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hisparse.errors import BackendUnavailableError, HisparseError
+    from hisparse.simulation import TraceModel, Workload, simulate
+
+    parser: argparse.ArgumentParser = args.parser
+    if args.plot:
+        pyplot = out.import_pyplot()
+        if isinstance(pyplot, str):
+            return out.fail("simulate", pyplot)
+    from hisparse.backends.registry import get_backend
+
+    try:
+        backend = get_backend(args.device)
+    except BackendUnavailableError as exc:
+        parser.error(f"argument --device: {exc}")
+    defaults = CPU_DEFAULTS if backend.torch_device_type == "cpu" else DEVICE_DEFAULTS
+    sizes = {key: getattr(args, key) if getattr(args, key) is not None else value
+             for key, value in defaults.items()}
+    config = out.load_preset(
+        parser, args.preset, CONFIG_FLAGS, kv_dtype=args.kv_dtype, num_layers=sizes["layers"],
+        top_k=args.top_k, device_buffer_size=args.hot_buffer,
+        index_group_size=args.index_group_size,
+    )
+    if args.heavy_hitters is not None and args.heavy_hitters > config.top_k:
+        parser.error(f"argument --heavy-hitters: {args.heavy_hitters} is more than top-k "
+                     f"{config.top_k}; use at most top-k")
+    if sizes["warmup"] >= sizes["steps"]:
+        parser.error(f"argument --warmup: {sizes['warmup']} leaves none of --steps "
+                     f"{sizes['steps']} to measure; use fewer than --steps")
+    workload = Workload(
+        requests=sizes["requests"],
+        context_tokens=sizes["context"],
+        steps=sizes["steps"],
+        warmup_steps=sizes["warmup"],
+        trace=TraceModel(
+            top_k=config.top_k, carryover=args.carryover, heavy_hitters=args.heavy_hitters,
+            heavy_churn=args.heavy_churn, recency_bias=args.recency_bias,
+            recent_window=args.recent_window,
+        ),
+        seed=args.seed,
+    )
+    passes = 1 if args.no_split else 2
+    progress = out.Progress(workload.steps * passes, "simulate: decode steps",
+                            enabled=not args.no_progress)
+    try:
+        with progress:
+            result = simulate(config, workload, device=args.device or backend,
+                              measure_planning=not args.no_split, on_step=progress.update)
+    except HisparseError as exc:
+        return out.fail("simulate", str(exc).replace("\n", " "))
+
+    document = {"schema_version": out.JSON_SCHEMA_VERSION, "command": "simulate",
+                **result.to_dict()}
+    if args.output:
+        out.write_json(args.output, document)
+    if args.json:
+        out.emit_json(document)
+    else:
+        print(render(result))
+    if args.plot:
+        print(f"wrote {plot(pyplot, result, args.plot)}", file=sys.stderr)
+    return 0
+
+
+def render(result: Any) -> str:
+    summary = result.summary()
+    workload = result.workload
+    config = result.config
+    hot_slots = config["device_buffer_size"] or 2 * config["top_k"]
+    header = (
+        f"{config['model']} on {result.device} ({result.backend} backend): "
+        f"{workload.requests} requests x {config['num_layers']} layers x {workload.steps} steps "
+        f"({workload.warmup_steps} warm-up), context {workload.context_tokens}, top-k "
+        f"{config['top_k']}, hot buffer {hot_slots}+1, "
+        f"{config['row_bytes']} B rows\n"
+        f"trace: carry-over {workload.trace.carryover:g}, {workload.trace.heavy_hitters} heavy "
+        f"hitters, recency bias {workload.trace.recency_bias:g} over "
+        f"{workload.trace.recent_window} tokens, seed {workload.seed}"
+    )
+    if result.backend == "cpu":
+        header += ("\nCPU numbers: the torch reference swap-in, not a GPU kernel; the "
+                   "device tensors live in host memory.")
+    rate = summary["host_to_device_bytes_per_second"]
+    rows = [
+        ("hit rate", f"{summary['hit_rate']:.4f}"),
+        ("measured churn", "-" if summary["measured_churn"] is None
+         else f"{summary['measured_churn']:.3f}"),
+        ("misses per step", f"{summary['misses_per_step']:.1f}"),
+        ("H2D bytes per step", out.format_bytes(summary["bytes_host_to_device_per_step"])),
+        ("swap-in time per step (median)", out.format_seconds(summary["swap_in_seconds_per_step"])),
+        ("  planning", out.format_seconds(summary["planning_seconds_per_step"])),
+        ("  copy", out.format_seconds(summary["copy_seconds_per_step"])),
+        ("H2D rate during swap-in", out.format_rate(rate)),
+        ("host pool", out.format_bytes(summary["host_pool_bytes"])),
+        ("peak host RSS", out.format_bytes(summary["peak_host_rss_bytes"])),
+        ("peak device memory", out.format_bytes(summary["peak_device_bytes"])),
+    ]
+    table = out.render_table(("metric", "value"), rows)
+    return f"{header}\n\n{table}\nplanning/copy split: {result.split_note}"
+
+
+def plot(pyplot: Any, result: Any, path: str) -> str:
+    steps = [s.step for s in result.steps]
+    figure, (hit_axes, traffic_axes) = pyplot.subplots(2, 1, figsize=(6.4, 5.6), sharex=True)
+    hit_axes.plot(steps, [s.hit_rate for s in result.steps])
+    hit_axes.set_ylabel("hit rate")
+    hit_axes.set_ylim(0, 1.02)
+    hit_axes.grid(True, alpha=0.3)
+    traffic_axes.plot(steps, [s.bytes_host_to_device / 2**20 for s in result.steps])
+    traffic_axes.set_ylabel("host-to-device MiB per step")
+    traffic_axes.set_xlabel("decode step")
+    traffic_axes.grid(True, alpha=0.3)
+    warmup = result.workload.warmup_steps
+    for axes in (hit_axes, traffic_axes):
+        if warmup:
+            axes.axvspan(-0.5, warmup - 0.5, color="grey", alpha=0.15, label="warm-up")
+    hit_axes.set_title(f"{result.config['model']} on {result.device}: "
+                       f"carry-over {result.workload.trace.carryover:g}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return path

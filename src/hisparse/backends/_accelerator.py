@@ -20,11 +20,15 @@ TRITON_KERNELS = "hisparse.kernels.swap_in_triton"
 _warned_no_triton = False
 
 
+def _import_triton_kernels() -> ModuleType:
+    return importlib.import_module(TRITON_KERNELS)
+
+
 def bind_triton_kernel(name: str) -> Any:
     """`name` from the Triton kernels, or its torch reference when triton is not installed."""
     global _warned_no_triton
     try:
-        module = importlib.import_module(TRITON_KERNELS)
+        module = _import_triton_kernels()
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] != "triton":
             raise  # our own kernels module is missing: a broken install, not a fallback case
@@ -48,6 +52,18 @@ class AcceleratorBackend(Backend):
     def device_names(self) -> list[str]:
         module = self.module
         return [module.get_device_name(i) for i in range(module.device_count())]
+
+    def compute_units(self, index: int | None = None) -> int:
+        module = self.module
+        properties = module.get_device_properties(
+            module.current_device() if index is None else index
+        )
+        # SMs on CUDA, compute units on ROCm, Xe cores (subslices) on XPU.
+        for attribute in ("multi_processor_count", "gpu_subslice_count", "max_compute_units"):
+            value = getattr(properties, attribute, None)
+            if value:
+                return int(value)
+        return 1
 
     # --- streams, events, graphs ---------------------------------------------------------
     def new_stream(self) -> Any:

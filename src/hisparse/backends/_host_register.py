@@ -45,7 +45,9 @@ def available_host_bytes() -> int | None:
 
 
 def format_bytes(num_bytes: int) -> str:
-    return f"{num_bytes} B ({num_bytes / (1 << 30):.2f} GiB)"
+    if num_bytes >= 1 << 30:
+        return f"{num_bytes} B ({num_bytes / (1 << 30):.2f} GiB)"
+    return f"{num_bytes} B ({num_bytes / (1 << 20):.2f} MiB)"
 
 
 def check_host_request(num_bytes: int, what: str) -> int | None:
@@ -66,11 +68,12 @@ def check_host_request(num_bytes: int, what: str) -> int | None:
     return available
 
 
-def allocate_plain(num_bytes: int, what: str) -> torch.Tensor:
-    """A uint8 CPU tensor of `num_bytes`; HostAllocationError when the host cannot hold it."""
+def allocate_plain(num_bytes: int, what: str, slack: int = 0) -> torch.Tensor:
+    """A uint8 CPU tensor of `num_bytes` (+ `slack` for alignment); HostAllocationError when
+    the host cannot hold it."""
     available = check_host_request(num_bytes, what)
     try:
-        return torch.empty(num_bytes, dtype=torch.uint8)
+        return torch.empty(num_bytes + slack, dtype=torch.uint8)
     except RuntimeError as exc:
         raise HostAllocationError(
             f"{what}: allocating {format_bytes(num_bytes)} failed ({exc}); "
@@ -101,8 +104,10 @@ class HostRegistry:
     # --- allocation ----------------------------------------------------------------------
     def allocate(self, num_bytes: int) -> torch.Tensor:
         """Exactly `num_bytes`, page-aligned, registered; a view into a page-rounded block."""
-        span = -(-num_bytes // PAGE_BYTES) * PAGE_BYTES if isinstance(num_bytes, int) else 0
-        backing = allocate_plain(span + PAGE_BYTES if span else num_bytes, "host pool")
+        check_host_request(num_bytes, "host pool")
+        span = -(-num_bytes // PAGE_BYTES) * PAGE_BYTES
+        # Whole pages, starting on a page: no registered page is shared with other memory.
+        backing = allocate_plain(num_bytes, "host pool", slack=span - num_bytes + PAGE_BYTES)
         lead = -backing.data_ptr() % PAGE_BYTES
         buffer = backing[lead : lead + num_bytes]
         self._register_range(buffer.data_ptr(), span, backing, owned=True)

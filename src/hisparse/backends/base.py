@@ -44,6 +44,10 @@ class Backend(abc.ABC):
         """Human-readable names of the visible devices (empty for CPU)."""
         return []
 
+    def compute_units(self, index: int | None = None) -> int:
+        """Parallel units of the device (SMs, CUs, Xe cores), for sizing kernel grids."""
+        return 1
+
     def runtime_versions(self) -> dict[str, str | None]:
         """Driver and runtime versions the probe reports (e.g. {"cuda_runtime": "12.8"})."""
         return {}

@@ -1,0 +1,55 @@
+"""`hisparse probe`: show what this machine supports, prove it, exit 0 when usable."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EPILOG = """\
+examples:
+  hisparse probe                 detect the device, print the feature table and check results
+  hisparse probe --json          the same as a stable JSON document (schema_version 1)
+  hisparse probe --device cuda   probe one backend; exit 1 with the reason if it is not usable
+
+exit status: 0 when the backend is usable and every check passed (skipped checks are fine),
+1 otherwise, with a one-line reason on stderr.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "probe",
+        help="detect devices, show the feature table, run a tiny swap-in",
+        description="Detect the device, report versions and the feature table of the chosen "
+        "backend, and prove it works: allocate and register a host buffer, read it from the "
+        "device, and run a tiny swap-in round trip.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON document")
+    parser.add_argument(
+        "--device", "--backend", dest="device", default=None,
+        help="backend or device to probe (cuda, rocm, xpu, cpu, cuda:1, ...); default: detect",
+    )
+    parser.add_argument(
+        "--no-checks", dest="run_checks", action="store_false",
+        help="only report; skip the allocation and swap-in checks",
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hisparse.probe import format_report, probe
+
+    report = probe(args.device, run_checks=args.run_checks)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+    if not report["ok"]:  # also False whenever the backend is not usable
+        reason = report["reason"] or "unknown reason"
+        print(f"hisparse probe: backend {report['backend'] or args.device} is not usable: "
+              f"{reason}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,307 @@
+"""The capability probe: what this machine has, what each feature does here, and proof.
+
+`probe()` returns a JSON-ready dict (schema below); `format_report()` renders it as a table.
+The checks run real work: a host buffer allocated (and registered) through the backend and
+read back from the device, and a swap-in round trip through `HiSparseCache` on the `tiny`
+preset whose returned rows are compared byte for byte with what was written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import hisparse
+from hisparse.backends.base import Backend
+from hisparse.backends.features import Feature
+from hisparse.backends.registry import available_backends, find_backend, get_backend
+from hisparse.errors import BackendUnavailableError
+
+# Bump when a key is removed or changes meaning; adding keys keeps the version.
+SCHEMA_VERSION = 1
+HOST_CHECK_BYTES = 1 << 20
+IPEX_MODULE = "intel_extension_for_pytorch"
+
+
+def probe(device: str | torch.device | Backend | None = None, run_checks: bool = True) -> dict:
+    """Detect the backend (or take `device`), describe it, and prove it works.
+
+    Args:
+        device: None for the backend `get_backend()` picks, or a name / device string /
+            `torch.device` / Backend to probe that one.
+        run_checks: False skips the checks (fast; `checks` is then empty).
+
+    Returns:
+        A dict with `schema_version`, `backend`, `usable`, `reason`, `devices`, `versions`,
+        `features` (name -> {status, reason, instead}), `verified_on_hardware`, `notes` and
+        `checks` (list of {name, status: passed|failed|skipped, detail, seconds}); `ok` is
+        True when the backend is usable and no check failed.
+
+    Example:
+        >>> report = hisparse.probe()
+        >>> report["backend"], report["ok"]
+        ('cpu', True)
+    """
+    report: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "hisparse_version": hisparse.__version__,
+        "requested": None if device is None else str(device),
+        "backend": None,
+        "usable": False,
+        "reason": None,
+        "available_backends": available_backends(),
+        "devices": [],
+        "versions": _versions(None),
+        "features": {},
+        "verified_on_hardware": None,
+        "notes": [],
+        "checks": [],
+        "ok": False,
+    }
+    try:
+        backend = get_backend() if device is None else find_backend(device)
+    except BackendUnavailableError as exc:
+        report["reason"] = str(exc)
+        return report
+    report["backend"] = backend.name
+    report["features"] = backend.features.to_dict()
+    report["verified_on_hardware"] = backend.verified_on_hardware
+    if not backend.verified_on_hardware:
+        report["notes"].append(
+            f"the {backend.name} backend has not yet been verified on hardware: its feature "
+            "table and kernels follow the design but have not run on such a device"
+        )
+    report["reason"] = backend.unavailable_reason()
+    report["usable"] = report["reason"] is None
+    if not report["usable"]:
+        return report
+    report["versions"] = _versions(backend)
+    report["devices"] = [{"index": i, "name": n} for i, n in enumerate(backend.device_names())]
+    if run_checks:
+        for name, check in (
+            ("host_buffer", _check_host_buffer),
+            ("register_host", _check_register_host),
+            ("swap_in_roundtrip", _check_swap_in),
+        ):
+            report["checks"].append(_run_check(name, check, backend))
+    failed = [c["name"] for c in report["checks"] if c["status"] == "failed"]
+    report["ok"] = not failed
+    if failed:
+        report["reason"] = f"check(s) failed: {', '.join(failed)}"
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The human-readable table `hisparse probe` prints."""
+    state = "usable" if report["usable"] else "NOT usable"
+    lines = [f"hisparse {report['hisparse_version']} probe: backend {report['backend']} ({state})"]
+    if report["reason"]:
+        lines.append(f"  reason: {report['reason']}")
+    lines.append(f"  usable backends here: {', '.join(report['available_backends'])}")
+    for entry in report["devices"]:
+        lines.append(f"  device {entry['index']}: {entry['name']}")
+    versions = ", ".join(
+        f"{k} {v}" for k, v in report["versions"].items() if k != "ipex" and v is not None
+    )
+    lines.append(f"  versions: {versions}")
+    ipex = report["versions"]["ipex"]
+    lines.append(f"  ipex: {'loads' if ipex['loads'] else 'not used'} ({ipex['reason']})")
+    lines.extend(f"  note: {note}" for note in report["notes"])
+    if report["features"]:
+        width = max(len(name) for name in report["features"])
+        lines.append("")
+        lines.append(f"  {'feature':<{width}}  {'status':<11}  why / instead")
+        for name, entry in report["features"].items():
+            why = entry["reason"]
+            if entry["instead"]:
+                why += f"; instead: {entry['instead']}"
+            lines.append(f"  {name:<{width}}  {entry['status']:<11}  {why}")
+    if report["checks"]:
+        width = max(len(check["name"]) for check in report["checks"])
+        lines.append("")
+        lines.append(f"  {'check':<{width}}  {'result':<7}  detail")
+        for check in report["checks"]:
+            lines.append(
+                f"  {check['name']:<{width}}  {check['status']:<7}  {check['detail']} "
+                f"({check['seconds']:.3f} s)"
+            )
+    return "\n".join(line.rstrip() for line in lines)
+
+
+# --- versions -------------------------------------------------------------------------------
+def _versions(backend: Backend | None) -> dict[str, Any]:
+    versions: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _package_version("triton"),
+    }
+    if backend is not None:
+        versions.update(backend.runtime_versions())
+    versions["ipex"] = _ipex_status()
+    return versions
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.import_module(name).__version__
+    except Exception:  # missing or broken: either way it is not usable
+        return None
+
+
+def _ipex_status() -> dict[str, Any]:
+    """Whether intel-extension-for-pytorch loads. It is retired and not a dependency: XPU runs
+    on stock torch.xpu. It is imported in a child process because a mismatched IPEX can abort
+    the interpreter that imports it."""
+    if importlib.util.find_spec(IPEX_MODULE) is None:
+        return {"loads": False, "version": None,
+                "reason": "not installed (retired; not needed: XPU uses stock torch.xpu)"}
+    code = f"import {IPEX_MODULE} as m; print(m.__version__)"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"loads": False, "version": None, "reason": f"import did not finish: {exc}"}
+    if done.returncode == 0:
+        return {"loads": True, "version": done.stdout.strip(),
+                "reason": "installed and importable; hisparse does not use it"}
+    last = (done.stderr.strip().splitlines() or ["no error text"])[-1]
+    return {"loads": False, "version": None, "reason": f"installed but fails to import: {last}"}
+
+
+# --- checks ---------------------------------------------------------------------------------
+class _Skip(Exception):
+    """A check that does not apply here; the message says why."""
+
+
+def _run_check(name: str, check: Callable[[Backend], str], backend: Backend) -> dict[str, Any]:
+    start = time.perf_counter()
+    try:
+        status, detail = "passed", check(backend)
+    except _Skip as skip:
+        status, detail = "skipped", str(skip)
+    except Exception as exc:  # a probe reports every failure instead of dying on the first
+        status, detail = "failed", f"{type(exc).__name__}: {exc}"
+    return {"name": name, "status": status, "detail": detail,
+            "seconds": round(time.perf_counter() - start, 6)}
+
+
+def _random_bytes(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+def _read_back(backend: Backend, host: torch.Tensor) -> torch.Tensor:
+    """Copy `host` to the device and back, so the bytes really crossed the link."""
+    on_device = host.to(backend.device(), non_blocking=True)
+    backend.synchronize()
+    return on_device.cpu()
+
+
+def _check_host_buffer(backend: Backend) -> str:
+    expected = _random_bytes((HOST_CHECK_BYTES,), _generator())
+    buffer = backend.alloc_host(HOST_CHECK_BYTES)
+    try:
+        buffer.copy_(expected)
+        if not torch.equal(_read_back(backend, buffer), expected):
+            raise AssertionError("bytes read from the device differ from those written")
+        pinned = ""
+        if backend.supports(Feature.REGISTER_HOST_MEMORY):
+            pinned = f", is_pinned={buffer.is_pinned()}"
+            if not buffer.is_pinned():
+                raise AssertionError("alloc_host returned memory the runtime does not see as pinned")
+    finally:
+        backend.free_host(buffer)
+    return (f"alloc_host({HOST_CHECK_BYTES}) -> read back from {backend.device()} "
+            f"byte-equal{pinned}; freed")
+
+
+def _check_register_host(backend: Backend) -> str:
+    support = backend.support(Feature.REGISTER_HOST_MEMORY)
+    if not support.usable:
+        raise _Skip(f"register_host_memory is {support.status} here: {support.reason}")
+    expected = _random_bytes((HOST_CHECK_BYTES,), _generator())
+    buffer = expected.clone()
+    backend.register_host(buffer)
+    try:
+        if not buffer.is_pinned():
+            raise AssertionError("register_host left the memory unpinned")
+        if not torch.equal(_read_back(backend, buffer), expected):
+            raise AssertionError("bytes read from the device differ from those written")
+    finally:
+        backend.unregister_host(buffer)
+    return f"register_host of a {HOST_CHECK_BYTES}-byte tensor, read back byte-equal; unregistered"
+
+
+def _check_swap_in(backend: Backend) -> str:
+    try:
+        from hisparse.config import HiSparseConfig
+        from hisparse.core.engine import HiSparseCache
+    except ImportError as exc:
+        raise _Skip(f"the cache engine does not import here ({exc})") from exc
+    config = HiSparseConfig.from_preset("tiny")
+    generator = _generator()
+    num_layers, row_bytes, top_k = config.num_layers, config.row_bytes, config.top_k
+    prompt = 2 * config.hot_slots + 5  # past the hot buffer: the long regime, with misses
+    prefill = _random_bytes((num_layers, prompt, row_bytes), generator)
+    newest = _random_bytes((num_layers, 1, row_bytes), generator)
+    every_row = torch.cat([prefill, newest], dim=1)
+    positions = torch.randperm(prompt + 1, generator=generator)[:top_k]
+    with contextlib.ExitStack() as stack:
+        cache = HiSparseCache(config, device=backend)
+        stack.callback(cache.close)
+        device = cache.device
+        cache.admit("probe", prompt)
+        cache.write_prefill("probe", prefill.to(device))
+        cache.commit_prefill("probe")
+        cache.begin_decode_step(["probe"])
+        for layer in range(num_layers):
+            cache.write_newest(layer, newest[layer].to(device))
+        top = positions.to(device=device, dtype=torch.int32)[None]
+        for layer in range(num_layers):
+            rows = cache.swap_in(layer, top)[0].long()
+            got = cache.device_kv(layer)[rows].cpu()
+            if not torch.equal(got, every_row[layer, positions]):
+                raise AssertionError(f"layer {layer}: swapped-in rows differ from the prefill")
+        cache.end_decode_step()
+        stats = cache.stats()
+        cache.finish("probe")
+    return (f"tiny preset, {num_layers} layers, {top_k} of {prompt + 1} tokens swapped in "
+            f"and byte-equal on every layer (kernel: {_kernel_name(backend)}; {_stats_line(stats)})")
+
+
+def _kernel_name(backend: Backend) -> str:
+    kernel = backend.swap_in_kernel()
+    return f"{kernel.__module__.rsplit('.', 1)[-1]}.{kernel.__name__}"
+
+
+def _stats_line(stats: Any) -> str:
+    hits, misses = getattr(stats, "hits", None), getattr(stats, "misses", None)
+    if hits is None or misses is None:
+        return "stats unavailable"
+    return f"hits {int(hits)}, misses {int(misses)}"
+
+
+class _CallableModule(types.ModuleType):
+    """Lets `hisparse.probe(...)` call the function although `hisparse.probe` is this module
+    (importing a submodule always rebinds the package attribute of the same name)."""
+
+    def __call__(self, device: str | torch.device | Backend | None = None,
+                 run_checks: bool = True) -> dict:
+        return probe(device, run_checks=run_checks)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,155 @@
+"""Fixtures and helpers every hisparse test can use.
+
+Fixtures
+  backend       One registered backend per parametrization (test ids are the names). Where a
+                backend cannot run here the case skips with that backend's own
+                `unavailable_reason()`. With `--backend NAME` (or HISPARSE_TEST_BACKEND=NAME)
+                only that backend runs, and it fails instead of skipping when unusable: a
+                CI job for a device must not pass by skipping everything.
+  device        `backend.device()`.
+  seed, rng     A fresh seed per test (HISPARSE_TEST_SEED=N replays one) and a torch.Generator
+                seeded with it; the seed is printed, so a failure shows it.
+  tiny_config   `HiSparseConfig.from_preset("tiny")`.
+  isolated_registry
+                The backend registry as it was before the test, restored after it (for tests
+                that register backends or fake the environment).
+  fake_env      `fake_env("rocm")` makes torch look like a ROCm (or "cuda", "xpu", "none")
+                machine for the test: tests/fakes/environment.py.
+
+Marker
+  @pytest.mark.requires(Feature.X)   skips unless the `backend` supports X; the reason is
+                                     generated from the feature table.
+
+Helpers (`from conftest import random_bytes, poisoned, POISON_BYTE, POISON_INDEX`)
+  random_bytes(shape, generator, device)  uint8 noise
+  poisoned(shape, dtype, device)          a tensor full of POISON_BYTE / POISON_INDEX, so any
+                                          entry a kernel failed to write shows up
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from hisparse.backends import registry
+from hisparse.backends.base import Backend
+from hisparse.backends.features import Feature
+
+POISON_BYTE = 0xA5
+POISON_INDEX = -7  # no kernel ever writes it: -1 means "none"
+
+
+def random_bytes(
+    shape: tuple[int, ...], generator: torch.Generator, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator).to(device)
+
+
+def poisoned(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    value = POISON_BYTE if dtype == torch.uint8 else POISON_INDEX
+    return torch.full(shape, value, dtype=dtype, device=device)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--backend",
+        default=os.environ.get("HISPARSE_TEST_BACKEND") or None,
+        help="run backend-parametrized tests only on this backend, failing if it is unusable "
+        "(default: every registered backend, skipping unusable ones; env HISPARSE_TEST_BACKEND)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "requires(feature): skip unless the backend fixture supports the feature"
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" not in metafunc.fixturenames:
+        return
+    chosen = metafunc.config.getoption("--backend")
+    names = [chosen] if chosen else registry.registered_backends()
+    metafunc.parametrize("backend", names, indirect=True, ids=names)
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> Backend:
+    name = request.param
+    try:
+        found = registry.find_backend(name)
+    except Exception as exc:  # an unknown --backend name
+        pytest.fail(f"--backend {name}: {exc}")
+    reason = found.unavailable_reason()
+    if reason is not None:
+        if request.config.getoption("--backend"):
+            pytest.fail(f"--backend {name} was asked for but is not usable here: {reason}")
+        pytest.skip(f"{name}: {reason}")
+    for marker in request.node.iter_markers("requires"):
+        feature = Feature(marker.args[0])
+        support = found.support(feature)
+        if not support.usable:
+            pytest.skip(f"{name}: {feature} is {support.status} ({support.reason})")
+    return found
+
+
+@pytest.fixture
+def device(backend: Backend) -> torch.device:
+    return backend.device()
+
+
+@pytest.fixture
+def seed() -> int:
+    chosen = os.environ.get("HISPARSE_TEST_SEED")
+    value = int(chosen) if chosen else int.from_bytes(os.urandom(4), "little")
+    print(f"seed={value} (replay with HISPARSE_TEST_SEED={value})")
+    return value
+
+
+@pytest.fixture
+def rng(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def tiny_config():
+    from hisparse.config import HiSparseConfig
+
+    return HiSparseConfig.from_preset("tiny")
+
+
+@pytest.fixture
+def isolated_registry() -> Iterator[None]:
+    registry.registered_backends()  # load the built-ins so they are part of the snapshot
+    factories = dict(registry._factories)
+    instances = dict(registry._instances)
+    registry._reset_for_tests()
+    yield
+    registry._factories.clear()
+    registry._factories.update(factories)
+    registry._instances.clear()
+    registry._instances.update(instances)
+    registry._reset_default()
+
+
+@pytest.fixture
+def fake_env(monkeypatch: pytest.MonkeyPatch, isolated_registry: None):
+    """`fake_env(kind, gpus=1)`: pretend this machine has `kind` GPUs ("cuda", "rocm", "xpu",
+    or "none"); see tests/fakes/environment.py. Registrations are released after the test."""
+    from fakes.environment import fake_environment, release_fake_registrations
+
+    made = []
+
+    def make(kind: str, gpus: int = 1):
+        made.append(fake_environment(monkeypatch, kind, gpus))
+        return made[-1]
+
+    yield make
+    if made:
+        release_fake_registrations()
+    registry._reset_for_tests()

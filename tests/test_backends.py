@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_bytes
-from fakes.environment import HIP_DEVICE_OFFSET, CUDA_ERROR_MEMORY_ALLOCATION
 
 import hisparse
+from conftest import random_bytes
+from fakes.environment import CUDA_ERROR_MEMORY_ALLOCATION, HIP_DEVICE_OFFSET
 from hisparse.backends import _accelerator, _host_register, registry
 from hisparse.backends.base import Backend
 from hisparse.backends.cpu import CpuBackend

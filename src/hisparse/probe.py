@@ -222,7 +222,7 @@ def _check_host_buffer(backend: Backend) -> str:
         if backend.supports(Feature.REGISTER_HOST_MEMORY):
             pinned = f", is_pinned={buffer.is_pinned()}"
             if not buffer.is_pinned():
-                raise AssertionError("alloc_host returned memory the runtime does not see as pinned")
+                raise AssertionError("alloc_host returned memory the runtime sees as unpinned")
     finally:
         backend.free_host(buffer)
     return (f"alloc_host({HOST_CHECK_BYTES}) -> read back from {backend.device()} "
@@ -243,7 +243,7 @@ def _check_register_host(backend: Backend) -> str:
             raise AssertionError("bytes read from the device differ from those written")
     finally:
         backend.unregister_host(buffer)
-    return f"register_host of a {HOST_CHECK_BYTES}-byte tensor, read back byte-equal; unregistered"
+    return f"register_host of {HOST_CHECK_BYTES} bytes, read back byte-equal; unregistered"
 
 
 def _check_swap_in(backend: Backend) -> str:
@@ -279,8 +279,8 @@ def _check_swap_in(backend: Backend) -> str:
         cache.end_decode_step()
         stats = cache.stats()
         cache.finish("probe")
-    return (f"tiny preset, {num_layers} layers, {top_k} of {prompt + 1} tokens swapped in "
-            f"and byte-equal on every layer (kernel: {_kernel_name(backend)}; {_stats_line(stats)})")
+    return (f"tiny preset, {num_layers} layers, {top_k} of {prompt + 1} tokens swapped in and "
+            f"byte-equal on every layer (kernel {_kernel_name(backend)}; {_stats_line(stats)})")
 
 
 def _kernel_name(backend: Backend) -> str:

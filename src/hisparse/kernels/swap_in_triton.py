@@ -1,0 +1,499 @@
+"""Swap-in and planned copy in Triton, reading host rows in place (zero-copy over the link).
+
+Same signature and semantics as `kernels/swap_in_reference.py` (docs/ARCHITECTURE.md). Three
+launches, each with a grid fixed by `Bcap` and `K` so that a CUDA graph can capture them and
+replay with another `num_real`:
+
+1. classify (only when `lookup_in_plan` is off): grid (Bcap, K / chunk). Each top-k entry is
+   resolved through `page_table` and the persistent `resident` map: short regime, newest slot,
+   hit, miss or invalid. Hits mark their slot in a per-row flag buffer.
+2. plan: one program per batch row. It owns all LRU state of its request (two rows of a batch
+   never share a request slot), so it needs no atomics: it ranks the evictable slots in LRU
+   order, gives the m-th miss the m-th of them, writes the new LRU order, `slot_row`,
+   `resident`, the miss outputs and the miss plan. With `lookup_in_plan` (the default) it also
+   does step 1 itself, saving a launch.
+3. copy: a fixed number of programs walk the flattened (request, miss) list of the plan, so a
+   single request's misses spread over the whole GPU instead of one block. Rows move as int32
+   words; a 656-byte row is 41 aligned 16-byte vectors.
+
+Host rows come from `tables.host_kv[layer]`, a registered (pinned) CPU tensor: the Triton
+launchers of CUDA and ROCm turn such a pointer into its device-accessible address.
+Scratch buffers are allocated once per (tables, Bcap, K) and reused; call once before graph
+capture so that allocation and compilation happen outside the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.errors import InvalidInputError
+
+
+@triton.jit
+def _row_context(
+    b,
+    num_real_ptr,  # [1] int32: rows >= num_real are padding
+    req_slots_ptr,  # [Bcap] int32 request slot per batch row
+    seq_lens_ptr,  # [R] int32 tokens per request slot
+    R,
+    S,
+):
+    real = b < tl.load(num_real_ptr)
+    r = tl.load(req_slots_ptr + b, mask=real, other=0)
+    # A bad slot on a real row is the caller's bug; treating the row as padding keeps every
+    # access in bounds (the engine's validate mode rejects it before the call).
+    real = real & (r >= 0) & (r < R)
+    r = tl.where(real, r, 0)
+    n = tl.load(seq_lens_ptr + r, mask=real, other=0)
+    return real, r, n, r * S
+
+
+@triton.jit
+def _classify_chunk(
+    b,
+    k_offsets,
+    real,
+    r,
+    n,
+    base,
+    top_k_ptr,  # [Bcap, K] int32 positions, -1 = none
+    out_ptr,  # [Bcap, K] int32 device rows
+    page_table_ptr,  # [R, P] int32 extent ids
+    resident_ptr,  # [N] int32 hot slot per host row (this group)
+    hit_flag_ptr,  # [Bcap, H] int8 scratch: 1 = slot hit this step (cleared by the plan)
+    miss_row_ptr,  # [Bcap, K] int32 scratch: host row of a miss, -1 otherwise
+    K,
+    H,
+    E,
+    P,
+    N,
+):
+    in_k = k_offsets < K
+    # Scalar conditions enter vectors through tl.where: `vector & scalar` gives an integer mask
+    # under TRITON_INTERPRET=1 (triton 3.9), which tl.load rejects.
+    pos = tl.load(top_k_ptr + b * K + k_offsets, mask=tl.where(real, in_k, False), other=-1)
+    valid = (pos >= 0) & (pos < n)  # padding rows read -1 and have n = 0: neither flag is set
+    invalid = (pos < -1) | (pos >= n)
+    long_seq = n > H
+    newest = valid & (pos == n - 1)
+    result = tl.where(long_seq, tl.where(newest, base + H, -1), tl.where(valid, base + pos, -1))
+    candidate = tl.where(long_seq, valid & (pos != n - 1), False)
+
+    page_index = pos // E
+    candidate = candidate & (page_index < P)
+    page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index, mask=candidate, other=-1)
+    row = page * E + pos % E
+    # A position without a host row would be an engine bug; counting it as invalid keeps the
+    # kernel in bounds instead of copying from a wild address.
+    lost = candidate & ((page < 0) | (row >= N))
+    candidate = candidate & (page >= 0) & (row < N)
+    slot = tl.load(resident_ptr + row, mask=candidate, other=-1)
+    hit = candidate & (slot >= 0) & (slot < H)
+    miss = candidate & (slot < 0)
+    result = tl.where(hit, base + slot, result)
+
+    tl.store(out_ptr + b * K + k_offsets, result, mask=in_k)
+    tl.store(hit_flag_ptr + b * H + slot, tl.full(slot.shape, 1, tl.int8), mask=hit)
+    tl.store(miss_row_ptr + b * K + k_offsets, tl.where(miss, row, -1), mask=in_k)
+    n_hit = tl.sum((valid & ~miss & ~lost).to(tl.int32), axis=0)
+    n_miss = tl.sum(miss.to(tl.int32), axis=0)
+    n_invalid = tl.sum((invalid | lost).to(tl.int32), axis=0)
+    return n_hit, n_miss, n_invalid
+
+
+@triton.jit
+def _add_counters(counters_ptr, n_hit, n_miss, n_invalid):
+    tl.atomic_add(counters_ptr + 0, n_hit.to(tl.int64), mask=n_hit != 0)
+    tl.atomic_add(counters_ptr + 1, n_miss.to(tl.int64), mask=n_miss != 0)
+    tl.atomic_add(counters_ptr + 2, n_invalid.to(tl.int64), mask=n_invalid != 0)
+
+
+@triton.jit
+def _classify_kernel(
+    num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
+    resident_ptr, hit_flag_ptr, miss_row_ptr, counters_ptr,  # counters: [3] int64 this layer
+    R, S, K, H, E, P, N,
+    CHUNK_K: tl.constexpr,
+):
+    b = tl.program_id(0)
+    real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S)
+    k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
+    n_hit, n_miss, n_invalid = _classify_chunk(
+        b, k_offsets, real, r, n, base, top_k_ptr, out_ptr, page_table_ptr, resident_ptr,
+        hit_flag_ptr, miss_row_ptr, K, H, E, P, N,
+    )
+    _add_counters(counters_ptr, n_hit, n_miss, n_invalid)
+
+
+@triton.jit
+def _plan_kernel(
+    num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
+    resident_ptr,  # [N] int32 this group's residency map
+    slot_row_ptr,  # [R, H] int32 this group's host row per hot slot
+    lru_ptr,  # [R, H] int32 this group's LRU order, index 0 = least recent
+    hit_flag_ptr, miss_row_ptr,
+    order_ptr,  # [Bcap, H] int32 scratch: evictable slots from the front, hit slots from the back
+    plan_src_ptr, plan_dst_ptr,  # [Bcap, >=K] int32 host / device rows of each miss
+    plan_count_ptr,  # [>=Bcap] int32 misses per batch row
+    plan_stride,
+    counters_ptr,
+    R, S, K, H, E, P, N,
+    LOOKUP_IN_PLAN: tl.constexpr,
+    CHUNK_K: tl.constexpr,
+    CHUNK_H: tl.constexpr,
+):
+    b = tl.program_id(0)
+    real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S)
+    if LOOKUP_IN_PLAN:
+        total_hit = 0
+        total_miss = 0
+        total_invalid = 0
+        for k0 in range(0, K, CHUNK_K):
+            n_hit, n_miss, n_invalid = _classify_chunk(
+                b, k0 + tl.arange(0, CHUNK_K), real, r, n, base, top_k_ptr, out_ptr,
+                page_table_ptr, resident_ptr, hit_flag_ptr, miss_row_ptr, K, H, E, P, N,
+            )
+            total_hit += n_hit
+            total_miss += n_miss
+            total_invalid += n_invalid
+        _add_counters(counters_ptr, total_hit, total_miss, total_invalid)
+        # Hit flags and miss rows written by other threads of this program must be visible.
+        tl.debug_barrier()
+
+    num_misses = 0
+    if real & (n > H):
+        lru_row = lru_ptr + r.to(tl.int64) * H
+        # Pass 1: rank slots in LRU order. Evictable slots fill `order` from the front (their
+        # rank is the victim index of the rank-th miss), hit slots from the back.
+        num_evictable = 0
+        num_hit_slots = 0
+        for h0 in range(0, H, CHUNK_H):
+            h_offsets = h0 + tl.arange(0, CHUNK_H)
+            in_h = h_offsets < H
+            slot = tl.load(lru_row + h_offsets, mask=in_h, other=0)
+            flagged = tl.load(hit_flag_ptr + b * H + slot, mask=in_h, other=0) != 0
+            tl.store(hit_flag_ptr + b * H + slot, tl.zeros(slot.shape, tl.int8), mask=in_h)
+            evictable = in_h & ~flagged
+            is_hit = in_h & flagged
+            evict_rank = num_evictable + tl.cumsum(evictable.to(tl.int32), axis=0) - 1
+            hit_rank = num_hit_slots + tl.cumsum(is_hit.to(tl.int32), axis=0) - 1
+            tl.store(order_ptr + b * H + evict_rank, slot, mask=evictable)
+            tl.store(order_ptr + b * H + (H - 1 - hit_rank), slot, mask=is_hit)
+            num_evictable += tl.sum(evictable.to(tl.int32), axis=0)
+            num_hit_slots += tl.sum(is_hit.to(tl.int32), axis=0)
+        tl.debug_barrier()
+
+        # Pass 2: misses in top-k order take the evictable slots in LRU order.
+        for k0 in range(0, K, CHUNK_K):
+            k_offsets = k0 + tl.arange(0, CHUNK_K)
+            row = tl.load(miss_row_ptr + b * K + k_offsets, mask=k_offsets < K, other=-1)
+            miss = row >= 0
+            rank = num_misses + tl.cumsum(miss.to(tl.int32), axis=0) - 1
+            # rank < num_evictable always holds when H >= K; the mask only keeps us in bounds.
+            miss = miss & (rank < num_evictable)
+            victim = tl.load(order_ptr + b * H + rank, mask=miss, other=0)
+            slot_row_addr = slot_row_ptr + r.to(tl.int64) * H + victim
+            old_row = tl.load(slot_row_addr, mask=miss, other=-1)
+            # An evictable slot's old row is not in this step's top-k, so these stores never
+            # touch a row another lane is installing.
+            tl.store(resident_ptr + old_row, tl.full(old_row.shape, -1, tl.int32),
+                     mask=miss & (old_row >= 0) & (old_row < N))
+            tl.store(resident_ptr + row, victim, mask=miss)
+            tl.store(slot_row_addr, row, mask=miss)
+            tl.store(out_ptr + b * K + k_offsets, base + victim, mask=miss)
+            tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
+            tl.store(plan_dst_ptr + b * plan_stride + rank, base + victim, mask=miss)
+            num_misses += tl.sum(miss.to(tl.int32), axis=0)
+
+        # Pass 3: new LRU = untouched evictables, then the victims in miss order, then the hits.
+        untouched = num_evictable - num_misses
+        for h0 in range(0, H, CHUNK_H):
+            h_offsets = h0 + tl.arange(0, CHUNK_H)
+            source = tl.where(
+                h_offsets < untouched,
+                h_offsets + num_misses,
+                tl.where(h_offsets < num_evictable, h_offsets - untouched,
+                         H - 1 - (h_offsets - num_evictable)),
+            )
+            in_h = h_offsets < H
+            slot = tl.load(order_ptr + b * H + source, mask=in_h, other=0)
+            tl.store(lru_row + h_offsets, slot, mask=in_h)
+    tl.store(plan_count_ptr + b, num_misses)
+
+
+@triton.jit
+def _copy_kernel(
+    plan_src_ptr, plan_dst_ptr, plan_count_ptr, plan_stride,
+    host_ptr,  # [N, ROW_WORDS] int32: this layer's host rows (registered host memory)
+    device_ptr,  # [R*S, ROW_WORDS] int32: this layer's device rows
+    num_rows,  # batch rows in the plan
+    max_count,  # columns of the plan (K)
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    BLOCK_BATCH: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    batch = tl.arange(0, BLOCK_BATCH)
+    counts = tl.load(plan_count_ptr + batch, mask=batch < num_rows, other=0)
+    counts = tl.minimum(tl.maximum(counts, 0), max_count)
+    ends = tl.cumsum(counts, axis=0)
+    total = tl.sum(counts, axis=0)
+    words = tl.arange(0, BLOCK_WORDS)
+    in_row = words < ROW_WORDS
+    num_chunks = tl.cdiv(total, ROWS)
+    for chunk in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
+        flat = chunk * ROWS + tl.arange(0, ROWS)
+        # Batch row of each flat miss index = how many rows end at or before it.
+        before = ends[None, :] <= flat[:, None]
+        owner = tl.sum(before.to(tl.int32), axis=1)
+        first = tl.sum(tl.where(before, counts[None, :], 0), axis=1)
+        active = flat < total
+        entry = owner * plan_stride + (flat - first)
+        src = tl.load(plan_src_ptr + entry, mask=active, other=0).to(tl.int64)
+        dst = tl.load(plan_dst_ptr + entry, mask=active, other=0).to(tl.int64)
+        mask = active[:, None] & in_row[None, :]
+        data = tl.load(host_ptr + src[:, None] * ROW_WORDS + words[None, :], mask=mask)
+        tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch parameters. Defaults were chosen on an H200 with SW-1 (benchmarks/NOTES.md)."""
+
+    lookup_in_plan: bool = True
+    plan_chunk_k: int = 2048
+    plan_chunk_h: int = 4096
+    plan_warps: int = 8
+    classify_chunk_k: int = 256
+    classify_warps: int = 4
+    copy_rows: int = 16
+    copy_warps: int = 4
+    copy_programs_per_unit: int = 8  # copy programs per SM / CU
+    interpreter_copy_programs: int = 2  # each program costs ~1 ms under TRITON_INTERPRET=1
+
+
+_tuning = Tuning()
+
+
+@contextlib.contextmanager
+def tuning(**overrides: object) -> Iterator[Tuning]:
+    """Temporarily change launch parameters (benchmarks and tests; not thread-safe)."""
+    global _tuning
+    previous = _tuning
+    _tuning = dataclasses.replace(previous, **overrides)
+    try:
+        yield _tuning
+    finally:
+        _tuning = previous
+
+
+@dataclass(eq=False)
+class _Scratch:
+    hit_flag: torch.Tensor  # [Bcap, H] int8, all zero between calls
+    order: torch.Tensor  # [Bcap, H] int32
+    miss_row: torch.Tensor  # [Bcap, K] int32
+    plan: MissPlan  # used when the caller passes none
+
+
+_scratch: weakref.WeakKeyDictionary[CacheTables, dict[tuple[int, int], _Scratch]] = (
+    weakref.WeakKeyDictionary()
+)
+_checked_host: weakref.WeakKeyDictionary[CacheTables, set[int]] = weakref.WeakKeyDictionary()
+
+
+def _get_scratch(tables: CacheTables, batch_cap: int, top_k: int) -> _Scratch:
+    per_shape = _scratch.setdefault(tables, {})
+    scratch = per_shape.get((batch_cap, top_k))
+    if scratch is None:
+        device = tables.lru.device
+        hot = tables.hot_slots
+        scratch = _Scratch(
+            hit_flag=torch.zeros(batch_cap, hot, dtype=torch.int8, device=device),
+            order=torch.empty(batch_cap, hot, dtype=torch.int32, device=device),
+            miss_row=torch.empty(batch_cap, top_k, dtype=torch.int32, device=device),
+            plan=MissPlan.empty(batch_cap, top_k, device),
+        )
+        per_shape[(batch_cap, top_k)] = scratch
+    return scratch
+
+
+def _fail(what: str, seen: object, fix: str) -> InvalidInputError:
+    return InvalidInputError(f"{what} (got {seen}); {fix}.")
+
+
+def _check_int32(name: str, tensor: torch.Tensor, shape: tuple[int, ...], device: torch.device):
+    if tensor.dtype != torch.int32:
+        raise _fail(f"{name} must be int32", tensor.dtype, f"pass {name}.to(torch.int32)")
+    if tensor.device != device:
+        raise _fail(f"{name} must be on the cache device {device}", tensor.device,
+                    f"move {name} to {device}")
+    if tuple(tensor.shape) != shape:
+        raise _fail(f"{name} must have shape {list(shape)}", list(tensor.shape),
+                    "pass one entry per batch row (padded to the batch capacity)")
+    if not tensor.is_contiguous():
+        raise _fail(f"{name} must be contiguous", tuple(tensor.stride()),
+                    f"pass {name}.contiguous()")
+
+
+def _check_plan(plan: MissPlan, batch_cap: int, top_k: int, device: torch.device) -> None:
+    for name, tensor in (("plan.src", plan.src), ("plan.dst", plan.dst)):
+        if tensor.dtype != torch.int32 or tensor.device != device or tensor.dim() != 2:
+            raise _fail(f"{name} must be a 2-D int32 tensor on {device}",
+                        f"{tensor.dtype} {list(tensor.shape)} on {tensor.device}",
+                        "allocate it with MissPlan.empty(batch_capacity, top_k, device)")
+        if tensor.shape[0] < batch_cap or tensor.shape[1] < top_k or tensor.stride(1) != 1:
+            raise _fail(f"{name} must hold at least [{batch_cap}, {top_k}] with unit column "
+                        "stride", f"shape {list(tensor.shape)}, stride {tensor.stride()}",
+                        "allocate it with MissPlan.empty(batch_capacity, top_k, device)")
+    if plan.src.stride(0) != plan.dst.stride(0):
+        raise _fail("plan.src and plan.dst must have the same row stride",
+                    (plan.src.stride(0), plan.dst.stride(0)), "allocate them together")
+    count = plan.count
+    if count.dtype != torch.int32 or count.device != device or count.dim() != 1 or (
+        count.shape[0] < batch_cap or not count.is_contiguous()
+    ):
+        raise _fail(f"plan.count must be a contiguous int32 vector of at least {batch_cap} on "
+                    f"{device}", f"{count.dtype} {list(count.shape)} on {count.device}",
+                    "allocate it with MissPlan.empty(batch_capacity, top_k, device)")
+
+
+def _layer_rows(tables: CacheTables, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This layer's host and device rows viewed as int32 words."""
+    num_layers = tables.device_kv.shape[0]
+    if not 0 <= layer < num_layers or len(tables.host_kv) != num_layers:
+        raise _fail(f"layer must be in [0, {num_layers}) with one host tensor per layer",
+                    f"layer {layer}, {len(tables.host_kv)} host tensors", "pass a valid layer")
+    row_bytes = tables.row_bytes
+    if row_bytes % 4:
+        raise _fail("the Triton swap-in moves rows as 4-byte words; row_bytes must be a "
+                    "multiple of 4", row_bytes, "pad rows to a multiple of 4 bytes or use the "
+                    "torch reference swap-in")
+    host = tables.host_kv[layer]
+    device = tables.device_kv[layer]
+    if host.dtype != torch.uint8 or host.dim() != 2 or host.shape[1] != row_bytes:
+        raise _fail(f"host_kv[{layer}] must be a uint8 [N, {row_bytes}] tensor",
+                    f"{host.dtype} {list(host.shape)}", "allocate it through the backend")
+    if not host.is_contiguous() or not device.is_contiguous():
+        raise _fail("host and device rows must be contiguous",
+                    (host.stride(), device.stride()), "allocate them through the backend")
+    checked = _checked_host.setdefault(tables, set())
+    if host.device.type == "cpu" and device.device.type != "cpu" and layer not in checked:
+        if not host.is_pinned():
+            raise _fail(f"host_kv[{layer}] must be registered (pinned) host memory for the "
+                        "device to read it", "pageable memory",
+                        "allocate the pool with backend.alloc_host() or register it")
+        checked.add(layer)
+    return host.view(torch.int32), device.view(torch.int32)
+
+
+def _compute_units(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "xpu":
+        return int(getattr(torch.xpu.get_device_properties(device), "gpu_subslice_count", 64))
+    return 1
+
+
+def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int) -> None:
+    host, device = _layer_rows(tables, layer)
+    row_words = tables.row_bytes // 4
+    t = _tuning
+    top_k = plan.src.shape[1]
+    if host.device.type == "cpu" and device.device.type == "cpu":
+        max_programs = t.interpreter_copy_programs
+    else:
+        max_programs = _compute_units(device.device) * t.copy_programs_per_unit
+    programs = max(1, min(triton.cdiv(num_rows * top_k, t.copy_rows), max_programs))
+    _copy_kernel[(programs,)](
+        plan.src, plan.dst, plan.count, plan.src.stride(0), host, device, num_rows, top_k,
+        ROW_WORDS=row_words,
+        BLOCK_WORDS=triton.next_power_of_2(row_words),
+        BLOCK_BATCH=triton.next_power_of_2(num_rows),
+        ROWS=t.copy_rows,
+        num_warps=t.copy_warps,
+    )
+
+
+def swap_in_triton(
+    tables: CacheTables,
+    layer: int,
+    group: int,
+    req_slots: torch.Tensor,  # [Bcap] int32 request slot per batch row
+    top_k: torch.Tensor,  # [Bcap, K] int32 token positions, -1 = none
+    num_real: torch.Tensor,  # [1] int32 device scalar: rows >= num_real are padding
+    out: torch.Tensor,  # [Bcap, K] int32: device row per entry, -1 = none
+    plan: MissPlan | None = None,
+    skip_io: bool = False,
+) -> None:
+    """Swap-in of one layer for a padded batch; see docs/ARCHITECTURE.md for the semantics.
+
+    Never synchronises with the host and sizes every grid from `Bcap` and `K` alone, so the
+    call can be captured in a graph (after one eager call) and replayed with another
+    `num_real`. Raises InvalidInputError, before any launch, for inputs it cannot use.
+    """
+    t = tables
+    device = t.lru.device
+    if top_k.dim() != 2:
+        raise _fail("top_k must be [Bcap, K]", list(top_k.shape), "pass a 2-D tensor")
+    batch_cap, k = top_k.shape
+    _check_int32("top_k", top_k, (batch_cap, k), device)
+    _check_int32("out", out, (batch_cap, k), device)
+    _check_int32("req_slots", req_slots, (batch_cap,), device)
+    _check_int32("num_real", num_real, (1,), device)
+    hot = t.hot_slots
+    if hot < k:
+        raise _fail("the hot buffer must hold at least top_k slots", f"H={hot} < K={k}",
+                    "raise device_buffer_size to at least top_k")
+    num_groups = t.lru.shape[0]
+    if not 0 <= group < num_groups:
+        raise _fail(f"group must be in [0, {num_groups})", group, "pass the layer's index group")
+    _layer_rows(t, layer)
+    if plan is not None:
+        _check_plan(plan, batch_cap, k, device)
+
+    scratch = _get_scratch(t, batch_cap, k)
+    used_plan = plan if plan is not None else scratch.plan
+    num_requests, max_pages = t.page_table.shape
+    num_host_rows = t.resident.shape[1]
+    sizes = (num_requests, t.slots_per_request, k, hot, t.extent_tokens, max_pages, num_host_rows)
+    counters = t.counters[layer]
+    tune = _tuning
+    if not tune.lookup_in_plan:
+        chunk = min(triton.next_power_of_2(k), tune.classify_chunk_k)
+        _classify_kernel[(batch_cap, triton.cdiv(k, chunk))](
+            num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
+            scratch.hit_flag, scratch.miss_row, counters, *sizes,
+            CHUNK_K=chunk, num_warps=tune.classify_warps,
+        )
+    _plan_kernel[(batch_cap,)](
+        num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
+        t.slot_row[group], t.lru[group], scratch.hit_flag, scratch.miss_row, scratch.order,
+        used_plan.src, used_plan.dst, used_plan.count, used_plan.src.stride(0), counters,
+        *sizes,
+        LOOKUP_IN_PLAN=tune.lookup_in_plan,
+        CHUNK_K=min(triton.next_power_of_2(k), tune.plan_chunk_k),
+        CHUNK_H=min(triton.next_power_of_2(hot), tune.plan_chunk_h),
+        num_warps=tune.plan_warps,
+    )
+    if not skip_io:
+        _launch_copy(t, layer, used_plan, batch_cap)
+
+
+def copy_planned_triton(tables: CacheTables, layer: int, plan: MissPlan) -> None:
+    """Copy the rows a plan recorded into `layer`'s device rows (shared-index replay)."""
+    device = tables.lru.device
+    if plan.src.dim() != 2:
+        raise _fail("plan.src must be [Bcap, K]", list(plan.src.shape),
+                    "allocate it with MissPlan.empty(batch_capacity, top_k, device)")
+    batch_cap, k = plan.src.shape
+    _check_plan(plan, batch_cap, k, device)
+    _launch_copy(tables, layer, plan, batch_cap)

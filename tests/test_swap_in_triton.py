@@ -1,0 +1,342 @@
+"""Triton swap-in against the torch reference on random multi-step traces.
+
+On a GPU the kernels run natively at DeepSeek-V3.2 sizes; without one they run on CPU tensors
+under TRITON_INTERPRET=1 at small sizes (the interpreter costs about 1 ms per program).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    # Must be set before the kernels are decorated: triton.jit picks the interpreter then.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
+
+from hisparse.core.tables import CacheTables, MissPlan  # noqa: E402
+from hisparse.errors import InvalidInputError  # noqa: E402
+from hisparse.kernels import swap_in_triton as triton_kernels  # noqa: E402
+from hisparse.kernels.swap_in_reference import (  # noqa: E402
+    copy_planned_reference,
+    swap_in_reference,
+)
+
+if not ON_GPU and type(triton_kernels._plan_kernel).__name__ != "InterpretedFunction":
+    # Another test imported the module before TRITON_INTERPRET was set.
+    triton_kernels = importlib.reload(triton_kernels)
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+POISON = -7  # never a valid output: every entry must be written over it
+LAYER_GROUPS = (0, 0, 1)  # layer 1 replays layer 0's plan; layer 2 has its own group
+
+pytestmark = pytest.mark.gpu if ON_GPU else pytest.mark.interpreter
+
+
+@dataclass(frozen=True)
+class Sizes:
+    top_k: int
+    hot: int
+    row_bytes: int
+    extent: int
+    batch_cap: int
+    num_requests: int
+
+
+SMALL = [
+    Sizes(top_k=16, hot=32, row_bytes=16, extent=8, batch_cap=3, num_requests=4),
+    Sizes(top_k=48, hot=48, row_bytes=24, extent=1, batch_cap=4, num_requests=5),
+    Sizes(top_k=64, hot=128, row_bytes=64, extent=16, batch_cap=4, num_requests=4),
+]
+LARGE = [
+    Sizes(top_k=2048, hot=4096, row_bytes=656, extent=64, batch_cap=8, num_requests=10),
+    Sizes(top_k=128, hot=200, row_bytes=1152, extent=1, batch_cap=16, num_requests=16),
+]
+SIZES = LARGE if ON_GPU else SMALL
+
+
+def _host_tensor(rows: int, row_bytes: int, gen: torch.Generator) -> torch.Tensor:
+    data = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=gen)
+    return data.pin_memory() if ON_GPU else data
+
+
+def make_tables(sizes: Sizes, gen: torch.Generator) -> CacheTables:
+    """Random requests (free, short, at the switch, long) seeded as docs/ARCHITECTURE.md says."""
+    hot, ext, num_req = sizes.hot, sizes.extent, sizes.num_requests
+    slots = hot + 1
+    kinds = torch.randint(0, 4, (num_req,), generator=gen).tolist()
+    seq_lens = []
+    for kind in kinds:
+        if kind == 0:
+            seq_lens.append(0)
+        elif kind == 1:
+            seq_lens.append(int(torch.randint(1, hot + 1, (1,), generator=gen)))
+        elif kind == 2:
+            seq_lens.append(hot + 1)
+        else:
+            seq_lens.append(int(torch.randint(hot + 2, 4 * hot, (1,), generator=gen)))
+    seq_lens[0] = 3 * hot  # at least one long request
+    pages = [math.ceil(n / ext) for n in seq_lens]
+    max_pages = max(pages) + 1
+    num_extents = sum(pages) + 3  # some extents stay free
+    extent_ids = torch.randperm(num_extents, generator=gen).tolist()
+    page_table = torch.full((num_req, max_pages), -1, dtype=torch.int32)
+    for r, count in enumerate(pages):
+        page_table[r, :count] = torch.tensor(extent_ids[:count], dtype=torch.int32)
+        extent_ids = extent_ids[count:]
+    num_host_rows = num_extents * ext
+    num_layers, num_groups = len(LAYER_GROUPS), max(LAYER_GROUPS) + 1
+    host_kv = [_host_tensor(num_host_rows, sizes.row_bytes, gen) for _ in range(num_layers)]
+    device_kv = torch.randint(
+        0, 256, (num_layers, num_req * slots, sizes.row_bytes), dtype=torch.uint8, generator=gen
+    )
+    slot_row = torch.full((num_groups, num_req, hot), -1, dtype=torch.int32)
+    resident = torch.full((num_groups, num_host_rows), -1, dtype=torch.int32)
+
+    def host_row(r: int, pos: int) -> int:
+        return int(page_table[r, pos // ext]) * ext + pos % ext
+
+    for r, n in enumerate(seq_lens):
+        if n == 0:
+            continue
+        if n <= hot:
+            seeded = {p: p for p in range(n)}
+        else:
+            seeded = {s: n - 1 - hot + s for s in range(hot)}
+            for layer in range(num_layers):
+                device_kv[layer, r * slots + hot] = host_kv[layer][host_row(r, n - 1)]
+        for s, pos in seeded.items():
+            row = host_row(r, pos)
+            slot_row[:, r, s] = row
+            resident[:, row] = s
+            for layer in range(num_layers):
+                device_kv[layer, r * slots + s] = host_kv[layer][row]
+    return CacheTables(
+        device_kv=device_kv.to(DEVICE),
+        host_kv=host_kv,
+        page_table=page_table.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        slot_row=slot_row.to(DEVICE),
+        lru=torch.arange(hot, dtype=torch.int32).repeat(num_groups, num_req, 1).to(DEVICE),
+        resident=resident.to(DEVICE),
+        counters=torch.zeros(num_layers, 3, dtype=torch.int64, device=DEVICE),
+        hot_slots=hot,
+        extent_tokens=ext,
+    )
+
+
+def clone_tables(t: CacheTables) -> CacheTables:
+    return CacheTables(
+        device_kv=t.device_kv.clone(),
+        host_kv=t.host_kv,  # read-only for swap-in
+        page_table=t.page_table,
+        seq_lens=t.seq_lens,
+        slot_row=t.slot_row.clone(),
+        lru=t.lru.clone(),
+        resident=t.resident.clone(),
+        counters=t.counters.clone(),
+        hot_slots=t.hot_slots,
+        extent_tokens=t.extent_tokens,
+    )
+
+
+def next_top_k(
+    tables: CacheTables, sizes: Sizes, previous: dict[int, list[int]], gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step's padded batch: churned top-k, -1 and out-of-range entries, padding rows."""
+    k = sizes.top_k
+    seq_lens = tables.seq_lens.tolist()
+    num_real = int(torch.randint(1, sizes.batch_cap + 1, (1,), generator=gen))
+    requests = torch.randperm(sizes.num_requests, generator=gen)[:num_real].tolist()
+    top_k = torch.randint(-3, 4 * sizes.hot, (sizes.batch_cap, k), generator=gen)
+    # Padding rows carry garbage request slots; they must not matter.
+    req_slots = torch.randint(-5, 50, (sizes.batch_cap,), generator=gen)
+    for b, r in enumerate(requests):
+        req_slots[b] = r
+        n = seq_lens[r]
+        keep = [p for p in previous.get(r, []) if p < n]
+        churn = float(torch.rand(1, generator=gen))
+        keep = keep[: int(len(keep) * (1 - churn))]
+        kept = set(keep)
+        fresh = [p for p in torch.randperm(n, generator=gen).tolist() if p not in kept]
+        count = min(n, k - int(torch.randint(0, k // 4 + 1, (1,), generator=gen)))
+        chosen = (keep + fresh)[:count]
+        if n > sizes.hot and n - 1 not in chosen and torch.rand(1, generator=gen) < 0.5:
+            chosen[-1:] = [n - 1]  # the newest token
+        row = torch.full((k,), -1, dtype=torch.long)
+        row[: len(chosen)] = torch.tensor(chosen, dtype=torch.long)
+        bad = torch.randint(0, 3, (1,), generator=gen).item()  # out-of-range entries
+        row[k - bad :] = torch.tensor([-2, n, n + 5][:bad], dtype=torch.long)
+        row = row[torch.randperm(k, generator=gen)]
+        previous[r] = [p for p in row.tolist() if 0 <= p < n]
+        top_k[b] = row
+    return (
+        req_slots.to(torch.int32).to(DEVICE),
+        top_k.to(torch.int32).to(DEVICE),
+        torch.tensor([num_real], dtype=torch.int32, device=DEVICE),
+    )
+
+
+def poisoned_plan(sizes: Sizes) -> MissPlan:
+    plan = MissPlan.empty(sizes.batch_cap, sizes.top_k, DEVICE)
+    for tensor in (plan.src, plan.dst, plan.count):
+        tensor.fill_(POISON)
+    return plan
+
+
+def assert_same_state(got: CacheTables, want: CacheTables) -> None:
+    for name in ("lru", "slot_row", "resident", "counters"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.device_kv, want.device_kv), "device rows differ"
+
+
+def assert_rows_match_host(
+    tables: CacheTables, layer: int, req_slots: torch.Tensor, top_k: torch.Tensor, out: torch.Tensor
+) -> None:
+    """DESIGN 3.1, checked independently of both implementations: every valid entry's device
+    row holds the bytes of that token's host row."""
+    ext = tables.extent_tokens
+    out, top_k = out.cpu().long(), top_k.cpu().long()
+    written = out >= 0
+    requests = req_slots.cpu().long()[:, None].expand_as(top_k)[written]
+    positions = top_k[written]
+    host_rows = tables.page_table.cpu().long()[requests, positions // ext] * ext + positions % ext
+    device_rows = tables.device_kv[layer][out[written].to(DEVICE)].cpu()
+    assert torch.equal(device_rows, tables.host_kv[layer][host_rows].cpu())
+
+
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"K{s.top_k}-H{s.hot}-W{s.row_bytes}")
+@pytest.mark.parametrize("lookup_in_plan", [True, False], ids=["fused", "split"])
+def test_matches_reference_over_a_trace(sizes: Sizes, lookup_in_plan: bool) -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    want = make_tables(sizes, gen)
+    got = clone_tables(want)
+    previous: dict[int, list[int]] = {}
+    small_chunks = {} if ON_GPU else {"plan_chunk_k": 16, "plan_chunk_h": 32, "copy_rows": 4}
+    with triton_kernels.tuning(lookup_in_plan=lookup_in_plan, classify_chunk_k=16, **small_chunks):
+        for step in range(4):
+            req_slots, top_k, num_real = next_top_k(want, sizes, previous, gen)
+            for layer, group in ((0, 0), (2, 1)):
+                out_want = torch.full_like(top_k, POISON)
+                out_got = torch.full_like(top_k, POISON)
+                plan_want, plan_got = poisoned_plan(sizes), poisoned_plan(sizes)
+                swap_in_reference(want, layer, group, req_slots, top_k, num_real, out_want,
+                                  plan_want)
+                triton_kernels.swap_in_triton(got, layer, group, req_slots, top_k, num_real,
+                                              out_got, plan_got)
+                assert torch.equal(out_got, out_want), f"step {step} layer {layer}: outputs"
+                for name in ("count", "src", "dst"):
+                    assert torch.equal(getattr(plan_got, name), getattr(plan_want, name)), name
+                if layer == 0:  # follower layer 1 of group 0 replays the anchor's plan
+                    copy_planned_reference(want, 1, plan_want)
+                    triton_kernels.copy_planned_triton(got, 1, plan_got)
+                    assert_rows_match_host(got, 1, req_slots, top_k, out_got)
+                assert_same_state(got, want)
+                assert_rows_match_host(got, layer, req_slots, top_k, out_got)
+    assert int(got.counters[:, 1].sum()) > 0, "trace produced no misses: the test is too weak"
+
+
+def test_skip_io_plans_without_moving_rows() -> None:
+    sizes = SIZES[0]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    want = make_tables(sizes, gen)
+    got = clone_tables(want)
+    rows_before = got.device_kv.clone()
+    previous: dict[int, list[int]] = {}
+    for _ in range(2):
+        req_slots, top_k, num_real = next_top_k(want, sizes, previous, gen)
+        out_want, out_got = torch.full_like(top_k, POISON), torch.full_like(top_k, POISON)
+        plan_want, plan_got = poisoned_plan(sizes), poisoned_plan(sizes)
+        swap_in_reference(want, 0, 0, req_slots, top_k, num_real, out_want, plan_want, True)
+        triton_kernels.swap_in_triton(got, 0, 0, req_slots, top_k, num_real, out_got, plan_got,
+                                      skip_io=True)
+        assert torch.equal(out_got, out_want)
+        assert torch.equal(plan_got.count, plan_want.count)
+        assert_same_state(got, want)
+    assert torch.equal(got.device_kv, rows_before)
+    assert int(got.counters[0, 1]) > 0
+
+
+def test_copy_planned_replays_an_arbitrary_plan() -> None:
+    sizes = SIZES[0]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    want = make_tables(sizes, gen)
+    got = clone_tables(want)
+    plan = MissPlan.empty(sizes.batch_cap, sizes.top_k, DEVICE)
+    num_host_rows, num_device_rows = want.resident.shape[1], want.device_kv.shape[1]
+    counts = torch.randint(0, sizes.top_k + 1, (sizes.batch_cap,), generator=gen)
+    counts[0] = 0  # an empty row between full ones
+    destinations = torch.randperm(num_device_rows, generator=gen)
+    for b, count in enumerate(counts.tolist()):
+        plan.count[b] = count
+        plan.src[b] = torch.randint(0, num_host_rows, (sizes.top_k,), generator=gen).to(DEVICE)
+        take = destinations[b * sizes.top_k : (b + 1) * sizes.top_k]
+        plan.dst[b, : take.numel()] = take.to(torch.int32).to(DEVICE)
+        plan.dst[b, take.numel() :] = -1  # beyond the count: must never be read
+    copy_planned_reference(want, 2, plan)
+    triton_kernels.copy_planned_triton(got, 2, plan)
+    assert torch.equal(got.device_kv, want.device_kv)
+
+
+def _bad_call(t: CacheTables, sizes: Sizes, **change: object) -> None:
+    args: dict[str, object] = {
+        "tables": t, "layer": 0, "group": 0,
+        "req_slots": torch.zeros(sizes.batch_cap, dtype=torch.int32, device=DEVICE),
+        "top_k": torch.zeros(sizes.batch_cap, sizes.top_k, dtype=torch.int32, device=DEVICE),
+        "num_real": torch.ones(1, dtype=torch.int32, device=DEVICE),
+        "out": torch.zeros(sizes.batch_cap, sizes.top_k, dtype=torch.int32, device=DEVICE),
+    }
+    args.update(change)
+    triton_kernels.swap_in_triton(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"top_k": "int64"}, "top_k must be int32"),
+        ({"out": "short"}, "out must have shape"),
+        ({"num_real": "cpu-float"}, "num_real must be int32"),
+        ({"layer": 7}, "layer must be in"),
+        ({"group": 5}, "group must be in"),
+        ({"plan": "small"}, "plan.src must hold at least"),
+    ],
+)
+def test_bad_input_raises_and_changes_nothing(change: dict[str, object], message: str) -> None:
+    sizes = SIZES[0]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    tables = make_tables(sizes, gen)
+    before = clone_tables(tables)
+    key, kind = next(iter(change.items()))
+    value: object = kind
+    if kind == "int64":
+        value = torch.zeros(sizes.batch_cap, sizes.top_k, dtype=torch.int64, device=DEVICE)
+    elif kind == "short":
+        value = torch.zeros(sizes.batch_cap, sizes.top_k - 1, dtype=torch.int32, device=DEVICE)
+    elif kind == "cpu-float":
+        value = torch.ones(1)
+    elif kind == "small":
+        value = MissPlan.empty(sizes.batch_cap, sizes.top_k // 2, DEVICE)
+    with pytest.raises(InvalidInputError, match=message):
+        _bad_call(tables, sizes, **{key: value})
+    assert_same_state(tables, before)
+
+
+def test_row_size_not_a_multiple_of_four_is_refused() -> None:
+    sizes = Sizes(top_k=8, hot=8, row_bytes=18, extent=4, batch_cap=2, num_requests=2)
+    tables = make_tables(sizes, torch.Generator().manual_seed(1))
+    with pytest.raises(InvalidInputError, match="multiple of 4"):
+        _bad_call(tables, sizes)
+
+
+def test_hot_buffer_smaller_than_top_k_is_refused() -> None:
+    sizes = Sizes(top_k=16, hot=8, row_bytes=16, extent=4, batch_cap=2, num_requests=2)
+    tables = make_tables(sizes, torch.Generator().manual_seed(2))
+    with pytest.raises(InvalidInputError, match="at least top_k"):
+        _bad_call(tables, sizes)

@@ -103,11 +103,13 @@ class HiSparseConfig:
                 )
         positive = ("num_layers", "top_k", "index_group_size", "max_requests", "max_seq_len",
                     "host_pool_tokens", "extent_tokens", "row_bytes")
+        bad = set()  # fields already reported: nothing is derived or checked from them
         for name in positive:
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value <= 0):
-                problems.append(f"{name}: expected a positive int, got {value!r}")
-        bad = {name for name in positive if not _is_int(getattr(self, name))}
+            if not _is_int(value) or value <= 0:
+                bad.add(name)
+                if value is not None:
+                    problems.append(f"{name}: expected a positive int, got {value!r}")
 
         if self.device_buffer_size is None and "top_k" not in bad:
             set_field(self, "device_buffer_size", 2 * self.top_k)

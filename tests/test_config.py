@@ -1,0 +1,200 @@
+"""HiSparseConfig: presets, derivation, validation that reports every problem at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hisparse
+from hisparse import config as config_module
+from hisparse.config import HiSparseConfig, preset_dirs, preset_paths
+from hisparse.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = {"default", "deepseek-v3.2", "glm-5", "tiny"}
+
+
+def test_every_shipped_yaml_loads() -> None:
+    found = sorted((REPO / "configs").rglob("*.yaml"))
+    assert {p.stem for p in found} == SHIPPED  # a new preset must be added here on purpose
+    for path in found:
+        config = HiSparseConfig.from_yaml(path)
+        assert config.model == path.stem
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# Used by:"), f"{path.name} should open with the command using it"
+    assert set(preset_paths()) == SHIPPED
+
+
+def test_default_yaml_lists_exactly_the_defaults() -> None:
+    listed = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    assert set(listed) == set(HiSparseConfig.field_names())
+    assert HiSparseConfig.from_preset("default") == HiSparseConfig()
+
+
+def test_model_presets() -> None:
+    deepseek = HiSparseConfig.from_preset("deepseek-v3.2")
+    assert (deepseek.num_layers, deepseek.row_bytes, deepseek.top_k) == (61, 656, 2048)
+    assert deepseek.num_index_groups == 61 and deepseek.hot_slots == 4096
+    assert HiSparseConfig.from_preset("deepseek-v3.2", kv_dtype="bf16").row_bytes == 1152
+    glm = HiSparseConfig.from_preset("glm-5")
+    assert (glm.num_layers, glm.row_bytes, glm.top_k, glm.index_group_size) == (78, 656, 2048, 4)
+    assert glm.num_index_groups == 20
+    assert [glm.group_of_layer(layer) for layer in (0, 3, 4, 77)] == [0, 0, 1, 19]
+    assert glm.anchor_layer(19) == 76
+    tiny = HiSparseConfig.from_preset("tiny")
+    assert tiny.host_pool_bytes < 4 << 20  # small enough for CI and the interpreter
+
+
+def test_overrides_and_derived_fields() -> None:
+    tiny = HiSparseConfig.from_preset("tiny", max_requests=4, top_k=32)
+    assert tiny.max_requests == 4 and tiny.batch_capacity == 4  # max_batch follows
+    assert tiny.hot_slots == 128  # set in the preset, so not derived from top_k
+    derived = HiSparseConfig(top_k=100)
+    assert derived.hot_slots == 200
+    assert derived.replace(top_k=300).hot_slots == 600  # derived again
+    assert derived.replace(device_buffer_size=250).hot_slots == 250
+    assert derived.replace(kv_dtype="bf16").row_bytes == 1152
+    assert derived.replace(row_bytes=100, kv_dtype="bf16").row_bytes == 100
+    assert derived.slots_per_request == 201
+    assert HiSparseConfig(extent_tokens=500, host_pool_tokens=1001, max_seq_len=1000).host_rows == 1500
+
+
+def test_configs_are_frozen_and_hashable() -> None:
+    config = HiSparseConfig.from_preset("tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.top_k = 3
+    with pytest.raises(TypeError):
+        config.row_bytes_by_dtype["fp8"] = 1
+    assert hash(config) == hash(HiSparseConfig.from_preset("tiny"))
+    assert hisparse.HiSparseConfig is HiSparseConfig
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as caught:
+        HiSparseConfig.from_dict({
+            "top_k": 0, "kv_dtype": "fp4", "graph_capture": "yes", "colour": 1, "max_requests": -2,
+        })
+    problems = caught.value.problems
+    assert len(problems) == 5, problems
+    text = str(caught.value)
+    assert "unknown key(s): colour; valid keys: model, num_layers" in text
+    assert "kv_dtype: got 'fp4'; valid choices: fp8, bf16" in text
+    assert "top_k: expected a positive int, got 0" in text
+    assert "graph_capture: got 'yes'; valid choices: true, false or null" in text
+    assert "max_requests: expected a positive int, got -2" in text
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"device_buffer_size": 10, "top_k": 64}, "device_buffer_size: got 10, must be at least"),
+        ({"index_group_size": 5, "num_layers": 4}, "index_group_size: got 5"),
+        ({"max_batch": 9}, "max_batch: got 9, larger than max_requests (8)"),
+        ({"max_seq_len": 9000}, "max_seq_len: got 9000, more than the host pool holds (8192"),
+        ({"host_pool_tokens": 2**31}, "must be < 2**31"),
+        ({"device_buffer_size": 2**31}, "device_buffer_size: got 2147483648, must be < 2**31"),
+        ({"num_layers": True}, "num_layers: expected a positive int, got True"),
+        ({"skip_io": None}, "skip_io: got None; valid choices: true or false"),
+        ({"validate": 1}, "validate: got 1"),
+        ({"row_bytes_by_dtype": {"fp16": 3}}, "row_bytes_by_dtype: got"),
+        ({"row_bytes_by_dtype": None}, "row_bytes: not given"),
+        ({"model": ""}, "model: expected a non-empty string"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_fix(change: dict, named: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        HiSparseConfig.from_preset("tiny", **change)
+    assert named in str(caught.value)
+
+
+def test_unknown_preset_and_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown preset 'gpt'; available presets: deepseek-v3.2, default, glm-5, tiny"):
+        HiSparseConfig.from_preset("gpt")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        HiSparseConfig.from_yaml(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("top_k: [1,\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        HiSparseConfig.from_yaml(broken)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping of config keys, got list"):
+        HiSparseConfig.from_yaml(listed)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("top_kk: 5\n")
+    with pytest.raises(ConfigError, match=rf"unknown key\(s\) in {typo}: top_kk"):
+        HiSparseConfig.from_yaml(typo)
+
+
+def test_a_partial_user_file_keeps_the_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text("top_k: 512\nmax_requests: 4\n")
+    config = HiSparseConfig.from_yaml(path, kv_dtype="bf16")
+    assert (config.model, config.top_k, config.hot_slots, config.row_bytes) == (
+        "mine", 512, 1024, 1152,
+    )
+
+
+def test_presets_are_found_in_an_installed_wheel(tmp_path: Path, monkeypatch) -> None:
+    package = tmp_path / "site-packages" / "hisparse"
+    (package / "_configs").mkdir(parents=True)
+    (package / "_configs" / "only-in-wheel.yaml").write_text("num_layers: 2\nmax_seq_len: 64\n")
+    monkeypatch.setattr(config_module, "__file__", str(package / "config.py"))
+    assert preset_dirs() == [package / "_configs"]
+    assert HiSparseConfig.from_preset("only-in-wheel").num_layers == 2
+
+
+positive = st.integers(min_value=1, max_value=4096)
+
+
+@st.composite
+def valid_settings(draw: st.DrawFn) -> dict:
+    top_k = draw(positive)
+    extent = draw(st.integers(1, 1024))
+    max_requests = draw(st.integers(1, 256))
+    values = {
+        "num_layers": draw(st.integers(1, 100)),
+        "kv_dtype": draw(st.sampled_from(["fp8", "bf16"])),
+        "top_k": top_k,
+        "device_buffer_size": draw(st.none() | st.integers(top_k, 4 * top_k)),
+        "max_requests": max_requests,
+        "max_batch": draw(st.none() | st.integers(1, max_requests)),
+        "extent_tokens": extent,
+        "max_seq_len": draw(positive),
+        "graph_capture": draw(st.sampled_from([None, True, False])),
+        "skip_io": draw(st.booleans()),
+    }
+    values["host_pool_tokens"] = values["max_seq_len"] + draw(st.integers(0, 10**6))
+    values["index_group_size"] = draw(st.integers(1, values["num_layers"]))
+    return values
+
+
+@settings(max_examples=60, deadline=None)
+@given(valid_settings())
+def test_valid_settings_round_trip_and_keep_the_invariants(values: dict) -> None:
+    config = HiSparseConfig.from_dict(values)
+    assert HiSparseConfig.from_dict(config.to_dict()) == config
+    assert config.hot_slots >= config.top_k
+    assert config.host_rows % config.extent_tokens == 0
+    assert config.host_pool_tokens <= config.host_rows < config.host_pool_tokens + config.extent_tokens
+    assert config.pages_per_request * config.extent_tokens >= config.max_seq_len
+    assert config.num_index_groups == math.ceil(config.num_layers / config.index_group_size)
+    assert config.anchor_layer(config.group_of_layer(config.num_layers - 1)) < config.num_layers
+    assert yaml.safe_load(yaml.safe_dump(config.to_dict())) == config.to_dict()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(["num_layers", "top_k", "max_requests", "extent_tokens", "max_seq_len"]),
+    st.one_of(st.integers(max_value=0), st.floats(), st.text(max_size=3), st.booleans()),
+)
+def test_invalid_values_are_rejected_by_name(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as caught:
+        HiSparseConfig.from_preset("tiny", **{field: value})
+    assert any(problem.startswith(f"{field}:") for problem in caught.value.problems)

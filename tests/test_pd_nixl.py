@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pd_workers
+from conftest import POISON_BYTE
 from hisparse.errors import InvalidInputError, TransferError
 from hisparse.pd import TransferTicket, coalesce_rows, import_nixl, split_runs
 
@@ -43,9 +44,11 @@ CONFIG = dict(
     max_seq_len=256,
     host_pool_tokens=512,
     extent_tokens=16,
+    index_group_size=2,
+    validate=True,
 )
 NUM_LAYERS, ROW_BYTES = CONFIG["num_layers"], CONFIG["row_bytes"]
-POISON = 0xA5
+GROUP_SIZE = CONFIG["index_group_size"]
 WORKER_TIMEOUT_S = 30.0
 
 
@@ -99,17 +102,28 @@ class Worker:
 
 
 @pytest.fixture(scope="module")
-def prefill_worker() -> Iterator[Worker]:
-    worker = Worker(pd_workers.prefill_worker, unique("prefill"), NUM_LAYERS, ROW_BYTES, 256)
-    yield worker
-    worker.stop()
+def workers() -> Iterator[dict[str, Worker]]:
+    # Started together: each spends seconds importing torch, and on CI's two cores the
+    # imports overlap instead of adding up.
+    started = {
+        "prefill": Worker(pd_workers.prefill_worker, unique("prefill"), NUM_LAYERS, ROW_BYTES, 256),
+        "decode-gone": Worker(pd_workers.decode_worker, unique("decode-gone"), CONFIG, 20),
+    }
+    yield started
+    for worker in started.values():
+        worker.stop()
+
+
+@pytest.fixture
+def prefill_worker(workers: dict[str, Worker]) -> Worker:
+    return workers["prefill"]
 
 
 @pytest.fixture
 def cache() -> Iterator[Any]:
     cache = pd_workers.make_cache(**CONFIG)
     for layer in cache_host_tensors(cache):
-        layer.fill_(POISON)
+        layer.fill_(POISON_BYTE)
     yield cache
     cache.close()
 
@@ -132,10 +146,10 @@ def endpoint(cache: Any) -> Iterator[Any]:
 
 @needs_nixl
 def test_prefill_process_writes_decode_verifies_decodes_and_frees(
-    prefill_worker: Worker, cache: Any, endpoint: Any
+    prefill_worker: Worker, cache: Any, endpoint: Any, seed: int
 ) -> None:
     prefill_worker.call("connect", endpoint.publish())
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     # A blocker request released in between scatters the later requests over the pool.
     lengths = {"short": 5, "two-extents": 29, "blocker": 16, "long": 70}
     seeds = {rid: int(rng.integers(2**31)) for rid in lengths}
@@ -166,9 +180,10 @@ def test_prefill_process_writes_decode_verifies_decodes_and_frees(
             assert torch.equal(host[layer][rows], expected[rid][layer]), (rid, layer)
         written[ticket.rows()] = True
     for layer in range(NUM_LAYERS):
-        assert bool((host[layer][torch.from_numpy(~written)] == POISON).all()), layer
+        assert bool((host[layer][torch.from_numpy(~written)] == POISON_BYTE).all()), layer
 
     decode_steps(cache, expected, steps=3, rng=rng)
+    assert cache.stats().misses > 0  # rows really came from the host pool, not only seeding
 
     for rid in tickets:
         cache.finish(rid)
@@ -186,17 +201,20 @@ def decode_steps(
     top_k = CONFIG["top_k"]
     for _ in range(steps):
         cache.begin_decode_step(request_ids)
-        newest = torch.randint(0, 256, (NUM_LAYERS, len(request_ids), ROW_BYTES), dtype=torch.uint8)
+        newest = torch.from_numpy(
+            rng.integers(0, 256, (NUM_LAYERS, len(request_ids), ROW_BYTES), dtype=np.uint8)
+        )
         for b, rid in enumerate(request_ids):
             expected[rid] = torch.cat([expected[rid], newest[:, b : b + 1]], dim=1)
         for layer in range(NUM_LAYERS):
             cache.write_newest(layer, newest[layer])
-            positions = np.full((len(request_ids), top_k), -1, dtype=np.int32)
-            for b, rid in enumerate(request_ids):
-                seq_len = expected[rid].shape[1]
-                chosen = rng.choice(seq_len, size=min(top_k, seq_len), replace=False)
-                positions[b, : chosen.size] = chosen
-            device_rows = cache.swap_in(layer, torch.from_numpy(positions))
+            if layer % GROUP_SIZE == 0:  # followers of an index group reuse the anchor's top-k
+                positions = np.full((len(request_ids), top_k), -1, dtype=np.int32)
+                for b, rid in enumerate(request_ids):
+                    seq_len = expected[rid].shape[1]
+                    chosen = rng.choice(seq_len, size=min(top_k, seq_len), replace=False)
+                    positions[b, : chosen.size] = chosen
+            device_rows = cache.swap_in(layer, torch.from_numpy(positions)).clone()
             device_kv = cache.device_kv(layer)
             for b, rid in enumerate(request_ids):
                 for k, position in enumerate(positions[b]):
@@ -264,7 +282,26 @@ def test_timeout_releases_rows_and_late_notification_is_ignored(
         sender.write(retry, list(source)).wait(timeout_s=10.0)
         [outcome] = poll_until(endpoint, 1)
         assert outcome.ready and outcome.transfer_id == retry.transfer_id
+        for layer, host in enumerate(cache_host_tensors(cache)):
+            assert torch.equal(host[torch.from_numpy(retry.rows())], source[layer])
         cache.finish("slow")
+        assert host_extents_used(cache) == 0
+    finally:
+        endpoint.close()
+
+
+@needs_nixl
+def test_request_released_behind_the_endpoints_back_still_times_out_cleanly(cache: Any) -> None:
+    from hisparse.pd import NixlDecodeEndpoint
+
+    now = [0.0]
+    endpoint = NixlDecodeEndpoint(cache, unique("decode"), timeout_s=1.0, clock=lambda: now[0])
+    try:
+        endpoint.prepare_request("aborted-directly", 8)
+        cache.abort("aborted-directly")
+        now[0] = 1.0
+        [outcome] = endpoint.poll()  # reports, never raises
+        assert isinstance(outcome.error, TransferError) and endpoint.pending == []
         assert host_extents_used(cache) == 0
     finally:
         endpoint.close()
@@ -315,8 +352,10 @@ def test_sources_that_do_not_match_the_ticket_are_refused_before_sending(
 
 
 @needs_nixl
-def test_writing_to_a_decode_process_that_is_gone_raises_transfer_error(sender: Any) -> None:
-    worker = Worker(pd_workers.decode_worker, unique("decode-gone"), CONFIG, 20)
+def test_writing_to_a_decode_process_that_is_gone_raises_transfer_error(
+    workers: dict[str, Worker], sender: Any
+) -> None:
+    worker = workers["decode-gone"]
     try:
         metadata, ticket_bytes = worker.receive()
         sender.connect(metadata)

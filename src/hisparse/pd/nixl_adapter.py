@@ -35,7 +35,13 @@ from typing import Any, NoReturn, Protocol
 import numpy as np
 import torch
 
-from hisparse.errors import HisparseError, InvalidInputError, TransferError
+from hisparse.errors import (
+    HisparseError,
+    InvalidInputError,
+    RequestStateError,
+    TransferError,
+    UnknownRequestError,
+)
 from hisparse.pd.ticket import TransferTicket, coalesce_rows, split_runs
 
 logger = logging.getLogger(__name__)
@@ -272,7 +278,7 @@ class NixlDecodeEndpoint:
         if transfer_id is None:
             raise InvalidInputError(f"request {request_id!r} has no pending transfer to cancel.")
         self._retire(transfer_id, "cancelled")
-        self.cache.abort(request_id)
+        self._release(request_id)
 
     def close(self) -> None:
         """Cancel every pending transfer and deregister the pool. The endpoint is unusable after."""
@@ -350,9 +356,16 @@ class NixlDecodeEndpoint:
 
     def _fail(self, transfer_id: str, error: TransferError, why: str) -> TransferOutcome:
         pending = self._retire(transfer_id, why)
-        self.cache.abort(pending.request_id)
+        self._release(pending.request_id)
         logger.warning("%s", error)
         return TransferOutcome(pending.request_id, transfer_id, error)
+
+    def _release(self, request_id: Hashable) -> None:
+        try:
+            self.cache.abort(request_id)
+        except (UnknownRequestError, RequestStateError):
+            # Someone called cache.abort directly (endpoint.cancel is the way); nothing is held.
+            logger.warning("request %r was already released from the cache", request_id)
 
     def _retire(self, transfer_id: str, why: str) -> _Pending:
         pending = self._pending.pop(transfer_id)
@@ -375,10 +388,13 @@ class PrefillWrite:
         self.ticket = ticket
         self._sender = sender
         self._handle = handle
+        self._error: TransferError | None = None
         self.done = False
 
     def poll(self) -> bool:
         """True once every row landed on the decode node (its notification is then on its way)."""
+        if self._error is not None:
+            raise self._error
         if self.done:
             return True
         try:
@@ -407,11 +423,12 @@ class PrefillWrite:
         except Exception:
             logger.warning("could not cancel NIXL transfer %s", self.ticket.transfer_id)
         self._sender._notify_failure(self.ticket, reason)
-        raise TransferError(
+        self._error = TransferError(
             f"KV transfer {self.ticket.transfer_id} of request {self.ticket.request_id} to "
             f"{self.ticket.agent_name!r} failed: {reason}. The decode node releases the rows "
             "on the failure notice or at its deadline; re-run prefill for this request."
-        ) from cause
+        )
+        raise self._error from cause
 
 
 class NixlPrefillSender:

@@ -1,0 +1,380 @@
+"""Reusable core of the benchmarks: SW-1 (DESIGN.md section 8) and the copy-limit probes.
+
+`hisparse bench` drives these functions; `benchmarks/swap_in.py` may import them too. They
+call the backend's kernels directly on hand-built `CacheTables` (one layer, one group), so
+the host layout is under the benchmark's control:
+  * scattered: every token at a random row of a pool holding all B x seq_len tokens;
+  * extents: contexts built from `extent_tokens`-token extents by the library's allocator.
+Every cell checks the rows its last step returned against the host pool, byte for byte.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from hisparse.backends.base import Backend
+from hisparse.backends.features import Feature
+from hisparse.core.host_pool import ExtentAllocator
+from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.errors import InvalidInputError
+
+LAYOUTS = ("scattered", "extents")
+
+
+@dataclass(frozen=True)
+class SW1Sizes:
+    """SW-1 as DESIGN.md section 8 defines it; `quick()` shrinks it for a CPU."""
+
+    seq_len: int = 32768
+    top_k: int = 2048
+    hot_slots: int = 4096
+    row_bytes: int = 656
+    extent_tokens: int = 512
+    warmup_steps: int = 8
+    timed_steps: int = 40
+
+    @classmethod
+    def quick(cls) -> SW1Sizes:
+        return cls(seq_len=8192, warmup_steps=2, timed_steps=5)
+
+    def check(self) -> None:
+        problems = []
+        if self.hot_slots < self.top_k:
+            problems.append(f"hot_slots ({self.hot_slots}) must be >= top_k ({self.top_k})")
+        if self.seq_len <= self.hot_slots + self.top_k:
+            problems.append(f"seq_len ({self.seq_len}) must exceed hot_slots + top_k "
+                            f"({self.hot_slots + self.top_k}) so that misses are possible")
+        if self.row_bytes % 4:
+            problems.append(f"row_bytes ({self.row_bytes}) must be a multiple of 4")
+        if self.seq_len % self.extent_tokens:
+            problems.append(f"seq_len ({self.seq_len}) must be a multiple of extent_tokens "
+                            f"({self.extent_tokens})")
+        if self.timed_steps < 1:
+            problems.append(f"timed_steps must be >= 1, got {self.timed_steps}")
+        if problems:
+            raise InvalidInputError("invalid SW-1 sizes: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class SW1Cell:
+    layout: str
+    batch: int
+    churn: float
+    step_seconds: float  # median over the timed steps
+    misses_per_step: float
+    miss_bytes_per_second: float | None  # misses x row bytes / step time; None without misses
+    verified: bool  # the last step's rows equal the host rows, byte for byte
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class StepTimer:
+    """Device events on an accelerator, the wall clock (after the call returns) on the CPU."""
+
+    def __init__(self, backend: Backend, device: torch.device) -> None:
+        self.backend = backend
+        self.on_host = device.type == "cpu"
+        self.device = device
+
+    def time(self, call: Callable[[], None]) -> float:
+        if self.on_host:
+            start = time.perf_counter()
+            call()
+            return time.perf_counter() - start
+        begin = torch.Event(device=self.device, enable_timing=True)
+        end = torch.Event(device=self.device, enable_timing=True)
+        begin.record()
+        call()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3  # milliseconds
+
+
+def swap_in_kernel(backend: Backend) -> tuple[Callable[..., None], str]:
+    """The kernel the engine would run by default, and its name."""
+    if backend.supports(Feature.ZERO_COPY_SWAP_IN):
+        kernel = backend.zero_copy_swap_in_kernel()
+    else:
+        kernel = backend.swap_in_kernel()
+    return kernel, f"{kernel.__module__}.{kernel.__name__}"
+
+
+def fill_pool(pool: torch.Tensor) -> None:
+    """Bytes that differ from row to row, so a wrong row cannot pass the byte check."""
+    words = pool.view(torch.int32)
+    rows, width = words.shape
+    columns = torch.arange(width, dtype=torch.int32)[None, :] * 40503 + 7
+    chunk = max(1, (64 << 20) // pool.shape[1])  # 64 MiB at a time: no pool-sized temporaries
+    for start in range(0, rows, chunk):
+        row_ids = torch.arange(start, min(start + chunk, rows), dtype=torch.int32)[:, None]
+        # Multiplicative hashing (wraps in int32): cheap, and different in every word.
+        words[start : start + row_ids.shape[0]] = row_ids * -1640531535 + columns
+
+
+def page_table_for(layout: str, batch: int, sizes: SW1Sizes, rng: np.random.Generator
+                   ) -> tuple[np.ndarray, int]:
+    """(page_table [B, P], extent size) for a pool of exactly B x seq_len rows."""
+    if layout == "scattered":
+        # One-token extents: a page-table entry per token, at a random row of the pool.
+        return rng.permutation(batch * sizes.seq_len).reshape(batch, sizes.seq_len), 1
+    if layout == "extents":
+        extents_per_request = sizes.seq_len // sizes.extent_tokens
+        allocator = ExtentAllocator(batch * extents_per_request)
+        table = [allocator.allocate(extents_per_request) for _ in range(batch)]
+        return np.asarray(table, dtype=np.int64), sizes.extent_tokens
+    raise InvalidInputError(f"unknown host layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+
+
+def build_tables(
+    backend: Backend, pool: torch.Tensor, layout: str, batch: int, sizes: SW1Sizes,
+    rng: np.random.Generator,
+) -> tuple[CacheTables, np.ndarray]:
+    """One layer with B requests of seq_len tokens, hot buffers seeded (ARCHITECTURE.md)."""
+    device = backend.device()
+    hot, slots, n = sizes.hot_slots, sizes.hot_slots + 1, sizes.seq_len
+    pages, extent = page_table_for(layout, batch, sizes, rng)
+    host_rows = token_host_rows(pages, extent, n)  # [B, seq_len]
+    num_rows = batch * n
+    i32 = {"dtype": torch.int32, "device": device}
+    host = pool[:num_rows]
+    seeded = host_rows[:, n - 1 - hot:]  # the H tokens before the newest, then the newest
+    device_kv = torch.zeros(1, batch * slots, sizes.row_bytes, dtype=torch.uint8, device=device)
+    device_kv[0].view(batch, slots, -1).copy_(
+        host[torch.from_numpy(seeded.reshape(-1))].view(batch, slots, -1)
+    )
+    resident = torch.full((1, num_rows), -1, **i32)
+    lru_rows = torch.from_numpy(seeded[:, :hot].reshape(-1)).to(device)
+    resident[0, lru_rows] = torch.arange(hot, **i32).repeat(batch)
+    tables = CacheTables(
+        device_kv=device_kv,
+        host_kv=[host],
+        page_table=torch.from_numpy(pages.astype(np.int32)).to(device),
+        seq_lens=torch.full((batch,), n, **i32),
+        slot_row=torch.from_numpy(seeded[:, :hot].astype(np.int32)).to(device)[None],
+        lru=torch.arange(hot, **i32).repeat(1, batch, 1),
+        resident=resident,
+        counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
+        hot_slots=hot,
+        extent_tokens=extent,
+    )
+    return tables, host_rows
+
+
+def token_host_rows(pages: np.ndarray, extent: int, seq_len: int) -> np.ndarray:
+    positions = np.arange(seq_len)
+    return pages[:, positions // extent] * extent + positions % extent
+
+
+class ChurnTrace:
+    """SW-1's top-k: each step keeps (1 - churn) of the previous one and takes the rest from
+    positions not selected before (cycling through a per-request permutation: by the time it
+    wraps, the hot buffer has long evicted them). The newest token is never selected."""
+
+    def __init__(self, batch: int, sizes: SW1Sizes, churn: float, rng: np.random.Generator):
+        self.rng = rng
+        self.top_k = sizes.top_k
+        self.fresh_per_step = round(churn * sizes.top_k)
+        self.order = np.argsort(rng.random((batch, sizes.seq_len - 1)), axis=1)
+        self.current = self.order[:, : sizes.top_k].copy()
+        self.cursor = sizes.top_k
+
+    def step(self) -> np.ndarray:
+        fresh = self.fresh_per_step
+        if fresh:
+            span = self.order.shape[1]
+            take = (self.cursor + np.arange(fresh)) % span
+            self.cursor = (self.cursor + fresh) % span
+            keep = self.rng.permuted(self.current, axis=1)[:, : self.top_k - fresh]
+            self.current = np.concatenate([keep, self.order[:, take]], axis=1)
+        return self.current.astype(np.int32)
+
+
+def sw1_cell(
+    backend: Backend, pool: torch.Tensor, layout: str, batch: int, churn: float,
+    sizes: SW1Sizes, seed: int = 0,
+) -> SW1Cell:
+    rng = np.random.default_rng([seed, batch, round(churn * 1000), LAYOUTS.index(layout)])
+    device = backend.device()
+    tables, host_rows = build_tables(backend, pool, layout, batch, sizes, rng)
+    kernel, _ = swap_in_kernel(backend)
+    trace = ChurnTrace(batch, sizes, churn, rng)
+    req_slots = torch.arange(batch, dtype=torch.int32, device=device)
+    num_real = torch.tensor([batch], dtype=torch.int32, device=device)
+    out = torch.full((batch, sizes.top_k), -1, dtype=torch.int32, device=device)
+    timer = StepTimer(backend, device)
+    times, misses = [], []
+    top_k = None
+    for step in range(sizes.warmup_steps + sizes.timed_steps):
+        positions = trace.step()
+        top_k = torch.from_numpy(positions).to(device)
+        before = int(tables.counters[0, 1])
+        backend.synchronize()
+        seconds = timer.time(lambda t=top_k: kernel(tables, 0, 0, req_slots, t, num_real, out))
+        if step >= sizes.warmup_steps:
+            times.append(seconds)
+            misses.append(int(tables.counters[0, 1]) - before)
+    assert top_k is not None
+    verified = rows_match(tables, host_rows, positions, out)
+    step_seconds = statistics.median(times)
+    misses_per_step = statistics.mean(misses)
+    return SW1Cell(
+        layout=layout,
+        batch=batch,
+        churn=churn,
+        step_seconds=step_seconds,
+        misses_per_step=misses_per_step,
+        miss_bytes_per_second=(misses_per_step * sizes.row_bytes / step_seconds
+                               if misses_per_step else None),
+        verified=verified,
+    )
+
+
+def rows_match(tables: CacheTables, host_rows: np.ndarray, positions: np.ndarray,
+               out: torch.Tensor) -> bool:
+    """Every returned device row holds the host row of its token (DESIGN.md 3.1)."""
+    expected_rows = np.take_along_axis(host_rows, positions.astype(np.int64), axis=1)
+    expected = tables.host_kv[0][torch.from_numpy(expected_rows.reshape(-1))]
+    returned = out.reshape(-1).long()
+    if bool((returned < 0).any()):
+        return False
+    got = tables.device_kv[0][returned].cpu()
+    return bool(torch.equal(got, expected))
+
+
+def run_sw1(
+    backend: Backend,
+    batches: Sequence[int],
+    churns: Sequence[float],
+    layouts: Sequence[str] = LAYOUTS,
+    sizes: SW1Sizes | None = None,
+    seed: int = 0,
+    on_cell: Callable[[SW1Cell], None] | None = None,
+) -> list[SW1Cell]:
+    """Every (layout, batch, churn) cell over one host pool sized for the largest batch."""
+    sizes = sizes or SW1Sizes()
+    sizes.check()
+    bad = [layout for layout in layouts if layout not in LAYOUTS]
+    if bad:
+        raise InvalidInputError(f"unknown host layouts {bad}; use {', '.join(LAYOUTS)}")
+    rows = max(batches) * sizes.seq_len
+    raw = backend.alloc_host(rows * sizes.row_bytes)
+    try:
+        pool = raw.view(rows, sizes.row_bytes)
+        fill_pool(pool)
+        cells = []
+        for layout in layouts:
+            for batch in batches:
+                for churn in churns:
+                    cell = sw1_cell(backend, pool, layout, batch, churn, sizes, seed)
+                    cells.append(cell)
+                    if on_cell is not None:
+                        on_cell(cell)
+        return cells
+    finally:
+        backend.synchronize()
+        backend.free_host(raw)
+
+
+# --- copy limits ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CopyResult:
+    name: str  # "bulk host-to-device", "bulk device-to-host", "gather"
+    num_bytes: int
+    rows: int | None  # gathered rows (None for bulk copies)
+    seconds: float  # median
+    bytes_per_second: float
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def bulk_copies(backend: Backend, num_bytes: int, repeats: int = 5) -> list[CopyResult]:
+    """One large copy each way between a backend host buffer and a device tensor."""
+    device = backend.device()
+    host = backend.alloc_host(num_bytes)
+    try:
+        target = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        timer = StepTimer(backend, device)
+        results = []
+        for name, copy in (
+            ("bulk host-to-device", lambda: target.copy_(host, non_blocking=True)),
+            ("bulk device-to-host", lambda: host.copy_(target, non_blocking=True)),
+        ):
+            copy()  # first touch and any lazy setup
+            backend.synchronize()
+            seconds = statistics.median(timer.time(copy) for _ in range(repeats))
+            results.append(CopyResult(name, num_bytes, None, seconds, num_bytes / seconds))
+        return results
+    finally:
+        backend.synchronize()
+        backend.free_host(host)
+
+
+def scattered_gather(
+    backend: Backend, pool_bytes: int, row_counts: Sequence[int], row_bytes: int = 656,
+    repeats: int = 5, seed: int = 0,
+) -> list[CopyResult]:
+    """Random rows of a host pool into device rows with the backend's planned-copy kernel
+    (the copy half of swap-in): the rate a miss can be served at."""
+    device = backend.device()
+    rows_in_pool = pool_bytes // row_bytes
+    if max(row_counts) > rows_in_pool:
+        raise InvalidInputError(f"cannot gather {max(row_counts)} distinct rows from a pool of "
+                                f"{rows_in_pool}; raise the pool size or gather fewer rows")
+    rng = np.random.default_rng(seed)
+    top_k = 2048
+    raw = backend.alloc_host(rows_in_pool * row_bytes)
+    try:
+        pool = raw.view(rows_in_pool, row_bytes)
+        fill_pool(pool)
+        copy = backend.copy_planned_kernel()
+        timer = StepTimer(backend, device)
+        results = []
+        for count in row_counts:
+            batch = -(-count // top_k)
+            tables = _gather_tables(pool, batch * top_k, device)
+            plan = MissPlan.empty(batch, top_k, device)
+            src = np.zeros(batch * top_k, dtype=np.int64)  # past `count`: left out by counts
+            src[:count] = rng.choice(rows_in_pool, size=count, replace=False)
+            plan.src.copy_(torch.from_numpy(src.astype(np.int32)).view(batch, top_k))
+            plan.dst.copy_(torch.arange(batch * top_k, dtype=torch.int32).view(batch, top_k))
+            counts = np.minimum(top_k, np.maximum(0, count - top_k * np.arange(batch)))
+            plan.count.copy_(torch.from_numpy(counts.astype(np.int32)))
+            copy(tables, 0, plan)
+            backend.synchronize()
+            seconds = statistics.median(
+                timer.time(lambda t=tables, p=plan: copy(t, 0, p)) for _ in range(repeats)
+            )
+            got = tables.device_kv[0][:count].cpu()
+            if not torch.equal(got, pool[torch.from_numpy(src[:count])]):
+                raise AssertionError(f"gather of {count} rows returned wrong bytes")
+            moved = count * row_bytes
+            results.append(CopyResult("gather", moved, count, seconds, moved / seconds))
+        return results
+    finally:
+        backend.synchronize()
+        backend.free_host(raw)
+
+
+def _gather_tables(pool: torch.Tensor, rows: int, device: torch.device) -> CacheTables:
+    """Tables that only the copy kernels read: host rows and `rows` device rows."""
+    one = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
+    return CacheTables(
+        device_kv=torch.zeros(1, rows, pool.shape[1], dtype=torch.uint8, device=device),
+        host_kv=[pool],
+        page_table=one[0],
+        seq_lens=one[0, 0],
+        slot_row=one,
+        lru=one,
+        resident=one[0],
+        counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
+        hot_slots=1,
+        extent_tokens=1,
+    )

@@ -1,0 +1,135 @@
+"""`hisparse bench` on the CPU at tiny sizes: SW-1 cells, copy probes, JSON, errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from hisparse import benchmarking
+from hisparse.backends.registry import get_backend
+from hisparse.cli.main import main
+
+TINY = ["--device", "cpu", "--no-progress", "--batches", "1", "2", "--churns", "0", "1",
+        "--seq-len", "1024", "--top-k", "64", "--hot-buffer", "128", "--warmup", "2",
+        "--steps", "2", "--bulk-mib", "1", "--gather-pool-mib", "1",
+        "--gather-rows", "100", "1000"]
+
+
+def bench_json(capsys: pytest.CaptureFixture[str], tmp_path, *argv: str) -> dict:
+    target = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--json", "--output", str(target), *argv]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert json.loads(target.read_text()) == doc
+    return doc
+
+
+def test_sw1_cells_and_copy_probes(capsys: pytest.CaptureFixture[str], tmp_path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the default PNG lands here, if matplotlib is installed
+    seed = str(np.random.default_rng().integers(2**31))
+    doc = bench_json(capsys, tmp_path, "--seed", seed)
+    assert doc["schema_version"] == 1 and doc["command"] == "bench"
+    assert doc["backend"] == "cpu" and doc["cpu_numbers"] is True and doc["quick"] is True
+    assert doc["swap_in_kernel"].endswith("swap_in_reference")
+    assert doc["sw1"]["sizes"]["top_k"] == 64 and doc["sw1"]["sizes"]["hot_slots"] == 128
+    cells = doc["sw1"]["cells"]
+    assert [(c["layout"], c["batch"], c["churn"]) for c in cells] == [
+        (layout, batch, churn) for layout in ("scattered", "extents") for batch in (1, 2)
+        for churn in (0.0, 1.0)
+    ]
+    for cell in cells:
+        assert cell["verified"] is True
+        assert cell["step_seconds"] > 0
+        assert cell["target_met"] is None  # CPU numbers are never judged against H200 targets
+        if cell["churn"] == 0:
+            assert cell["misses_per_step"] == 0 and cell["miss_bytes_per_second"] is None
+        else:
+            # Fresh positions are never selected before; only still-seeded tokens can hit.
+            assert 0.5 * 64 * cell["batch"] < cell["misses_per_step"] <= 64 * cell["batch"]
+            assert cell["miss_bytes_per_second"] == pytest.approx(
+                cell["misses_per_step"] * 656 / cell["step_seconds"])
+    copies = {(r["name"], r["rows"]): r for r in doc["copy_limits"]}
+    assert set(copies) == {("bulk host-to-device", None), ("bulk device-to-host", None),
+                           ("gather", 100), ("gather", 1000)}
+    assert copies[("bulk host-to-device", None)]["num_bytes"] == 1 << 20
+    assert copies[("bulk host-to-device", None)]["h200_measured_limit"] == "52-55 GB/s"
+    assert copies[("gather", 1000)]["num_bytes"] == 1000 * 656
+    for result in copies.values():
+        assert result["bytes_per_second"] == pytest.approx(
+            result["num_bytes"] / result["seconds"])
+
+
+def test_only_copy_and_table_output(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    target = tmp_path / "copy.json"
+    assert main(["bench", *TINY, "--only", "copy", "--output", str(target)]) == 0
+    text = capsys.readouterr().out
+    assert "CPU numbers" in text and "Copy limits" in text and "SW-1" not in text
+    doc = json.loads(target.read_text())
+    assert doc["sw1"]["cells"] == [] and len(doc["copy_limits"]) == 4
+
+
+def test_a_wrong_device_row_fails_the_byte_check() -> None:
+    backend = get_backend("cpu")
+    sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128)
+    rng = np.random.default_rng()
+    pool = backend.alloc_host(2 * 1024 * 656).view(2 * 1024, 656)
+    benchmarking.fill_pool(pool)
+    assert len({bytes(row) for row in pool.numpy()}) == pool.shape[0], "rows must differ"
+    tables, host_rows = benchmarking.build_tables(backend, pool, "extents", 2, sizes, rng)
+    trace = benchmarking.ChurnTrace(2, sizes, churn=0.5, rng=rng)
+    positions = trace.step()
+    out = torch.full((2, 64), -1, dtype=torch.int32)
+    kernel, _ = benchmarking.swap_in_kernel(backend)
+    kernel(tables, 0, 0, torch.arange(2, dtype=torch.int32), torch.from_numpy(positions),
+           torch.tensor([2], dtype=torch.int32), out)
+    assert benchmarking.rows_match(tables, host_rows, positions, out)
+    poisoned = int(out[1, int(rng.integers(64))])
+    tables.device_kv[0, poisoned, int(rng.integers(656))] ^= 0xFF
+    assert not benchmarking.rows_match(tables, host_rows, positions, out)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--churns", "2"], "--churns"),
+        (["--layouts", "diagonal"], "--layouts"),
+        (["--hot-buffer", "10"], "--hot-buffer"),
+        (["--gather-rows", "10000000"], "--gather-rows"),
+        (["--device", "no-such-device"], "--device"),
+        (["--only", "everything"], "--only"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_argument(
+    capsys: pytest.CaptureFixture[str], argv: Sequence[str], named: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *TINY, *argv])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("hisparse bench: error: argument") and named in error
+
+
+def test_plot_writes_a_png_or_says_matplotlib_is_missing(
+    capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    target = tmp_path / "bench.png"
+    code = main(["bench", *TINY, "--only", "copy", "--output", str(tmp_path / "b.json"),
+                 "--plot", str(target)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert code == 1
+        assert "--plot needs matplotlib" in capsys.readouterr().err
+    else:
+        assert code == 0
+        assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_help_carries_an_example(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "hisparse bench --device cuda --output benchmarks/results/" in capsys.readouterr().out

@@ -40,6 +40,8 @@ def format_rate(bytes_per_s: float | None) -> str:
     """Bandwidth in decimal GB/s, the unit link speeds and DESIGN.md use."""
     if bytes_per_s is None or not math.isfinite(bytes_per_s):
         return "-"
+    if bytes_per_s < 1e9:
+        return f"{bytes_per_s / 1e6:.2f} MB/s"
     return f"{bytes_per_s / 1e9:.2f} GB/s"
 
 

@@ -74,7 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     size.add_argument("--requests", type=out.positive_int, default=None,
                       help="concurrent requests, all in every step")
     size.add_argument("--layers", type=out.positive_int, default=None,
-                      help="KV layers to simulate (overrides the preset's)")
+                      help="KV layers to simulate (default: the preset's, at most 2 on a CPU "
+                      "and 8 elsewhere)")
     size.add_argument("--steps", type=out.positive_int, default=None, help="decode steps")
     size.add_argument("--warmup", type=out.non_negative_int, default=None,
                       help="first steps left out of the summary (compilation, cold LRU)")
@@ -130,10 +131,12 @@ def run(args: argparse.Namespace) -> int:
     sizes = {key: getattr(args, key) if getattr(args, key) is not None else value
              for key, value in defaults.items()}
     config = out.load_preset(
-        parser, args.preset, CONFIG_FLAGS, kv_dtype=args.kv_dtype, num_layers=sizes["layers"],
+        parser, args.preset, CONFIG_FLAGS, kv_dtype=args.kv_dtype, num_layers=args.layers,
         top_k=args.top_k, device_buffer_size=args.hot_buffer,
         index_group_size=args.index_group_size,
     )
+    if args.layers is None and config.num_layers > sizes["layers"]:
+        config = config.replace(num_layers=sizes["layers"])  # the default caps the preset's
     if args.heavy_hitters is not None and args.heavy_hitters > config.top_k:
         parser.error(f"argument --heavy-hitters: {args.heavy_hitters} is more than top-k "
                      f"{config.top_k}; use at most top-k")

@@ -63,7 +63,9 @@ def test_sw1_cells_and_copy_probes(capsys: pytest.CaptureFixture[str], tmp_path,
             result["num_bytes"] / result["seconds"])
 
 
-def test_only_copy_and_table_output(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+def test_only_copy_and_table_output(capsys: pytest.CaptureFixture[str], tmp_path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the default PNG lands here, if matplotlib is installed
     target = tmp_path / "copy.json"
     assert main(["bench", *TINY, "--only", "copy", "--output", str(target)]) == 0
     text = capsys.readouterr().out

@@ -12,6 +12,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hisparse.backends.base import Backend
@@ -454,6 +455,15 @@ class HiSparseCache:
 
     def seq_len(self, request_id: Hashable) -> int:
         return self._requests.get(request_id, "look up").num_tokens
+
+    def request_slot(self, request_id: Hashable) -> int | None:
+        """The device request slot `r` (rows `r*S .. r*S+H`), None while it holds none."""
+        return self._requests.get(request_id, "look up").slot
+
+    def host_rows(self, request_id: Hashable) -> np.ndarray:
+        """Host row (int64) of each of the request's tokens, the same in every layer."""
+        record = self._requests.get(request_id, "look up")
+        return token_rows(record.extents, self.extent_tokens, 0, record.num_tokens)
 
     def stats(self) -> CacheStats:
         """Traffic per layer and occupancy. Reads the device counters (one host sync)."""

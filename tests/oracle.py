@@ -1,0 +1,155 @@
+"""A plain-Python model of the cache: the oracle the engine is compared with step by step.
+
+It knows nothing of tensors, extents or kernels. Per request it keeps each layer's token rows
+(bytes) and length; per (request, index group) a dict position -> hot slot and the LRU list,
+following docs/ARCHITECTURE.md word for word. Device rows are `request_slot * S + slot`; the
+request slot comes from the engine, everything else is predicted here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+NONE = -1
+
+
+@dataclass
+class HotBuffer:
+    """One (request, group): which positions the LRU slots hold, and the LRU order."""
+
+    slot_of: dict[int, int] = field(default_factory=dict)  # position -> slot 0..H-1
+    lru: list[int] = field(default_factory=list)  # slot ids, least recently used first
+
+    def position_of(self, slot: int) -> int | None:
+        return next((p for p, s in self.slot_of.items() if s == slot), None)
+
+
+@dataclass
+class ModelRequest:
+    rows: list[list[bytes]]  # rows[layer][position]: the bytes attention must see
+    running: bool = False
+    buffers: list[HotBuffer] = field(default_factory=list)  # one per group while running
+
+    @property
+    def length(self) -> int:
+        return len(self.rows[0])
+
+
+@dataclass
+class LayerCounts:
+    hits: int = 0
+    misses: int = 0
+    invalid: int = 0
+
+
+class CacheModel:
+    def __init__(self, num_layers: int, hot_slots: int, index_group_size: int) -> None:
+        self.num_layers = num_layers
+        self.hot = hot_slots
+        self.group_size = index_group_size
+        self.num_groups = -(-num_layers // index_group_size)
+        self.requests: dict[Hashable, ModelRequest] = {}
+        self.counts = [LayerCounts() for _ in range(num_layers)]
+        # What each group's anchor produced this step, for its followers to return.
+        self._last_delta = [LayerCounts() for _ in range(self.num_groups)]
+        self._last_result: list[list[list[int]]] = [[] for _ in range(self.num_groups)]
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def add(self, request_id: Hashable, rows: list[list[bytes]]) -> None:
+        self.requests[request_id] = ModelRequest(rows=[list(r) for r in rows])
+
+    def seed(self, request_id: Hashable) -> None:
+        """Slots 0..H-1 get the H tokens before the newest, oldest first; lru = 0..H-1."""
+        request = self.requests[request_id]
+        n, hot = request.length, self.hot
+        first = max(0, n - 1 - hot)
+        held = {first + s: s for s in range(min(n, hot))}
+        request.buffers = [HotBuffer(dict(held), list(range(hot))) for _ in range(self.num_groups)]
+        request.running = True
+
+    def release(self, request_id: Hashable) -> None:
+        request = self.requests[request_id]
+        request.running, request.buffers = False, []
+
+    def remove(self, request_id: Hashable) -> None:
+        del self.requests[request_id]
+
+    def append(self, request_id: Hashable, new_rows: Sequence[bytes]) -> None:
+        """One decode token; in the short regime it takes its own slot in every group."""
+        request = self.requests[request_id]
+        for layer, row in enumerate(new_rows):
+            request.rows[layer].append(row)
+        position = request.length - 1
+        if request.length <= self.hot:
+            for buffer in request.buffers:
+                buffer.slot_of[position] = position
+
+    def newest_slot(self, request_id: Hashable) -> int:
+        n = self.requests[request_id].length
+        return n - 1 if n <= self.hot else self.hot
+
+    # --- swap-in --------------------------------------------------------------------------
+    def swap_in(self, layer: int, batch: Sequence[Hashable], top_k: Sequence[Sequence[int]]
+                ) -> list[list[int]]:
+        """Slots within each request (or -1) for the real rows; updates LRU on anchors only."""
+        group, offset = divmod(layer, self.group_size)
+        if offset:  # a follower sees the anchor's result and the anchor's counts
+            delta = self._last_delta[group]
+            counts = self.counts[layer]
+            counts.hits += delta.hits
+            counts.misses += delta.misses
+            counts.invalid += delta.invalid
+            return self._last_result[group]
+        delta = LayerCounts()
+        result = [
+            self._swap_in_row(group, request_id, list(row), delta)
+            for request_id, row in zip(batch, top_k, strict=True)
+        ]
+        counts = self.counts[layer]
+        counts.hits += delta.hits
+        counts.misses += delta.misses
+        counts.invalid += delta.invalid
+        self._last_delta[group] = delta
+        self._last_result[group] = result
+        return result
+
+    def _swap_in_row(self, group: int, request_id: Hashable, positions: list[int],
+                     delta: LayerCounts) -> list[int]:
+        request = self.requests[request_id]
+        n, hot = request.length, self.hot
+        buffer = request.buffers[group]
+        out = [NONE] * len(positions)
+        misses: list[int] = []
+        hit_slots: set[int] = set()
+        for index, position in enumerate(positions):
+            if position == NONE:
+                continue
+            if position < NONE or position >= n:
+                delta.invalid += 1
+                continue
+            if n <= hot:
+                out[index] = position
+            elif position == n - 1:
+                out[index] = hot
+            elif position in buffer.slot_of:
+                out[index] = buffer.slot_of[position]
+                hit_slots.add(out[index])
+            else:
+                misses.append(index)
+                continue
+            delta.hits += 1
+        if n <= hot:
+            return out
+        evictable = [s for s in buffer.lru if s not in hit_slots]
+        for rank, index in enumerate(misses):
+            victim = evictable[rank]
+            old = buffer.position_of(victim)
+            if old is not None:
+                del buffer.slot_of[old]
+            buffer.slot_of[positions[index]] = victim
+            out[index] = victim
+        delta.misses += len(misses)
+        used = len(misses)
+        buffer.lru = evictable[used:] + evictable[:used] + [s for s in buffer.lru if s in hit_slots]
+        return out

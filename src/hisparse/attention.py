@@ -1,0 +1,61 @@
+"""Reference sparse MLA decode attention over KV rows, in torch with fp32 accumulation.
+
+It is the check that the cache is transparent: attention over `cache.device_kv(layer)` at the
+rows `swap_in` returned equals attention over the full KV at the original positions, bit for
+bit, because both read the same bytes in the same order. Not a fast kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse.core.validation import check_tensor
+from hisparse.errors import InvalidInputError
+
+LATENT_DIM = 512  # DeepSeek-V3.2 / GLM-5 MLA: the value is the latent part of the key
+ROPE_DIM = 64
+
+
+def sparse_mla_decode_reference(
+    q: torch.Tensor,
+    kv_rows: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    *,
+    latent_dim: int = LATENT_DIM,
+    rope_dim: int = ROPE_DIM,
+) -> torch.Tensor:
+    """One decode token per batch row, attending to the rows `indices` selects.
+
+    Args:
+        q: `[B, heads, latent_dim + rope_dim]` queries (absorbed MLA form), any float dtype.
+        kv_rows: `[N, W]` uint8 rows, each `latent_dim + rope_dim` bf16 values (the key); the
+            value is the first `latent_dim` of them.
+        indices: `[B, K]` int32 rows of `kv_rows`, -1 = masked.
+        softmax_scale: multiplies the scores before the softmax.
+
+    Returns:
+        `[B, heads, latent_dim]` in `q`'s dtype; zeros for a batch row with no valid index.
+    """
+    width = latent_dim + rope_dim
+    check_tensor("q", q, ndim=3)
+    check_tensor("kv_rows", kv_rows, dtype=torch.uint8, ndim=2)
+    check_tensor("indices", indices, dtype=torch.int32, ndim=2)
+    if q.shape[-1] != width or kv_rows.shape[-1] != 2 * width:
+        raise InvalidInputError(
+            f"q's last dimension {q.shape[-1]} and kv_rows' row of {kv_rows.shape[-1]} bytes must "
+            f"be {width} values and {2 * width} bytes (bf16 {latent_dim} latent + {rope_dim} rope)"
+        )
+    if indices.shape[0] != q.shape[0]:
+        raise InvalidInputError(
+            f"indices has {indices.shape[0]} batch rows, q has {q.shape[0]}; pass one row each"
+        )
+    kv = kv_rows.view(torch.bfloat16)  # [N, width]
+    valid = indices >= 0
+    keys = kv[torch.where(valid, indices, 0).long()].float()  # [B, K, width]
+    scores = torch.einsum("bhd,bkd->bhk", q.float(), keys) * softmax_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    # A row with nothing to attend to would be all -inf (NaN after softmax): give it zeros.
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhk,bkd->bhd", weights, keys[..., :latent_dim])
+    return out.to(q.dtype)

@@ -73,6 +73,7 @@ class _ReservingCache(Protocol):
     def reserve_host_slots(self, request_id: Any, num_tokens: int) -> Any: ...
     def complete_transfer(self, request_id: Any) -> None: ...
     def abort(self, request_id: Any) -> None: ...
+    def host_tensors(self) -> list[torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ class NixlDecodeEndpoint:
 
     Args:
         cache: a `hisparse.HiSparseCache` (anything with `reserve_host_slots`,
-            `complete_transfer` and `abort`).
+            `complete_transfer`, `abort` and `host_tensors`).
         agent_name: this node's NIXL agent name, unique among the agents that talk to it.
         host_tensors: the cache's per-layer `[N, W]` host tensors. Default: the cache's own.
         timeout_s: default time from `prepare_request` to the completion notification, after
@@ -156,7 +157,7 @@ class NixlDecodeEndpoint:
         if timeout_s <= 0:
             raise InvalidInputError(f"timeout_s must be > 0 seconds, got {timeout_s}.")
         nixl = import_nixl()
-        pool = list(host_tensors) if host_tensors is not None else _host_pool_of(cache)
+        pool = list(host_tensors if host_tensors is not None else cache.host_tensors())
         for layer, tensor in enumerate(pool):
             if tensor.dim() != 2 or not tensor.is_contiguous():
                 raise InvalidInputError(
@@ -374,11 +375,6 @@ class NixlDecodeEndpoint:
         while len(self._retired) > _RETIRED_MEMORY:
             self._retired.popitem(last=False)
         return pending
-
-
-def _host_pool_of(cache: Any) -> list[torch.Tensor]:
-    tensors = cache.host_tensors()
-    return list(tensors)
 
 
 class PrefillWrite:

@@ -20,6 +20,7 @@ def check_tensor(
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
     ndim: int | None = None,
+    contiguous: bool = True,
 ) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -33,7 +34,7 @@ def check_tensor(
         raise InvalidInputError(
             f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}"
         )
-    if not value.is_contiguous():
+    if contiguous and not value.is_contiguous():
         raise InvalidInputError(f"{name} must be contiguous; call .contiguous() on it first")
     return value
 
@@ -46,15 +47,25 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def as_rows(name: str, kv: torch.Tensor, row_bytes: int, ndim: int) -> torch.Tensor:
-    """View a KV tensor of any dtype, last dimension one token's row, as uint8 `[..., W]`."""
-    check_tensor(name, kv, ndim=ndim)
+    """View a KV tensor of any dtype, last dimension one token's row, as uint8 `[..., W]`.
+
+    Any layout whose rows are each contiguous works (the copies take strided sources).
+    """
+    check_tensor(name, kv, ndim=ndim, contiguous=False)
     width = kv.shape[-1] * kv.element_size()
     if width != row_bytes:
         raise InvalidInputError(
             f"{name} rows are {width} bytes ({kv.shape[-1]} x {kv.dtype}), the cache's rows are "
             f"{row_bytes} bytes; pass each token's row for one layer in the last dimension"
         )
-    return kv.view(torch.uint8) if kv.dtype != torch.uint8 else kv
+    if kv.dtype == torch.uint8:
+        return kv
+    if kv.stride(-1) != 1:
+        raise InvalidInputError(
+            f"{name} has stride {kv.stride(-1)} in its last dimension; each token's row must be "
+            "contiguous: call .contiguous() on it first"
+        )
+    return kv.view(torch.uint8)
 
 
 def check_batch_rows(name: str, rows: int, num_real: int, capacity: int) -> None:

@@ -1,0 +1,195 @@
+"""Engine behaviour the random traces do not pin down: errors, statistics, seeding, streams."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hisparse
+from hisparse.backends.cpu import CPU_FEATURES, CpuBackend
+from hisparse.backends.features import Feature, FeatureTable, supported
+from hisparse.errors import InvalidInputError, RequestStateError, UnknownRequestError
+from test_engine_trace import assert_unchanged, build_cache, snapshot
+
+W = 32
+
+
+def running_cache(validate: bool = True, **overrides):
+    shape = {"hot": 8, "top_k": 4, "extent": 4, "group": 2} | overrides
+    cache = build_cache("cpu", validate=validate, pool_extents=32, **shape)
+    for request_id, length in (("a", 20), ("b", 5)):
+        cache.admit(request_id, length)
+        cache.write_prefill(request_id, torch.randint(0, 256, (4, length, W), dtype=torch.uint8))
+        cache.commit_prefill(request_id)
+    return cache
+
+
+def top_k(*rows: list[int], k: int = 4) -> torch.Tensor:
+    return torch.tensor([r + [-1] * (k - len(r)) for r in rows], dtype=torch.int32)
+
+
+BAD_CALLS = {
+    "unknown id": (UnknownRequestError, lambda c: c.finish("nobody")),
+    "admit twice": (RequestStateError, lambda c: c.admit("a", 3)),
+    "admit zero tokens": (InvalidInputError, lambda c: c.admit("z", 0)),
+    "resume running": (RequestStateError, lambda c: c.resume("a")),
+    "commit twice": (RequestStateError, lambda c: c.commit_prefill("a")),
+    "prefill after commit": (
+        RequestStateError, lambda c: c.write_prefill("a", torch.zeros(4, 1, W, dtype=torch.uint8))),
+    "swap_in outside a step": (RequestStateError, lambda c: c.swap_in(0, top_k([0]))),
+    "duplicate ids": (InvalidInputError, lambda c: c.begin_decode_step(["a", "a"])),
+    "over capacity": (InvalidInputError, lambda c: c.begin_decode_step(["a", "b", "c", "d"])),
+    "not running": (UnknownRequestError, lambda c: c.begin_decode_step(["a", "ghost"])),
+}
+
+
+@pytest.mark.parametrize("name", BAD_CALLS)
+def test_bad_calls_raise_and_change_nothing(name: str) -> None:
+    cache = running_cache()
+    error, call = BAD_CALLS[name]
+    before = snapshot(cache)
+    with pytest.raises(error):
+        call(cache)
+    assert_unchanged(before, cache)
+
+
+STEP_CALLS = {
+    "int64 top_k": lambda c: c.swap_in(0, top_k([0], [1]).long()),
+    "top_k too narrow": lambda c: c.swap_in(0, top_k([0], [1], k=3)),
+    "fewer rows than requests": lambda c: c.swap_in(0, top_k([0])),
+    "more rows than capacity": lambda c: c.swap_in(0, top_k([0], [1], [2], [3])),
+    "position = seq_len": lambda c: c.swap_in(0, top_k([21], [1])),
+    "position < -1": lambda c: c.swap_in(0, top_k([0], [-3])),
+    "duplicate position": lambda c: c.swap_in(0, top_k([3, 3], [1])),
+    "non-contiguous": lambda c: c.swap_in(0, top_k([0, 1], [1, 2]).t().contiguous().t()),
+    "follower first": lambda c: c.swap_in(1, top_k([0], [1])),
+    "layer out of range": lambda c: c.swap_in(4, top_k([0], [1])),
+    "row width": lambda c: c.write_newest(0, torch.zeros(2, W + 1, dtype=torch.uint8)),
+    "second step": lambda c: c.begin_decode_step(["a"]),
+    "finish during step": lambda c: c.finish("a"),
+}
+
+
+@pytest.mark.parametrize("name", STEP_CALLS)
+def test_bad_calls_in_a_step_raise_and_change_nothing(name: str) -> None:
+    cache = running_cache()
+    cache.begin_decode_step(["a", "b"])
+    before = snapshot(cache)
+    with pytest.raises((InvalidInputError, RequestStateError)):
+        STEP_CALLS[name](cache)
+    assert_unchanged(before, cache)
+
+
+def test_follower_with_another_top_k_is_rejected_in_validate_mode() -> None:
+    cache = running_cache()
+    cache.begin_decode_step(["a", "b"])
+    cache.swap_in(0, top_k([0, 1], [2]))
+    with pytest.raises(InvalidInputError, match="anchor layer 0"):
+        cache.swap_in(1, top_k([0, 2], [2]))
+
+
+def test_double_finish_and_prefill_past_the_admitted_length() -> None:
+    cache = running_cache()
+    cache.finish("b")
+    with pytest.raises(RequestStateError, match="already finished"):
+        cache.finish("b")
+    cache.admit("c", 6)
+    with pytest.raises(InvalidInputError, match="admitted with"):
+        cache.write_prefill("c", torch.zeros(3, W, dtype=torch.uint8), layer=0, start=4)
+
+
+def test_statistics_count_bytes_exactly() -> None:
+    cache = running_cache(validate=False)  # H = 8: "a" (20) is long, "b" (5) short
+    seeded = 9 + 5  # H + 1 tokens of "a", all 5 of "b"
+    cache.begin_decode_step(["a", "b"])
+    for layer in range(4):
+        cache.write_newest(layer, torch.zeros(2, W, dtype=torch.uint8))
+        cache.swap_in(layer, top_k([0, 1, 15, 20], [0, 9, -1]))  # 9 >= seq_len 6: invalid
+    cache.end_decode_step()
+    stats = cache.stats()
+    for layer in stats.layers:  # "a": 0, 1 miss, 15 and newest 20 hit; "b": 0 hits
+        assert (layer.hits, layer.misses, layer.invalid) == (3, 2, 1)
+        assert layer.bytes_host_to_device == (2 + seeded) * W
+        assert layer.bytes_device_to_host == (2 + 25) * W  # backups + prefill offload
+    occupancy = stats.occupancy
+    assert occupancy.host_rows_used == 21 + 6 and occupancy.host_extents_used == 6 + 2
+    assert occupancy.internal_fragmentation_rows == 8 * 4 - 27
+    assert occupancy.request_slots_used == 2
+
+
+def test_seeding_equals_appending_to_a_short_sequence() -> None:
+    """H+1 tokens seeded at once give the state H appends to a short sequence give."""
+    cache = running_cache(validate=False)
+    hot = cache.hot_slots
+    rows = torch.randint(0, 256, (4, hot + 1, W), dtype=torch.uint8)
+    cache.admit("grown", 1)
+    cache.write_prefill("grown", rows[:, :1])
+    cache.commit_prefill("grown")
+    for position in range(1, hot + 1):
+        cache.begin_decode_step(["grown"])
+        for layer in range(4):
+            cache.write_newest(layer, rows[layer, position : position + 1])
+        cache.end_decode_step()
+    cache.admit("seeded", hot + 1)
+    cache.write_prefill("seeded", rows)
+    cache.commit_prefill("seeded")
+    t, S = cache.tables, cache.slots_per_request
+    grown, seeded = cache.request_slot("grown"), cache.request_slot("seeded")
+    to_position = {}
+    for name, slot in (("grown", grown), ("seeded", seeded)):
+        rows_of = {int(r): p for p, r in enumerate(cache.host_rows(name))}
+        to_position[name] = [[rows_of.get(int(r), -1) for r in t.slot_row[g, slot]]
+                             for g in range(cache.num_groups)]
+    assert to_position["grown"] == to_position["seeded"]
+    assert torch.equal(t.lru[:, grown], t.lru[:, seeded])
+    assert torch.equal(t.device_kv[:, grown * S : (grown + 1) * S],
+                       t.device_kv[:, seeded * S : (seeded + 1) * S])
+
+
+class SideStreamCpu(CpuBackend):
+    """The CPU backend pretending to have streams: runs the engine's side-stream code paths
+    (anchor-issued follower replays, async backup) in program order."""
+
+    name = "cpu-side-stream"
+    features = FeatureTable(dict(CPU_FEATURES) | {Feature.ASYNC_BACKUP: supported()})
+
+    def new_stream(self):
+        return object()
+
+
+@pytest.mark.parametrize("skip_io", [False, True])
+def test_side_stream_paths_and_skip_io_match_the_plain_path(skip_io: bool) -> None:
+    plain = running_cache(validate=False)
+    config = plain.config.replace(async_backup=True, shared_index_prefetch=True, skip_io=skip_io)
+    other = hisparse.HiSparseCache(config, device=SideStreamCpu())
+    assert other._prefetch_stream is not None and other._backup_stream is not None
+    for request_id, length in (("a", 20), ("b", 5)):
+        host = plain.host_tensors()
+        rows = torch.stack([h[torch.from_numpy(plain.host_rows(request_id))] for h in host])
+        other.admit(request_id, length)
+        other.write_prefill(request_id, rows)
+        other.commit_prefill(request_id)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        new = torch.randint(0, 256, (4, 2, W), dtype=torch.uint8, generator=g)
+        n = plain.seq_len("a")
+        chosen = top_k(torch.randperm(n + 1, generator=g)[:4].tolist(), [0, 2])
+        for cache in (plain, other):
+            cache.begin_decode_step(["a", "b"])
+            outs = []
+            for layer in range(4):
+                cache.write_newest(layer, new[layer])
+                outs.append(cache.swap_in(layer, chosen).clone())
+            cache.end_decode_step()
+            cache.outs = outs
+        assert all(torch.equal(x, y) for x, y in zip(plain.outs, other.outs, strict=True))
+        assert torch.equal(plain.tables.lru, other.tables.lru)
+        assert torch.equal(plain.tables.resident, other.tables.resident)
+        for request_id in ("a", "b"):  # backups landed (skip_io leaves them alone)
+            rows = torch.from_numpy(plain.host_rows(request_id))
+            assert torch.equal(rows, torch.from_numpy(other.host_rows(request_id)))
+            for x, y in zip(plain.host_tensors(), other.host_tensors(), strict=True):
+                assert torch.equal(x[rows], y[rows])
+        same_rows = torch.equal(plain.tables.device_kv, other.tables.device_kv)
+        assert same_rows != skip_io or plain.stats().misses == 0
+    assert [s.misses for s in plain.stats().layers] == [s.misses for s in other.stats().layers]

@@ -1,0 +1,142 @@
+"""Physical limits the swap-in is judged against (DESIGN.md section 8), on one GPU.
+
+Measures bulk pinned host-to-device and device-to-host copies, and a plain zero-copy gather of
+random rows from registered host memory (one Triton program per row) for several pool sizes,
+next to the library's planned copy on the same rows.
+
+    PYTHONPATH=src python benchmarks/copy_limits.py [--pool-gib 2.75] [--out limits.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+ROW_BYTES = 656  # DeepSeek-V3.2 fp8 row
+GIB = 1 << 30
+
+
+@triton.jit
+def _gather_rows_kernel(
+    rows_ptr,  # [M] int64 host row per program
+    host_ptr,  # [N, ROW_WORDS] int32 registered host memory
+    out_ptr,  # [M, ROW_WORDS] int32 device
+    ROW_WORDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0)
+    words = tl.arange(0, BLOCK)
+    row = tl.load(rows_ptr + i)
+    data = tl.load(host_ptr + row * ROW_WORDS + words, mask=words < ROW_WORDS)
+    tl.store(out_ptr + i.to(tl.int64) * ROW_WORDS + words, data, mask=words < ROW_WORDS)
+
+
+def time_us(fn, repeats: int = 10) -> float:
+    """Median device time of `fn` in microseconds (each call queued behind a GPU sleep)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(100_000)  # keeps the GPU busy while the call is queued
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def alloc_registered(num_bytes: int) -> torch.Tensor:
+    """Registered host memory through the library's CUDA backend (exact size, chunked)."""
+    from hisparse.backends.registry import get_backend
+
+    return get_backend("cuda").alloc_host(num_bytes)
+
+
+def measure(host_pool: torch.Tensor) -> dict[str, object]:
+    """All limits, using `host_pool` ([N, ROW_BYTES] uint8, registered) for the gathers."""
+    from hisparse.core.tables import CacheTables, MissPlan
+    from hisparse.kernels.swap_in_triton import copy_planned_triton
+
+    device = torch.device("cuda")
+    results: dict[str, object] = {}
+    bulk_bytes = min(GIB, host_pool.numel())
+    host_flat = host_pool.view(-1)[:bulk_bytes]
+    on_device = torch.empty(bulk_bytes, dtype=torch.uint8, device=device)
+    h2d = time_us(lambda: on_device.copy_(host_flat, non_blocking=True), 5)
+    d2h = time_us(lambda: host_flat.copy_(on_device, non_blocking=True), 5)
+    results["bulk_h2d_GBps"] = round(bulk_bytes / h2d / 1e3, 1)
+    results["bulk_d2h_GBps"] = round(bulk_bytes / d2h / 1e3, 1)
+    # Rewrite the pool with noise after the D2H test scribbled over it.
+    host_flat.copy_(torch.randint(0, 256, (bulk_bytes,), dtype=torch.uint8, device=device))
+
+    words = ROW_BYTES // 4
+    host_words = host_pool.view(torch.int32)
+    total_rows = host_pool.shape[0]
+    gathers = []
+    for pool_gib in (0.021, 0.7, 2.75):  # one request's context, then pools of 1x and 4x
+        pool_rows = min(total_rows, int(pool_gib * GIB) // ROW_BYTES)
+        for count in (2048, 16384, 131072):
+            rows = torch.randint(0, pool_rows, (count,), device=device)
+            out = torch.empty(count, words, dtype=torch.int32, device=device)
+            plain = time_us(lambda rows=rows, out=out, count=count: _gather_rows_kernel[(count,)](
+                rows, host_words, out, ROW_WORDS=words, BLOCK=triton.next_power_of_2(words)))
+            assert torch.equal(out.cpu(), host_words[rows.cpu()]), "plain gather is wrong"
+
+            # The library's planned copy of the same rows, as 2048-miss batch rows.
+            batch = count // 2048
+            device_kv = torch.zeros(1, count, ROW_BYTES, dtype=torch.uint8, device=device)
+            tables = CacheTables(
+                device_kv=device_kv, host_kv=[host_pool],
+                page_table=torch.zeros(1, 1, dtype=torch.int32, device=device),
+                seq_lens=torch.zeros(1, dtype=torch.int32, device=device),
+                slot_row=torch.zeros(1, 1, 2048, dtype=torch.int32, device=device),
+                lru=torch.zeros(1, 1, 2048, dtype=torch.int32, device=device),
+                resident=torch.zeros(1, 1, dtype=torch.int32, device=device),
+                counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
+                hot_slots=2048, extent_tokens=1,
+            )
+            plan = MissPlan.empty(batch, 2048, device)
+            plan.src.copy_(rows.view(batch, 2048))
+            plan.dst.copy_(torch.arange(count, device=device).view(batch, 2048))
+            plan.count.fill_(2048)
+            planned = time_us(lambda t=tables, p=plan: copy_planned_triton(t, 0, p))
+            assert torch.equal(device_kv[0].cpu(), host_pool[rows.cpu()]), "planned copy is wrong"
+            gathers.append({
+                "pool_GiB": round(pool_rows * ROW_BYTES / GIB, 2), "rows": count,
+                "plain_us": round(plain, 1),
+                "plain_GBps": round(count * ROW_BYTES / plain / 1e3, 1),
+                "planned_us": round(planned, 1),
+                "planned_GBps": round(count * ROW_BYTES / planned / 1e3, 1),
+            })
+            print(f"gather {gathers[-1]}", flush=True)
+    results["zero_copy_gather"] = gathers
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pool-gib", type=float, default=2.75, help="registered pool size")
+    parser.add_argument("--out", help="write the results here as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("copy_limits needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
+    rows = int(args.pool_gib * GIB) // ROW_BYTES
+    pool = alloc_registered(rows * ROW_BYTES).view(rows, ROW_BYTES)
+    results = measure(pool)
+    print(json.dumps(results, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""SW-1, the swap-in kernel workload of DESIGN.md section 8, on one CUDA GPU.
+
+One layer, 656 B rows, top_k 2048, hot buffer 4096 (+1 newest), every request at seq_len 32768
+fully in the host pool. Each step keeps (1 - churn) of the previous top-k and draws the rest
+from positions that are not in the hot buffer (positions never selected run out after ~15 steps
+at churn 1.0, so "not resident" is what keeps the miss count at churn x K). Steps run as CUDA
+graph replays queued behind a GPU sleep, so the times are device times; every step's rows are
+checked byte for byte against the host pool.
+
+    PYTHONPATH=src python benchmarks/swap_in.py              # full SW-1 + extent sweep
+    PYTHONPATH=src python benchmarks/swap_in.py --quick      # smoke run, a few cells
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SEQ_LEN = 32768
+TOP_K = 2048
+HOT = 4096
+ROW_BYTES = 656
+LIBRARY_EXTENT = 512  # HiSparseConfig's default extent_tokens
+SLEEP_CYCLES = 200_000  # ~100 us at 2 GHz: the step is queued before the GPU reaches it
+# SGLang 0.5.23's fused swap-in on SW-1 scattered, H200 (issue 4; quoted, not re-measured here).
+SGLANG_US = {
+    (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
+    (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,
+    (64, 0.05): 195, (64, 0.2): 714, (64, 1.0): 3122,
+    (128, 0.05): 380, (128, 0.2): 1357, (128, 1.0): 6099,
+}
+
+
+@dataclass
+class Pool:
+    host: torch.Tensor  # [rows, ROW_BYTES] uint8, registered host memory
+    mirror: torch.Tensor  # the same bytes on the device, for verification
+
+
+@dataclass
+class Cell:
+    tables: object  # CacheTables
+    rows_of_pos: torch.Tensor  # [B, SEQ_LEN] int64 host row of every position
+    previous: torch.Tensor | None = None  # [B, K] last top-k
+
+
+def build_cell(pool: Pool, batch: int, layout: str, extent: int, gen: torch.Generator) -> Cell:
+    from hisparse.core.host_pool import ExtentAllocator
+    from hisparse.core.tables import CacheTables
+
+    dev = pool.mirror.device
+    num_rows = batch * SEQ_LEN
+    pages = SEQ_LEN // extent
+    if layout == "extents":  # the library's allocator on a fresh pool
+        allocator = ExtentAllocator(num_rows // extent)
+        page_table = torch.tensor([allocator.allocate(pages) for _ in range(batch)])
+    else:  # "scattered" (extent 1) or "shuffled-extents": extents in random order
+        page_table = torch.randperm(num_rows // extent, generator=gen).view(batch, pages)
+    page_table = page_table.to(torch.int32).to(dev)
+    positions = torch.arange(SEQ_LEN, device=dev)
+    rows_of_pos = page_table.long()[:, positions // extent] * extent + positions % extent
+
+    slots = HOT + 1
+    seeded = rows_of_pos[:, SEQ_LEN - 1 - HOT : SEQ_LEN - 1]  # slot s holds position n-1-H+s
+    resident = torch.full((1, num_rows), -1, dtype=torch.int32, device=dev)
+    resident[0, seeded.reshape(-1)] = torch.arange(HOT, dtype=torch.int32, device=dev).repeat(batch)
+    device_kv = torch.zeros(1, batch * slots, ROW_BYTES, dtype=torch.uint8, device=dev)
+    base = torch.arange(batch, device=dev)[:, None] * slots
+    hot_rows = (base + torch.arange(HOT, device=dev)).reshape(-1)
+    device_kv[0, hot_rows] = pool.mirror[seeded.reshape(-1)]
+    device_kv[0, base[:, 0] + HOT] = pool.mirror[rows_of_pos[:, SEQ_LEN - 1]]
+    tables = CacheTables(
+        device_kv=device_kv,
+        host_kv=[pool.host[:num_rows]],
+        page_table=page_table,
+        seq_lens=torch.full((batch,), SEQ_LEN, dtype=torch.int32, device=dev),
+        slot_row=seeded.to(torch.int32)[None].contiguous(),
+        lru=torch.arange(HOT, dtype=torch.int32, device=dev).repeat(1, batch, 1),
+        resident=resident,
+        counters=torch.zeros(1, 3, dtype=torch.int64, device=dev),
+        hot_slots=HOT,
+        extent_tokens=extent,
+    )
+    return Cell(tables, rows_of_pos)
+
+
+def next_top_k(cell: Cell, churn: float, gen: torch.Generator) -> torch.Tensor:
+    t = cell.tables
+    batch = t.seq_lens.shape[0]
+    dev = t.lru.device
+    if cell.previous is None:
+        scores = torch.rand(batch, SEQ_LEN - 1, device=dev, generator=gen)
+        chosen = scores.topk(TOP_K, dim=1).indices
+    else:
+        fresh = round(churn * TOP_K)
+        candidate = t.resident[0][cell.rows_of_pos] < 0
+        candidate[:, SEQ_LEN - 1] = False  # the newest token is always resident
+        candidate.scatter_(1, cell.previous, False)
+        scores = torch.rand(batch, SEQ_LEN, device=dev, generator=gen).masked_fill_(~candidate, -1)
+        new = scores.topk(fresh, dim=1).indices
+        kept_at = torch.rand(batch, TOP_K, device=dev, generator=gen).topk(TOP_K - fresh).indices
+        chosen = torch.cat([cell.previous.gather(1, kept_at), new], dim=1)
+        shuffle = torch.rand(batch, TOP_K, device=dev, generator=gen).argsort(dim=1)
+        chosen = chosen.gather(1, shuffle)
+    cell.previous = chosen
+    return chosen.to(torch.int32)
+
+
+def count_wrong_rows(
+    pool: Pool, cell: Cell, top_k: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Device scalar: entries whose returned row differs from the host row (or is missing)."""
+    expected = pool.mirror[cell.rows_of_pos.gather(1, top_k.long())]
+    got = cell.tables.device_kv[0][out.clamp(min=0).long()]
+    return ((got != expected).any(dim=-1) | (out < 0)).sum()
+
+
+def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, args,
+             gen: torch.Generator) -> dict[str, object]:
+    from hisparse.core.tables import MissPlan
+    from hisparse.kernels.swap_in_triton import swap_in_triton
+
+    cell = build_cell(pool, batch, layout, extent, gen)
+    t = cell.tables
+    dev = t.lru.device
+    req_slots = torch.arange(batch, dtype=torch.int32, device=dev)
+    num_real = torch.tensor([batch], dtype=torch.int32, device=dev)
+    top_k = next_top_k(cell, churn, gen)
+    out = torch.empty(batch, TOP_K, dtype=torch.int32, device=dev)
+    plan = MissPlan.empty(batch, TOP_K, dev)
+    wrong = torch.zeros((), dtype=torch.int64, device=dev)
+
+    swap_in_triton(t, 0, 0, req_slots, top_k, num_real, out, plan)  # compiles, allocates scratch
+    wrong += count_wrong_rows(pool, cell, top_k, out)
+    graphs = {}
+    for skip_io in (False, True):
+        graphs[skip_io] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[skip_io]):
+            swap_in_triton(t, 0, 0, req_slots, top_k, num_real, out, plan, skip_io=skip_io)
+
+    def timed_steps(count: int, skip_io: bool, verify: bool) -> list[tuple]:
+        events = []
+        for _ in range(count):
+            top_k.copy_(next_top_k(cell, churn, gen))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(SLEEP_CYCLES)
+            start.record()
+            graphs[skip_io].replay()
+            end.record()
+            events.append((start, end))
+            if verify:
+                wrong.add_(count_wrong_rows(pool, cell, top_k, out))
+        return events
+
+    timed_steps(args.warmup - 1, False, True)
+    misses_before = int(t.counters[0, 1])
+    events = timed_steps(args.steps, False, True)
+    torch.cuda.synchronize()
+    misses = (int(t.counters[0, 1]) - misses_before) / args.steps
+    times = sorted(s.elapsed_time(e) * 1000.0 for s, e in events)
+    plan_events = timed_steps(args.steps, True, False)
+    torch.cuda.synchronize()
+    plan_times = [s.elapsed_time(e) * 1000.0 for s, e in plan_events]
+    median = statistics.median(times)
+    record: dict[str, object] = {
+        "B": batch, "churn": churn, "layout": layout, "extent_tokens": extent,
+        "median_us": round(median, 1),
+        "p90_us": round(times[min(len(times) - 1, math.ceil(0.9 * len(times)) - 1)], 1),
+        "misses_per_step": misses,
+        "miss_GBps": round(misses * ROW_BYTES / median / 1e3, 2),
+        "skip_io_median_us": round(statistics.median(plan_times), 1),
+        "correct": int(wrong) == 0,
+    }
+    reference = SGLANG_US.get((batch, churn)) if layout == "scattered" else None
+    if reference is not None:
+        record["sglang_0_5_23_us"] = reference
+        record["speedup_vs_sglang"] = round(reference / median, 2)
+    print(json.dumps(record), flush=True)
+    return record
+
+
+def miss_free_launch_overhead(pool: Pool, gen: torch.Generator, args) -> dict[str, float]:
+    """B=128, churn 0 in steady state: graph replay, eager device time and eager wall time."""
+    from hisparse.core.tables import MissPlan
+    from hisparse.kernels.swap_in_triton import swap_in_triton
+
+    batch = 128
+    cell = build_cell(pool, batch, "extents", LIBRARY_EXTENT, gen)
+    t = cell.tables
+    dev = t.lru.device
+    req_slots = torch.arange(batch, dtype=torch.int32, device=dev)
+    num_real = torch.tensor([batch], dtype=torch.int32, device=dev)
+    top_k = next_top_k(cell, 0.0, gen)
+    out = torch.empty(batch, TOP_K, dtype=torch.int32, device=dev)
+    plan = MissPlan.empty(batch, TOP_K, dev)
+
+    def call() -> None:
+        swap_in_triton(t, 0, 0, req_slots, top_k, num_real, out, plan)
+
+    for _ in range(3):  # after the first step every entry hits and the state stops changing
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+
+    def device_us(fn: Callable[[], None]) -> float:
+        times = []
+        for _ in range(args.steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(SLEEP_CYCLES)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0)
+        return round(statistics.median(times), 1)
+
+    torch.cuda.synchronize()
+    misses_before = int(t.counters[0, 1])
+    begin = time.perf_counter()
+    for _ in range(args.steps):
+        call()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - begin) / args.steps * 1e6
+    result = {
+        "B": batch, "graph_us": device_us(graph.replay), "eager_device_us": device_us(call),
+        "eager_wall_us": round(wall, 1),
+        "misses_while_timed": int(t.counters[0, 1]) - misses_before,
+        "wrong_rows": int(count_wrong_rows(pool, cell, top_k, out)),
+    }
+    print("miss-free", json.dumps(result), flush=True)
+    return result
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for layout, style in (("scattered", "--"), ("extents", "-")):
+        for batch in sorted({r["B"] for r in results["records"]}):
+            cells = [r for r in results["records"] if r["layout"] == layout and r["B"] == batch
+                     and r["churn"] > 0]
+            if cells:
+                left.plot([r["churn"] for r in cells], [r["miss_GBps"] for r in cells], style,
+                          marker="o", label=f"{layout} B={batch}")
+    limits = results.get("limits", {})
+    for key, label in (("bulk_h2d_GBps", "bulk pinned H2D"),):
+        if key in limits:
+            left.axhline(limits[key], color="k", lw=0.8, ls=":")
+            left.text(0.05, limits[key] + 0.5, label, fontsize=8)
+    left.axhline(44, color="r", lw=0.8, ls=":")
+    left.text(0.05, 44.5, "target 44 GB/s (extents, B>=64, c>=0.2)", fontsize=8, color="r")
+    left.set_xscale("log")
+    left.set_xlabel("churn")
+    left.set_ylabel("miss bandwidth (GB/s)")
+    left.set_title(f"SW-1 swap-in on {results['card']}")
+    left.legend(fontsize=7)
+    sweep = results.get("extent_sweep", [])
+    if sweep:
+        right.plot([r["extent_tokens"] for r in sweep], [r["miss_GBps"] for r in sweep],
+                   marker="o")
+        right.set_xscale("log", base=2)
+        right.set_xlabel("extent size (tokens), extents in random order")
+        right.set_ylabel("miss bandwidth (GB/s)")
+        right.set_title("B=128, churn 1.0")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="SW-1 swap-in benchmark (DESIGN.md 8)")
+    parser.add_argument("--quick", action="store_true", help="a few cells, few steps (smoke)")
+    parser.add_argument("--extent-sweep", action="store_true",
+                        help="only the extent-size sweep at B=128, churn 1.0")
+    parser.add_argument("--variants", action="store_true",
+                        help="also time launch-parameter variants on a few cells")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("swap_in.py needs a CUDA GPU (the Triton kernels read registered host memory); "
+              "none is visible", file=sys.stderr)
+        return 2
+    import triton
+
+    from copy_limits import alloc_registered, measure
+
+    batches, churns = [1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]
+    sweep_extents = [1, 16, 64, 128, 256, 512, 1024, 2048]
+    if args.quick:
+        batches, churns, sweep_extents = [1, 16], [0.0, 1.0], [1, 512]
+        args.warmup, args.steps = 2, 5
+    max_batch = 128 if (not args.quick or args.extent_sweep) else max(batches)
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    rows = max_batch * SEQ_LEN
+    began = time.perf_counter()
+    host = alloc_registered(rows * ROW_BYTES).view(rows, ROW_BYTES)
+    limits = measure(host) if not args.quick else {}
+    mirror = torch.empty(rows, ROW_BYTES, dtype=torch.uint8, device="cuda")
+    chunk = 1 << 20
+    for first in range(0, rows, chunk):
+        block = mirror[first : first + chunk]
+        block.random_(0, 256, generator=gen)
+        host[first : first + chunk].copy_(block)
+    pool = Pool(host, mirror)
+    print(f"pool of {rows} rows ready in {time.perf_counter() - began:.1f} s", flush=True)
+
+    card = torch.cuda.get_device_name()
+    results: dict[str, object] = {
+        "card": card, "torch": torch.__version__, "triton": triton.__version__,
+        "command": " ".join(["python", *sys.argv]),
+        "workload": {"seq_len": SEQ_LEN, "top_k": TOP_K, "hot": HOT, "row_bytes": ROW_BYTES,
+                     "warmup": args.warmup, "steps": args.steps,
+                     "timing": "CUDA graph replay queued behind a GPU sleep: device time",
+                     "new_positions": "drawn from positions not resident in the hot buffer",
+                     "layouts": {"scattered": "every token at a random row of a pool of B*32768",
+                                 "extents": "hisparse.core.host_pool.ExtentAllocator, "
+                                            f"{LIBRARY_EXTENT}-token extents, fresh pool",
+                                 "shuffled-extents": "extents of E rows in random order"}},
+        "limits": limits, "records": [],
+    }
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"sw1-cuda{'-quick' if args.quick else ''}.json"
+
+    def save() -> None:  # after every cell, so a run cut short still leaves its numbers
+        checked = results["records"] + results.get("extent_sweep", []) + results.get(
+            "variants", [])
+        results["all_correct"] = all(r["correct"] for r in checked)
+        results["seconds"] = round(time.perf_counter() - began, 1)
+        path.write_text(json.dumps(results, indent=1) + "\n")
+
+    if not args.extent_sweep:
+        for layout in ("scattered", "extents"):
+            extent = 1 if layout == "scattered" else LIBRARY_EXTENT
+            for batch in batches:
+                for churn in churns:
+                    results["records"].append(
+                        run_cell(pool, batch, churn, layout, extent, args, gen))
+                    save()
+        results["miss_free"] = miss_free_launch_overhead(pool, gen, args)
+    if not args.quick or args.extent_sweep:
+        results["extent_sweep"] = []
+        for extent in sweep_extents:
+            results["extent_sweep"].append(
+                run_cell(pool, max_batch, 1.0, "shuffled-extents", extent, args, gen))
+            save()
+    if args.variants:
+        from hisparse.kernels import swap_in_triton as kernels
+
+        variants = {"split-lookup": {"lookup_in_plan": False}, "plan-16-warps": {"plan_warps": 16},
+                    "copy-8-rows": {"copy_rows": 8}, "copy-32-rows": {"copy_rows": 32},
+                    "copy-4-per-sm": {"copy_programs_per_unit": 4},
+                    "copy-16-per-sm": {"copy_programs_per_unit": 16}}
+        results["variants"] = []
+        for name, overrides in variants.items():
+            with kernels.tuning(**overrides):
+                for batch, churn in ((1, 1.0), (128, 0.0), (128, 1.0)):
+                    record = run_cell(pool, batch, churn, "extents", LIBRARY_EXTENT, args, gen)
+                    results["variants"].append({"variant": name, **record})
+                    save()
+    save()
+    print(f"wrote {path}")
+    plot(results, path.with_suffix(".png"))
+    return 0 if results["all_correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -80,7 +80,7 @@ def measure(host_pool: torch.Tensor) -> dict[str, object]:
     host_words = host_pool.view(torch.int32)
     total_rows = host_pool.shape[0]
     gathers = []
-    for pool_gib in (0.021, 0.7, 2.75):  # one request's context, then pools of 1x and 4x
+    for pool_gib in (0.021, 0.7, 2.75):  # one request's context, B=32 and B=128 pools
         pool_rows = min(total_rows, int(pool_gib * GIB) // ROW_BYTES)
         for count in (2048, 16384, 131072):
             rows = torch.randint(0, pool_rows, (count,), device=device)

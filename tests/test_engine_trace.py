@@ -26,7 +26,7 @@ from hisparse.core.requests import RequestState
 from hisparse.errors import InvalidInputError, PoolExhaustedError
 from oracle import CacheModel
 
-FUZZ_EXAMPLES = int(os.environ.get("HISPARSE_FUZZ_EXAMPLES", "40"))
+FUZZ_EXAMPLES = int(os.environ.get("HISPARSE_FUZZ_EXAMPLES", "100"))
 NUM_LAYERS = 4
 ROW_BYTES = 32
 POISON = -7

@@ -18,13 +18,17 @@ BACKENDS = hisparse.available_backends()
 ROW_BYTES = 8
 
 
-def make_tables(device, requests, hot, extent, num_rows, layers=1, seed=0):
+def make_tables(backend, requests, hot, extent, num_rows, layers=1, seed=0):
     """`requests`: list of (seq_len, {position: slot}, lru, extents) per request slot."""
     g = torch.Generator().manual_seed(seed)
+    device = backend.device()
     num_requests, slots = len(requests), hot + 1
     pages = max(len(r[3]) for r in requests)
-    host = [torch.randint(0, 256, (num_rows, ROW_BYTES), dtype=torch.uint8, generator=g)
+    # Host rows from the backend: fused kernels read them in place (registered memory).
+    host = [backend.alloc_host(num_rows * ROW_BYTES).view(num_rows, ROW_BYTES)
             for _ in range(layers)]
+    for layer in host:
+        layer.copy_(torch.randint(0, 256, layer.shape, dtype=torch.uint8, generator=g))
     t = CacheTables(
         device_kv=torch.zeros(layers, num_requests * slots + 1, ROW_BYTES, dtype=torch.uint8,
                               device=device),
@@ -65,8 +69,7 @@ def run_swap_in(backend, t, req_slots, top_k, num_real, plan=None):
 def test_worked_example(backend_name: str) -> None:
     """H = 4, slots hold tokens 1, 4, 2, 5; {4, 2, newest} then {6} (SGLang's kernel test)."""
     backend = hisparse.get_backend(backend_name)
-    device = backend.device()
-    t = make_tables(device, [(8, {1: 0, 4: 1, 2: 2, 5: 3}, [0, 1, 2, 3], [0, 1])], hot=4,
+    t = make_tables(backend, [(8, {1: 0, 4: 1, 2: 2, 5: 3}, [0, 1, 2, 3], [0, 1])], hot=4,
                     extent=4, num_rows=16)
     out = run_swap_in(backend, t, [0], [[4, 2, 7]], 1)
     assert out.tolist() == [[1, 2, 4]]  # hits in slots 1 and 2, the newest in slot H = 4
@@ -103,7 +106,7 @@ def test_random_states_match_model(backend_name: str, seed: int) -> None:
         model.requests[r].buffers[0].slot_of = dict(slot_of)
         model.requests[r].buffers[0].lru = list(lru)
         requests.append((n, slot_of, lru, extents[r]))
-    t = make_tables(device, requests, hot, extent, num_requests * pages * extent, seed=seed)
+    t = make_tables(backend, requests, hot, extent, num_requests * pages * extent, seed=seed)
     plan = MissPlan.empty(capacity, k, device)
     for _ in range(4):  # several calls: the LRU state carries over
         batch = rng.permutation(num_requests)[: rng.integers(1, num_requests + 1)].tolist()

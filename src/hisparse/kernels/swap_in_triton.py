@@ -89,13 +89,13 @@ def _classify_chunk(
     candidate = tl.where(long_seq, valid & (pos != n - 1), False)
 
     page_index = pos // E
-    candidate = candidate & (page_index < P)
-    page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index, mask=candidate, other=-1)
+    page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,
+                   mask=candidate & (page_index < P), other=-1)
     row = page * E + pos % E
     # A position without a host row would be an engine bug; counting it as invalid keeps the
     # kernel in bounds instead of copying from a wild address.
     lost = candidate & ((page < 0) | (row >= N))
-    candidate = candidate & (page >= 0) & (row < N)
+    candidate = candidate & ~lost
     slot = tl.load(resident_ptr + row, mask=candidate, other=-1)
     hit = candidate & (slot >= 0) & (slot < H)
     miss = candidate & (slot < 0)

@@ -137,6 +137,8 @@ def test_pool_is_registered_exactly_and_unregistered_on_free(fake_env, rng, kind
     buffer = backend.alloc_host(num_bytes)
     assert buffer.dtype == torch.uint8 and buffer.numel() == num_bytes
     assert buffer.data_ptr() % PAGE == 0
+    # torch's is_pinned() (checked by the kernels) asks about the storage base, not the view.
+    assert buffer.untyped_storage().data_ptr() == buffer.data_ptr()
     span = -(-num_bytes // PAGE) * PAGE
     assert env.cudart.registered == {buffer.data_ptr(): (span, REGISTER_FLAGS)}
     data = random_bytes((num_bytes,), rng)

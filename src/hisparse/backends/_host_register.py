@@ -1,8 +1,8 @@
 """Host memory shared by the CUDA and ROCm backends: plain pages, registered with the runtime.
 
 `torch.empty(..., pin_memory=True)` goes through torch's caching host allocator, which rounds
-every block up to a power of two (a 100 GB pool pins 128 GB). So pools are allocated as plain
-memory and registered exactly, in page-aligned chunks, with cudaHostRegister (which torch's
+every block up to a power of two (a 100 GB pool pins 128 GB). So pools are mapped as plain
+anonymous memory and registered exactly, in page-aligned chunks, with cudaHostRegister (which torch's
 cudart binding maps to hipHostRegister on ROCm builds). Every registration is unregistered by
 its exact base pointer on free and, for anything still alive, at interpreter exit.
 """
@@ -10,6 +10,7 @@ its exact base pointer on free and, for anything still alive, at interpreter exi
 from __future__ import annotations
 
 import atexit
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -68,12 +69,11 @@ def check_host_request(num_bytes: int, what: str) -> int | None:
     return available
 
 
-def allocate_plain(num_bytes: int, what: str, slack: int = 0) -> torch.Tensor:
-    """A uint8 CPU tensor of `num_bytes` (+ `slack` for alignment); HostAllocationError when
-    the host cannot hold it."""
+def allocate_plain(num_bytes: int, what: str) -> torch.Tensor:
+    """A uint8 CPU tensor of `num_bytes`; HostAllocationError when the host cannot hold it."""
     available = check_host_request(num_bytes, what)
     try:
-        return torch.empty(num_bytes + slack, dtype=torch.uint8)
+        return torch.empty(num_bytes, dtype=torch.uint8)
     except RuntimeError as exc:
         raise HostAllocationError(
             f"{what}: allocating {format_bytes(num_bytes)} failed ({exc}); "
@@ -103,13 +103,23 @@ class HostRegistry:
 
     # --- allocation ----------------------------------------------------------------------
     def allocate(self, num_bytes: int) -> torch.Tensor:
-        """Exactly `num_bytes`, page-aligned, registered; a view into a page-rounded block."""
-        check_host_request(num_bytes, "host pool")
+        """Exactly `num_bytes`, registered, in a mapping of whole pages of its own.
+
+        An anonymous mapping starts on a page, so no registered page is shared with other
+        memory, and the tensor's storage starts where the registration does: torch's
+        `is_pinned()` (which kernels check) looks at the storage base, not the view.
+        """
+        available = check_host_request(num_bytes, "host pool")
         span = -(-num_bytes // PAGE_BYTES) * PAGE_BYTES
-        # Whole pages, starting on a page: no registered page is shared with other memory.
-        backing = allocate_plain(num_bytes, "host pool", slack=span - num_bytes + PAGE_BYTES)
-        lead = -backing.data_ptr() % PAGE_BYTES
-        buffer = backing[lead : lead + num_bytes]
+        try:
+            mapping = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as exc:
+            raise HostAllocationError(
+                f"host pool: mapping {format_bytes(span)} failed ({exc}); available: "
+                f"{format_bytes(available) if available is not None else 'unknown'}."
+            ) from exc
+        backing = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+        buffer = backing[:num_bytes]
         self._register_range(buffer.data_ptr(), span, backing, owned=True)
         return buffer
 

@@ -1,8 +1,8 @@
 """Host memory shared by the CUDA and ROCm backends: plain pages, registered with the runtime.
 
 `torch.empty(..., pin_memory=True)` goes through torch's caching host allocator, which rounds
-every block up to a power of two (a 100 GB pool pins 128 GB). So pools are mapped as plain
-anonymous memory and registered exactly, in page-aligned chunks, with cudaHostRegister (which torch's
+every block up to a power of two (a 100 GB pool pins 128 GB). So pools are anonymous
+mappings registered exactly, in page-aligned chunks, with cudaHostRegister (which torch's
 cudart binding maps to hipHostRegister on ROCm builds). Every registration is unregistered by
 its exact base pointer on free and, for anything still alive, at interpreter exit.
 """

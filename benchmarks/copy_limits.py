@@ -20,6 +20,7 @@ import triton.language as tl
 
 ROW_BYTES = 656  # DeepSeek-V3.2 fp8 row
 GIB = 1 << 30
+SEQ_ROWS = 32768  # one SW-1 request's context
 
 
 @triton.jit
@@ -59,11 +60,41 @@ def alloc_registered(num_bytes: int) -> torch.Tensor:
     return get_backend("cuda").alloc_host(num_bytes)
 
 
+def planned_copy_us(host_pool: torch.Tensor, rows: torch.Tensor, **tuning: object) -> float:
+    """The library's planned copy of `rows` (as 2048-miss batch rows), checked, in us."""
+    from hisparse.core.tables import CacheTables, MissPlan
+    from hisparse.kernels import swap_in_triton as kernels
+
+    device = rows.device
+    count = rows.numel()
+    batch = count // 2048
+    device_kv = torch.zeros(1, count, ROW_BYTES, dtype=torch.uint8, device=device)
+    unused = torch.zeros(1, 1, 2048, dtype=torch.int32, device=device)
+    tables = CacheTables(
+        device_kv=device_kv, host_kv=[host_pool],
+        page_table=torch.zeros(1, 1, dtype=torch.int32, device=device),
+        seq_lens=torch.zeros(1, dtype=torch.int32, device=device), slot_row=unused, lru=unused,
+        resident=torch.zeros(1, 1, dtype=torch.int32, device=device),
+        counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
+        hot_slots=2048, extent_tokens=1,
+    )
+    plan = MissPlan.empty(batch, 2048, device)
+    plan.src.copy_(rows.view(batch, 2048))
+    plan.dst.copy_(torch.arange(count, device=device).view(batch, 2048))
+    plan.count.fill_(2048)
+    with kernels.tuning(**tuning):
+        elapsed = time_us(lambda: kernels.copy_planned_triton(tables, 0, plan))
+    assert torch.equal(device_kv[0].cpu(), host_pool[rows.cpu()]), "planned copy is wrong"
+    return elapsed
+
+
+# (rows per program-iteration, warps, programs per SM) tried by the copy tuning sweep.
+COPY_CONFIGS = [(1, 4, 16), (2, 4, 16), (4, 4, 16), (4, 4, 32), (8, 4, 8), (8, 4, 16),
+                (16, 4, 8), (4, 8, 16), (2, 2, 32), (1, 2, 32)]
+
+
 def measure(host_pool: torch.Tensor) -> dict[str, object]:
     """All limits, using `host_pool` ([N, ROW_BYTES] uint8, registered) for the gathers."""
-    from hisparse.core.tables import CacheTables, MissPlan
-    from hisparse.kernels.swap_in_triton import copy_planned_triton
-
     device = torch.device("cuda")
     results: dict[str, object] = {}
     bulk_bytes = min(GIB, host_pool.numel())
@@ -73,8 +104,6 @@ def measure(host_pool: torch.Tensor) -> dict[str, object]:
     d2h = time_us(lambda: host_flat.copy_(on_device, non_blocking=True), 5)
     results["bulk_h2d_GBps"] = round(bulk_bytes / h2d / 1e3, 1)
     results["bulk_d2h_GBps"] = round(bulk_bytes / d2h / 1e3, 1)
-    # Rewrite the pool with noise after the D2H test scribbled over it.
-    host_flat.copy_(torch.randint(0, 256, (bulk_bytes,), dtype=torch.uint8, device=device))
 
     words = ROW_BYTES // 4
     host_words = host_pool.view(torch.int32)
@@ -88,26 +117,7 @@ def measure(host_pool: torch.Tensor) -> dict[str, object]:
             plain = time_us(lambda rows=rows, out=out, count=count: _gather_rows_kernel[(count,)](
                 rows, host_words, out, ROW_WORDS=words, BLOCK=triton.next_power_of_2(words)))
             assert torch.equal(out.cpu(), host_words[rows.cpu()]), "plain gather is wrong"
-
-            # The library's planned copy of the same rows, as 2048-miss batch rows.
-            batch = count // 2048
-            device_kv = torch.zeros(1, count, ROW_BYTES, dtype=torch.uint8, device=device)
-            tables = CacheTables(
-                device_kv=device_kv, host_kv=[host_pool],
-                page_table=torch.zeros(1, 1, dtype=torch.int32, device=device),
-                seq_lens=torch.zeros(1, dtype=torch.int32, device=device),
-                slot_row=torch.zeros(1, 1, 2048, dtype=torch.int32, device=device),
-                lru=torch.zeros(1, 1, 2048, dtype=torch.int32, device=device),
-                resident=torch.zeros(1, 1, dtype=torch.int32, device=device),
-                counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
-                hot_slots=2048, extent_tokens=1,
-            )
-            plan = MissPlan.empty(batch, 2048, device)
-            plan.src.copy_(rows.view(batch, 2048))
-            plan.dst.copy_(torch.arange(count, device=device).view(batch, 2048))
-            plan.count.fill_(2048)
-            planned = time_us(lambda t=tables, p=plan: copy_planned_triton(t, 0, p))
-            assert torch.equal(device_kv[0].cpu(), host_pool[rows.cpu()]), "planned copy is wrong"
+            planned = planned_copy_us(host_pool, rows)
             gathers.append({
                 "pool_GiB": round(pool_rows * ROW_BYTES / GIB, 2), "rows": count,
                 "plain_us": round(plain, 1),
@@ -117,6 +127,32 @@ def measure(host_pool: torch.Tensor) -> dict[str, object]:
             })
             print(f"gather {gathers[-1]}", flush=True)
     results["zero_copy_gather"] = gathers
+
+    # Copy launch parameters: B=1 at full churn (2048 rows) and B=128 (262144 rows), local
+    # and scattered; each config scored by its time relative to the best per case.
+    cases = {
+        "2048-local": torch.randint(0, SEQ_ROWS, (2048,), device=device),
+        "2048-scattered": torch.randint(0, total_rows, (2048,), device=device),
+        "262144-local": (torch.randint(0, SEQ_ROWS, (128, 2048), device=device)
+                         + torch.arange(128, device=device)[:, None] * SEQ_ROWS).view(-1),
+        "262144-scattered": torch.randint(0, total_rows, (262144,), device=device),
+    }
+    sweep = []
+    for rows_per, warps, per_unit in COPY_CONFIGS:
+        config = {"copy_rows": rows_per, "copy_warps": warps, "copy_programs_per_unit": per_unit}
+        times = {name: round(planned_copy_us(host_pool, rows, **config), 1)
+                 for name, rows in cases.items() if rows.max() < total_rows}
+        sweep.append({**config, **times})
+        print(f"copy config {sweep[-1]}", flush=True)
+    best = {name: min(entry[name] for entry in sweep) for name in cases if name in sweep[0]}
+    for entry in sweep:
+        entry["score"] = round(sum(entry[name] / best[name] for name in best), 3)
+    chosen = min(sweep, key=lambda entry: entry["score"])
+    results["copy_tuning_sweep"] = sweep
+    results["copy_tuning_choice"] = {key: chosen[key] for key in
+                                     ("copy_rows", "copy_warps", "copy_programs_per_unit")}
+    # Leave the pool full of noise again: the device-to-host test wrote over its start.
+    host_flat.copy_(torch.randint(0, 256, (bulk_bytes,), dtype=torch.uint8, device=device))
     return results
 
 

@@ -14,6 +14,7 @@ checked byte for byte against the host pool.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -64,7 +65,8 @@ def build_cell(pool: Pool, batch: int, layout: str, extent: int, gen: torch.Gene
         allocator = ExtentAllocator(num_rows // extent)
         page_table = torch.tensor([allocator.allocate(pages) for _ in range(batch)])
     else:  # "scattered" (extent 1) or "shuffled-extents": extents in random order
-        page_table = torch.randperm(num_rows // extent, generator=gen).view(batch, pages)
+        page_table = torch.randperm(num_rows // extent, generator=gen, device=gen.device)
+        page_table = page_table.view(batch, pages)
     page_table = page_table.to(torch.int32).to(dev)
     positions = torch.arange(SEQ_LEN, device=dev)
     rows_of_pos = page_table.long()[:, positions // extent] * extent + positions % extent
@@ -290,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the extent-size sweep at B=128, churn 1.0")
     parser.add_argument("--variants", action="store_true",
                         help="also time launch-parameter variants on a few cells")
+    parser.add_argument("--tune-copy", action="store_true",
+                        help="run with the copy launch parameters the limits sweep liked best")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
@@ -314,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     host = alloc_registered(rows * ROW_BYTES).view(rows, ROW_BYTES)
     limits = measure(host) if not args.quick else {}
+    from hisparse.kernels import swap_in_triton as kernels
+
+    chosen = limits.get("copy_tuning_choice", {}) if args.tune_copy else {}
+    tuning_scope = kernels.tuning(**chosen)
+    tuning_scope.__enter__()  # held for the whole run; the process exits after it
     mirror = torch.empty(rows, ROW_BYTES, dtype=torch.uint8, device="cuda")
     chunk = 1 << 20
     for first in range(0, rows, chunk):
@@ -336,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                                             f"{LIBRARY_EXTENT}-token extents, fresh pool",
                                  "shuffled-extents": "extents of E rows in random order"}},
         "limits": limits, "records": [],
+        "tuning": dataclasses.asdict(kernels._tuning),
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -364,12 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                 run_cell(pool, max_batch, 1.0, "shuffled-extents", extent, args, gen))
             save()
     if args.variants:
-        from hisparse.kernels import swap_in_triton as kernels
-
         variants = {"split-lookup": {"lookup_in_plan": False}, "plan-16-warps": {"plan_warps": 16},
-                    "copy-8-rows": {"copy_rows": 8}, "copy-32-rows": {"copy_rows": 32},
-                    "copy-4-per-sm": {"copy_programs_per_unit": 4},
-                    "copy-16-per-sm": {"copy_programs_per_unit": 16}}
+                    "plan-4-warps": {"plan_warps": 4},
+                    "plan-chunks-1024": {"plan_chunk_k": 1024, "plan_chunk_h": 1024}}
         results["variants"] = []
         for name, overrides in variants.items():
             with kernels.tuning(**overrides):

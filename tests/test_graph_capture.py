@@ -44,17 +44,18 @@ def test_graph_replay_matches_eager_reference(sizes, rng: torch.Generator) -> No
         swap_in_triton(got, 0, 0, req_slots, top_k, num_real, out, plan)
         copy_planned_triton(got, 1, plan)  # follower layer of group 0
 
-    def reference_step(out_want: torch.Tensor) -> None:
+    def reference_step(out_want: torch.Tensor) -> MissPlan:
         plan_want = MissPlan.empty(sizes.batch_cap, sizes.top_k, DEVICE)
         swap_in_reference(want, 0, 0, req_slots, top_k, num_real, out_want, plan_want)
         copy_planned_reference(want, 1, plan_want)
-        assert torch.equal(plan.count, plan_want.count)
+        return plan_want
 
     # The eager call compiles the kernels and allocates their scratch outside the graph.
     out_want = torch.full_like(top_k, POISON)
-    reference_step(out_want)
+    plan_want = reference_step(out_want)
     step()
     assert torch.equal(out, out_want)
+    assert torch.equal(plan.count, plan_want.count)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
@@ -69,8 +70,9 @@ def test_graph_replay_matches_eager_reference(sizes, rng: torch.Generator) -> No
         out.fill_(POISON)
         graph.replay()
         out_want = torch.full_like(top_k, POISON)
-        reference_step(out_want)
+        plan_want = reference_step(out_want)
         assert torch.equal(out, out_want)
+        assert torch.equal(plan.count, plan_want.count)
         assert_same_state(got, want)
         for layer in (0, 1):
             assert_rows_match_host(got, layer, req_slots, top_k, out)

@@ -8,9 +8,11 @@ which stream. The per-entry work is the backend's swap-in kernel.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import functools
+import threading
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -30,12 +32,36 @@ from hisparse.core.validation import (
     check_batch_rows,
     check_positions_against_lengths,
     check_tensor,
+    same_device,
 )
 from hisparse.errors import InvalidInputError, RequestStateError
 from hisparse.kernels.swap_in_reference import backup_newest_reference
 
 LIVE = (RequestState.RESERVED, RequestState.PREFILLING, RequestState.RUNNING,
         RequestState.PREEMPTED)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _bookkeeping(
+    method: Callable[Concatenate[HiSparseCache, _P], _R],
+) -> Callable[Concatenate[HiSparseCache, _P], _R]:
+    """Run a call under the cache's bookkeeping lock.
+
+    A scheduler thread may admit, finish, preempt and read statistics while the model thread
+    decodes (docs/reliability.md). Every call that reads or changes request records, the pool
+    allocator or the step state takes the lock; the per-layer `write_newest` and `swap_in`
+    do not: they touch only the open step's own slots and rows, which no locked call may
+    change while the step is open.
+    """
+
+    @functools.wraps(method)
+    def locked(self: HiSparseCache, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 @dataclass(frozen=True)
@@ -96,6 +122,7 @@ class HiSparseCache:
         num_extents = -(-config.host_pool_tokens // E)
         pages = -(-config.max_seq_len // E)
 
+        self._lock = threading.RLock()
         self._pool = HostPool(backend, L, num_extents, E, W)
         dev = self.device
         try:
@@ -125,40 +152,49 @@ class HiSparseCache:
             has_followers = config.index_group_size > 1
             self._plans = [MissPlan.empty(B, K, dev) if has_followers else None for _ in range(G)]
             self._anchor_delta = torch.zeros(G, 3, dtype=torch.int64, device=dev)
+
+            self._swap_in = (
+                backend.skip_io_swap_in_kernel() if config.skip_io
+                else backend.zero_copy_swap_in_kernel() if config.zero_copy_swap_in
+                else backend.swap_in_kernel()
+            )
+            self._copy_planned = backend.copy_planned_kernel()
+            # Fused backup kernels come with the GPU path; every backend has the reference.
+            backup_kernel = getattr(backend, "backup_kernel", None)
+            self._backup = backup_kernel() if backup_kernel else backup_newest_reference
+            self._backup_stream = backend.backup_stream() if config.async_backup else None
+            prefetch = config.shared_index_prefetch and has_followers
+            self._prefetch_stream = backend.prefetch_stream() if prefetch else None
+            self._backup_done = backend.new_event()
+            self._step_written = backend.new_event()
+            self._planned = [backend.new_event() for _ in range(G)]
+            self._follower_ready = [backend.new_event() for _ in range(L)]
+            self._replay_done = [backend.new_event() for _ in range(G)]
+            # Cross-stream order for bookkeeping issued from another thread (its own stream):
+            # slot tables are released or seeded only after the last step's kernels ran, and
+            # a step starts only after the seeding it may read.
+            self._step_done = backend.new_event()
+            self._tables_changed = backend.new_event()
+            self._host_io_pending = False  # async device<->host copies the CPU must not race
+            # Freed host rows may still be read by a step in flight; their next writer waits.
+            self._rows_recycled = False
+
+            self._requests = RequestTable()
+            self._slots = SlotAllocator(R)
+            self._traffic = TrafficCounters(L)
+            self._step: DecodeStep | None = None
+            self._step_records: list[RequestRecord] = []
+            self._anchored: set[int] = set()  # groups whose anchor planned in the open step
+            self._pending_replay: dict[int, set[int]] = {}  # group -> followers not yet copied
+            self._written_layers: set[int] = set()  # layers given write_newest this step
+            self._closed = False
         except BaseException:
+            # Nothing half-built may keep host memory: free every buffer allocated so far.
             self._pool.close()
             raise
 
-        self._swap_in = (
-            backend.skip_io_swap_in_kernel() if config.skip_io
-            else backend.zero_copy_swap_in_kernel() if config.zero_copy_swap_in
-            else backend.swap_in_kernel()
-        )
-        self._copy_planned = backend.copy_planned_kernel()
-        # Fused backup kernels come with the GPU path; every backend has the reference.
-        backup_kernel = getattr(backend, "backup_kernel", None)
-        self._backup = backup_kernel() if backup_kernel else backup_newest_reference
-        self._backup_stream = backend.backup_stream() if config.async_backup else None
-        self._prefetch_stream = (
-            backend.prefetch_stream() if config.shared_index_prefetch and has_followers else None
-        )
-        self._backup_done = backend.new_event()
-        self._step_written = backend.new_event()
-        self._planned = [backend.new_event() for _ in range(G)]
-        self._follower_ready = [backend.new_event() for _ in range(L)]
-        self._replay_done = [backend.new_event() for _ in range(G)]
-        self._host_io_pending = False  # async device<->host copies the CPU must not race
-
-        self._requests = RequestTable()
-        self._slots = SlotAllocator(R)
-        self._traffic = TrafficCounters(L)
-        self._step: DecodeStep | None = None
-        self._step_records: list[RequestRecord] = []
-        self._anchored: set[int] = set()  # groups whose anchor planned in the open step
-        self._pending_replay: dict[int, set[int]] = {}  # group -> followers not yet copied
-        self._closed = False
-
     # --- admission and prefill ------------------------------------------------------------
+    @_bookkeeping
     def admit(self, request_id: Hashable, num_tokens: int) -> None:
         """Take host extents for a `num_tokens` prompt and a device request slot.
 
@@ -175,6 +211,7 @@ class HiSparseCache:
                                extents, self._slots.take())
         self._requests.add(record)
 
+    @_bookkeeping
     def reserve_host_slots(self, request_id: Hashable, num_tokens: int) -> HostReservation:
         """PD decode side: reserve host rows a transfer engine will write; no device slot yet.
 
@@ -187,7 +224,9 @@ class HiSparseCache:
         extents = self._pool.allocate(self._pool.extents_for(num_tokens))
         record = RequestRecord(request_id, RequestState.RESERVED, num_tokens, num_tokens, extents)
         self._requests.add(record)
-        self._drain_host_io()  # a backup of the rows' previous owner may still be landing
+        # The transfer engine writes the rows once this returns: a backup or a swap-in of
+        # their previous owner may still be touching them.
+        self._drain_host_io()
         E = self.extent_tokens
         return HostReservation(
             request_id=request_id,
@@ -199,6 +238,7 @@ class HiSparseCache:
             host_tensors=list(self._pool.layers),
         )
 
+    @_bookkeeping
     def write_prefill(
         self, request_id: Hashable, kv: torch.Tensor, layer: int | None = None, start: int = 0
     ) -> None:
@@ -211,13 +251,18 @@ class HiSparseCache:
         if layer is not None:
             self._check_layer(layer)
         rows = as_rows("kv", kv, self.row_bytes, 2 if layer is not None else 3)
+        if rows.device.type != "cpu" and not same_device(rows.device, self.device):
+            raise InvalidInputError(
+                f"kv is on {rows.device}; prefill rows come from the host (cpu) or the cache's "
+                f"device {self.device}: move it to one of those first"
+            )
         if layer is None and rows.shape[0] != self.num_layers:
             raise InvalidInputError(
                 f"kv holds {rows.shape[0]} layers, the cache has {self.num_layers}; pass "
                 "[L, T, W] for all layers, or [T, W] with layer=..."
             )
         count = rows.shape[-2]
-        if not isinstance(start, int) or start < 0 or start + count > record.admitted_tokens:
+        if not _is_count(start) or start < 0 or start + count > record.admitted_tokens:
             raise InvalidInputError(
                 f"prefill rows {start}..{start + count - 1} of request {request_id!r} fall "
                 f"outside the {record.admitted_tokens} tokens it was admitted with; admit the "
@@ -236,6 +281,7 @@ class HiSparseCache:
         if rows.device != self._pool.layers[0].device:
             self._host_io_pending = True  # device-to-host copies may still be landing
 
+    @_bookkeeping
     def commit_prefill(self, request_id: Hashable) -> None:
         """Seed the hot buffer from the written prompt; the request can decode."""
         self._check_open()
@@ -243,6 +289,7 @@ class HiSparseCache:
                                        (RequestState.PREFILLING,))
         self._seed(record)
 
+    @_bookkeeping
     def complete_transfer(self, request_id: Hashable) -> None:
         """PD: the reserved rows have been written; take a device slot, seed, decode.
 
@@ -256,6 +303,7 @@ class HiSparseCache:
         self._seed(record)
 
     # --- decode ---------------------------------------------------------------------------
+    @_bookkeeping
     def begin_decode_step(self, request_ids: Sequence[Hashable]) -> DecodeStep:
         """Append one token to each request and set the batch buffers the step's kernels read.
 
@@ -269,7 +317,15 @@ class HiSparseCache:
             raise RequestStateError(
                 "a decode step is already open; call end_decode_step() before the next one"
             )
-        ids = list(request_ids)
+        try:
+            ids = None if isinstance(request_ids, str | bytes) else list(request_ids)
+        except TypeError:
+            ids = None
+        if ids is None:
+            raise InvalidInputError(
+                f"request_ids must be a list or tuple of request ids, got "
+                f"{type(request_ids).__name__} {request_ids!r}; wrap a single id in a list"
+            )
         if not 1 <= len(ids) <= self.batch_capacity:
             raise InvalidInputError(
                 f"a decode step takes 1..{self.batch_capacity} requests (max_batch), got "
@@ -277,7 +333,9 @@ class HiSparseCache:
             )
         records = [self._requests.expect(i, "decode", (RequestState.RUNNING,)) for i in ids]
         if len({id(r) for r in records}) != len(records):
-            raise InvalidInputError(f"request ids repeat in the decode batch {ids!r}")
+            raise InvalidInputError(
+                f"request ids repeat in the decode batch {ids!r}; list each request once"
+            )
         grow = [r for r in records if r.num_tokens + 1 > len(r.extents) * self.extent_tokens]
         full = [r.request_id for r in records if r.num_tokens + 1 > self.max_seq_len]
         if full:
@@ -317,6 +375,7 @@ class HiSparseCache:
         # The previous step's backup (maybe still running on its side stream) reads the batch
         # buffers, and the new token's slot H still holds the token it is copying out.
         self.backend.wait_event(self._backup_done)
+        self.backend.wait_event(self._tables_changed)  # seeding done on another thread's stream
         self._req_slots.copy_(uploaded[0])
         self._num_real.copy_(uploaded[1])
         self._newest_rows.copy_(uploaded[2])
@@ -336,6 +395,7 @@ class HiSparseCache:
                                 self._newest_rows)
         self._step_records = records
         self._anchored.clear()
+        self._written_layers.clear()
         return self._step
 
     def write_newest(self, layer: int, kv: torch.Tensor) -> None:
@@ -349,6 +409,7 @@ class HiSparseCache:
         self.tables.device_kv[layer].index_copy_(
             0, self._newest_rows_long[: rows.shape[0]], rows
         )
+        self._written_layers.add(layer)
 
     def swap_in(self, layer: int, top_k: torch.Tensor) -> torch.Tensor:
         """Map each top-k position to the device row holding it, loading the misses.
@@ -396,9 +457,17 @@ class HiSparseCache:
             self._issue_replays(group)
         return self._out[group][:rows]
 
+    @_bookkeeping
     def end_decode_step(self) -> None:
         """Back every layer's new row up to its host row (on a side stream where supported)."""
         step = self._open_step("end_decode_step")
+        if self.config.validate and len(self._written_layers) != self.num_layers:
+            missing = sorted(set(range(self.num_layers)) - self._written_layers)
+            raise RequestStateError(
+                f"end_decode_step: layers {missing} got no write_newest in this step, so their "
+                "host backup would store a stale row; call write_newest(layer, kv) for every "
+                "layer first"
+            )
         for group in list(self._pending_replay):
             self._flush_replays(group)
         if self._backup_stream is not None:
@@ -412,19 +481,23 @@ class HiSparseCache:
         else:
             self._backup(self.tables, self._newest_rows, self._newest_host_rows, self._num_real)
         self._traffic.backed_up_tokens += step.batch_size
+        self.backend.record_event(self._step_done)
         self._step = None
         self._step_records = []
 
     def device_kv(self, layer: int) -> torch.Tensor:
         """`[R*S, W]` uint8: the rows attention reads at the indices `swap_in` returned."""
+        self._check_open()
         self._check_layer(layer)
         return self.tables.device_kv[layer, : self._padding_row]
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Every layer's `[N, W]` uint8 host pool tensor (e.g. to register with NIXL)."""
+        self._check_open()
         return list(self._pool.layers)
 
     # --- lifecycle ------------------------------------------------------------------------
+    @_bookkeeping
     def preempt(self, request_id: Hashable) -> None:
         """Release the request's device slot; its host KV stays for `resume`."""
         self._check_open()
@@ -433,6 +506,7 @@ class HiSparseCache:
         self._release_slot(record)
         record.state = RequestState.PREEMPTED
 
+    @_bookkeeping
     def resume(self, request_id: Hashable) -> None:
         """Give a preempted request a device slot again and seed it from its host KV."""
         self._check_open()
@@ -441,30 +515,37 @@ class HiSparseCache:
         record.slot = self._slots.take()
         self._seed(record)
 
+    @_bookkeeping
     def finish(self, request_id: Hashable) -> None:
         """Free a running or preempted request's host rows and device slot."""
         self._end(request_id, "finish", (RequestState.RUNNING, RequestState.PREEMPTED),
                   RequestState.FINISHED)
 
+    @_bookkeeping
     def abort(self, request_id: Hashable) -> None:
         """Free a request in any live state (e.g. a PD transfer that failed)."""
         self._end(request_id, "abort", LIVE, RequestState.ABORTED)
 
+    @_bookkeeping
     def request_state(self, request_id: Hashable) -> RequestState:
         return self._requests.get(request_id, "look up").state
 
+    @_bookkeeping
     def seq_len(self, request_id: Hashable) -> int:
         return self._requests.get(request_id, "look up").num_tokens
 
+    @_bookkeeping
     def request_slot(self, request_id: Hashable) -> int | None:
         """The device request slot `r` (rows `r*S .. r*S+H`), None while it holds none."""
         return self._requests.get(request_id, "look up").slot
 
+    @_bookkeeping
     def host_rows(self, request_id: Hashable) -> np.ndarray:
         """Host row (int64) of each of the request's tokens, the same in every layer."""
         record = self._requests.get(request_id, "look up")
         return token_rows(record.extents, self.extent_tokens, 0, record.num_tokens)
 
+    @_bookkeeping
     def stats(self) -> CacheStats:
         """Traffic per layer and occupancy. Reads the device counters (one host sync)."""
         self._check_open()
@@ -486,6 +567,7 @@ class HiSparseCache:
         layers = self._traffic.layer_stats(self.tables.counters, self.row_bytes)
         return CacheStats(layers, occupancy, list(self.disabled_features))
 
+    @_bookkeeping
     def close(self) -> None:
         """Wait for the device, then free the host pool. Later calls raise; idempotent."""
         if self._closed:
@@ -513,6 +595,7 @@ class HiSparseCache:
             pieces, lru_tokens = [(n - 1 - H, H, 0), (n - 1, 1, H)], (n - 1 - H, n - 1)
         t = self.tables
         self.backend.wait_event(self._backup_done)  # the slot's last owner may be backing up
+        self.backend.wait_event(self._step_done)  # ... or still be read by the last step
         t.page_table[r].fill_(-1)
         t.page_table[r, : len(record.extents)] = torch.tensor(record.extents, dtype=torch.int32)
         t.seq_lens[r] = n
@@ -529,6 +612,7 @@ class HiSparseCache:
                     t.device_kv[layer, device_row : device_row + length].copy_(
                         self._pool.layers[layer][row : row + length], non_blocking=True
                     )
+        self.backend.record_event(self._tables_changed)
         self._traffic.seeded_tokens += min(n, H + 1)
         record.state = RequestState.RUNNING
 
@@ -537,6 +621,7 @@ class HiSparseCache:
         if r is None:
             return
         t = self.tables
+        self.backend.wait_event(self._step_done)  # the last step's kernels read these tables
         own_row = record.extents[0] * self.extent_tokens
         # Empty hot slots hold -1; point them at one of the request's own rows, cleared anyway,
         # so the scatter needs no host sync to filter them out.
@@ -546,6 +631,7 @@ class HiSparseCache:
         t.lru[:, r] = torch.arange(self.hot_slots, dtype=torch.int32, device=self.device)
         t.seq_lens[r] = 0
         t.page_table[r].fill_(-1)
+        self.backend.record_event(self._tables_changed)
         self._slots.release(r)
         record.slot = None
 
@@ -558,6 +644,7 @@ class HiSparseCache:
         self._pool.release(record.extents)
         record.extents = []
         self._requests.remove(record, final)
+        self._rows_recycled = True
 
     def _follow(self, layer: int, group: int, anchor: int, top_k: torch.Tensor) -> torch.Tensor:
         if group not in self._anchored:
@@ -614,9 +701,17 @@ class HiSparseCache:
         return list(torch.split(on_device, lengths))
 
     def _drain_host_io(self) -> None:
+        """Before host rows are written from the CPU or a transfer engine: wait for the device
+        work that may still read or write them (backups, and kernels of the last step reading
+        rows a finish or abort just freed)."""
         if self._host_io_pending:
             self.backend.synchronize()
-            self._host_io_pending = False
+        elif self._rows_recycled:
+            # Events of the GPU backends wait on the host; the CPU backend has none to wait for.
+            wait = getattr(self._step_done, "synchronize", None)
+            if wait is not None:
+                wait()
+        self._host_io_pending = self._rows_recycled = False
 
     def _open_step(self, action: str) -> DecodeStep:
         self._check_open()
@@ -634,13 +729,13 @@ class HiSparseCache:
             )
 
     def _check_layer(self, layer: int) -> None:
-        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        if not _is_count(layer) or not 0 <= layer < self.num_layers:
             raise InvalidInputError(
                 f"layer must be an int in 0..{self.num_layers - 1}, got {layer!r}"
             )
 
     def _check_length(self, num_tokens: int, action: str) -> None:
-        if not isinstance(num_tokens, int) or not 1 <= num_tokens <= self.max_seq_len:
+        if not _is_count(num_tokens) or not 1 <= num_tokens <= self.max_seq_len:
             raise InvalidInputError(
                 f"cannot {action} a request of {num_tokens!r} tokens: it must be an int in "
                 f"1..{self.max_seq_len} (max_seq_len)"
@@ -649,6 +744,11 @@ class HiSparseCache:
     def _check_open(self) -> None:
         if self._closed:
             raise RequestStateError("this HiSparseCache is closed; create a new one")
+
+
+def _is_count(value: object) -> bool:
+    """A plain int (bools are ints to Python, but `layer=True` is a bug, not layer 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _device_of(backend: Backend, device: str | torch.device | Backend | None) -> torch.device:

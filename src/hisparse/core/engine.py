@@ -731,14 +731,16 @@ class HiSparseCache:
     def _check_layer(self, layer: int) -> None:
         if not _is_count(layer) or not 0 <= layer < self.num_layers:
             raise InvalidInputError(
-                f"layer must be an int in 0..{self.num_layers - 1}, got {layer!r}"
+                f"layer must be an int in 0..{self.num_layers - 1}, got {layer!r}; pass the "
+                "index of one of this cache's layers"
             )
 
     def _check_length(self, num_tokens: int, action: str) -> None:
         if not _is_count(num_tokens) or not 1 <= num_tokens <= self.max_seq_len:
             raise InvalidInputError(
                 f"cannot {action} a request of {num_tokens!r} tokens: it must be an int in "
-                f"1..{self.max_seq_len} (max_seq_len)"
+                f"1..{self.max_seq_len} (max_seq_len); pass the token count as an int, or raise "
+                "max_seq_len for longer requests"
             )
 
     def _check_open(self) -> None:

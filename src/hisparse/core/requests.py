@@ -100,7 +100,7 @@ class RequestTable:
         if record.state not in allowed:
             raise RequestStateError(
                 f"cannot {action} request {request_id!r}: it is {record.state}, and {action} "
-                f"needs {' or '.join(str(s) for s in allowed)}"
+                f"needs {' or '.join(str(s) for s in allowed)}; {_NEXT_STEP[record.state]}"
             )
         return record
 
@@ -125,6 +125,15 @@ class RequestTable:
         self._ended[record.request_id] = final
         while len(self._ended) > self._FORGET_AFTER:
             self._ended.popitem(last=False)
+
+
+# What a caller holding a request in each live state can do next, for RequestStateError.
+_NEXT_STEP = {
+    RequestState.RESERVED: "call complete_transfer(id) once the transfer wrote its rows",
+    RequestState.PREFILLING: "call commit_prefill(id) once its prompt rows are written",
+    RequestState.RUNNING: "it is decoding: call preempt(id) to park it or finish(id) to free it",
+    RequestState.PREEMPTED: "call resume(id) to give it a device slot again",
+}
 
 
 def _hashable(value: object) -> bool:

@@ -32,7 +32,8 @@ def check_tensor(
         )
     if ndim is not None and value.dim() != ndim:
         raise InvalidInputError(
-            f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}"
+            f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}; pass a "
+            f"{ndim}-D tensor (see the call's docstring for the layout)"
         )
     if contiguous and not value.is_contiguous():
         raise InvalidInputError(f"{name} must be contiguous; call .contiguous() on it first")
@@ -95,5 +96,6 @@ def check_positions_against_lengths(
         b, k = (int(i) for i in repeated.nonzero()[0])
         raise InvalidInputError(
             f"top_k row {b} (request {request_ids[b]!r}) lists position {int(ordered[b, k])} "
-            "more than once; each position may appear once per row"
+            "more than once; each position may appear once per row: drop the repeats and pad "
+            "the row with -1"
         )

@@ -1,0 +1,206 @@
+"""Helpers the reliability tests share, and tests that the helpers themselves catch changes.
+
+full_snapshot(cache)       everything a rejected call must leave as it was: every CacheTables
+                           tensor (device rows including the sink, host rows), the batch and
+                           plan buffers, the LRU order, request records and freed-id memory,
+                           the pool's free runs, free request slots, traffic counters,
+                           statistics, the open step and its bookkeeping flags
+assert_same_state(a, b)    names the first part that differs
+check_table_invariants(c)  the ARCHITECTURE.md invariants between the engine's records and
+                           its device tables, without an oracle (for threaded tests)
+row_pattern(...)           deterministic row bytes of (request uid, layer, position), so a
+                           test or script can verify any returned row without storing the KV
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import hisparse
+from hisparse.core.requests import RequestState
+
+_M31 = (1 << 31) - 1
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 31-bit integer hash (xorshift-multiply rounds); products stay below 2**62."""
+    for multiplier in (0x2C1B3C6D, 0x297A2D39, 0x3C6EF372):
+        x = ((x ^ (x >> 15)) * multiplier) & _M31
+    return x ^ (x >> 13)
+
+
+def row_pattern(uid: torch.Tensor | int, layer: int, positions: torch.Tensor,
+                width: int) -> torch.Tensor:
+    """uint8 `[*positions.shape, width]`: token `positions` of request `uid` in `layer`.
+
+    Two independent 31-bit keys per row make a collision between two rows of a long run
+    (which would hide a wrong-row bug) about a 2**-62 event. `uid` broadcasts with positions.
+    """
+    device = positions.device
+    uid = torch.as_tensor(uid, dtype=torch.int64, device=device)
+    p = positions.long()
+    low = (uid * 0x9E3779B1 + layer * 0x7FEB352D + p * 0x846CA68B) & _M31
+    high = (uid * 0x85EBCA77 + layer * 0x27D4EB2F + p * 0x165667B1 + 0x5BD1E995) & _M31
+    column = torch.arange(width, dtype=torch.int64, device=device)
+    mixed = _mix((low[..., None] ^ column * 0x61C88647) & _M31) ^ _mix(high[..., None] + column)
+    return (mixed & 0xFF).to(torch.uint8)
+
+
+def _cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().cpu()
+    if isinstance(value, list | tuple):
+        return [_cpu(v) for v in value]
+    return value
+
+
+def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
+    """Everything a rejected call must leave unchanged (reads device state: a host sync)."""
+    t = cache.tables
+    state: dict[str, Any] = {
+        f"tables.{f.name}": _cpu(getattr(t, f.name)) for f in dataclasses.fields(t)
+    }
+    for name in ("_req_slots", "_num_real", "_newest_rows", "_newest_rows_long",
+                 "_newest_host_rows", "_top_k", "_out", "_anchor_delta"):
+        state[f"buffers.{name}"] = _cpu(getattr(cache, name))
+    for group, plan in enumerate(cache._plans):
+        if plan is not None:
+            state[f"plans.{group}"] = [_cpu(plan.src), _cpu(plan.dst), _cpu(plan.count)]
+    state["requests"] = [
+        (r.request_id, r.state, r.admitted_tokens, r.num_tokens, list(r.extents), r.slot)
+        for r in cache._requests
+    ]
+    state["ended"] = list(cache._requests._ended.items())
+    state["pool.free_runs"] = cache._pool.allocator.free_runs()
+    state["pool.free_extents"] = cache._pool.allocator.free_extents
+    state["pool.layers"] = [h.data_ptr() for h in cache._pool.layers]
+    state["slots.free"] = sorted(cache._slots._free)
+    traffic = cache._traffic
+    state["traffic"] = [traffic.seeded_tokens.copy(), traffic.offloaded_tokens.copy(),
+                        traffic.backed_up_tokens.copy()]
+    step = cache._step
+    state["step"] = None if step is None else (id(step), step.request_ids, step.positions)
+    state["step.records"] = [id(r) for r in cache._step_records]
+    state["step.anchored"] = sorted(cache._anchored)
+    state["step.pending_replay"] = {g: sorted(v) for g, v in cache._pending_replay.items()}
+    state["step.written_layers"] = sorted(cache._written_layers)
+    state["flags"] = (cache._host_io_pending, cache._rows_recycled, cache._closed)
+    state["stats"] = None if cache._closed else cache.stats().to_dict()
+    return state
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def assert_same_state(before: dict[str, Any], after: dict[str, Any]) -> None:
+    assert before.keys() == after.keys()
+    changed = [name for name in before if not _equal(before[name], after[name])]
+    assert not changed, f"a rejected call changed {changed}"
+
+
+def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
+    """Records and device tables agree (docs/ARCHITECTURE.md), checked without an oracle."""
+    t = cache.tables
+    H = cache.hot_slots
+    seq_lens, page_table = t.seq_lens.cpu(), t.page_table.cpu()
+    slot_row, lru, resident = t.slot_row.cpu(), t.lru.cpu(), t.resident.cpu()
+    expected_resident = torch.full_like(resident, -1)
+    used_slots = set()
+    for record in cache._requests:
+        if record.slot is None:
+            assert record.state is not RequestState.RUNNING
+            continue
+        r = record.slot
+        used_slots.add(r)
+        assert record.state is RequestState.RUNNING
+        assert int(seq_lens[r]) == record.num_tokens
+        pages = page_table[r].tolist()
+        assert pages[: len(record.extents)] == record.extents
+        assert all(p == -1 for p in pages[len(record.extents):])
+        own_rows = set(cache.host_rows(record.request_id).tolist())
+        for group in range(cache.num_groups):
+            assert sorted(lru[group, r].tolist()) == list(range(H)), "lru is a permutation"
+            for slot, row in enumerate(slot_row[group, r].tolist()):
+                if row >= 0:
+                    assert row in own_rows, (record.request_id, group, slot, row)
+                    expected_resident[group, row] = slot
+    assert torch.equal(resident, expected_resident)
+    free = set(range(cache.max_requests)) - used_slots
+    assert set(cache._slots._free) == free
+    for r in free:
+        assert int(seq_lens[r]) == 0 and (page_table[r] == -1).all()
+        assert (slot_row[:, r] == -1).all()
+    assert cache._pool.allocator.used_extents == sum(len(r.extents) for r in cache._requests)
+
+
+# --- the helpers catch what they must ---------------------------------------------------
+def _small_cache() -> hisparse.HiSparseCache:
+    config = hisparse.HiSparseConfig.from_preset(
+        "tiny", num_layers=2, row_bytes=16, top_k=2, device_buffer_size=4, extent_tokens=2,
+        max_requests=2, max_batch=2, host_pool_tokens=32, max_seq_len=32, validate=True,
+    )
+    cache = hisparse.HiSparseCache(config, device="cpu")
+    cache.admit("a", 7)
+    positions = torch.arange(7)
+    cache.write_prefill("a", torch.stack([row_pattern(1, layer, positions, 16)
+                                          for layer in range(2)]))
+    cache.commit_prefill("a")
+    return cache
+
+
+MUTATIONS: dict[str, Callable[[hisparse.HiSparseCache], None]] = {
+    "a host byte": lambda c: c.tables.host_kv[1][3].add_(1),
+    "the sink row": lambda c: c.tables.device_kv[0, -1].add_(1),
+    "the lru order": lambda c: c.tables.lru[0, 0, :2].copy_(torch.tensor([1, 0])),
+    "a counter": lambda c: c.tables.counters[1, 2].add_(1),
+    "a batch buffer": lambda c: c._top_k[1, 1].fill_(5),
+    "a request record": lambda c: setattr(next(iter(c._requests)), "admitted_tokens", 9),
+    "the freed-id memory": lambda c: c._requests._ended.update({"x": RequestState.FINISHED}),
+    "the pool's free runs": lambda c: c._pool.allocator.allocate(1),
+    "a free slot": lambda c: c._slots.take(),
+    "a traffic counter": lambda c: c._traffic.offloaded_tokens.__setitem__(0, 99),
+    "a recycled-rows flag": lambda c: setattr(c, "_rows_recycled", True),
+    "the written layers": lambda c: c._written_layers.add(1),
+}
+
+
+@pytest.mark.parametrize("what", MUTATIONS)
+def test_the_snapshot_sees_every_kind_of_change(what: str) -> None:
+    cache = _small_cache()
+    before = full_snapshot(cache)
+    assert_same_state(before, full_snapshot(cache))
+    MUTATIONS[what](cache)
+    with pytest.raises(AssertionError, match="changed"):
+        assert_same_state(before, full_snapshot(cache))
+
+
+def test_invariants_hold_and_catch_a_stale_resident_entry() -> None:
+    cache = _small_cache()
+    check_table_invariants(cache)
+    cache.tables.resident[0, 30] = 1  # a row nobody holds claims a slot
+    with pytest.raises(AssertionError):
+        check_table_invariants(cache)
+
+
+def test_row_pattern_is_deterministic_and_rows_differ() -> None:
+    positions = torch.arange(4096)
+    rows = row_pattern(7, 1, positions, 32)
+    assert torch.equal(rows, row_pattern(7, 1, positions, 32))
+    assert len({bytes(r.numpy()) for r in rows}) == 4096
+    others = [row_pattern(8, 1, positions, 32), row_pattern(7, 0, positions, 32)]
+    assert all(not torch.equal(rows, o) for o in others)
+    counts = torch.bincount(rows.flatten().long(), minlength=256)
+    assert counts.min() > 0.7 * counts.float().mean()  # every byte value shows up evenly

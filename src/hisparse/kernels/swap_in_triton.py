@@ -12,9 +12,9 @@ replay with another `num_real`:
    order, gives the m-th miss the m-th of them, writes the new LRU order, `slot_row`,
    `resident`, the miss outputs and the miss plan. With `lookup_in_plan` (the default) it also
    does step 1 itself, saving a launch.
-3. copy: a fixed number of programs walk the flattened (request, miss) list of the plan, so a
-   single request's misses spread over the whole GPU instead of one block. Rows move as int32
-   words; a 656-byte row is 41 aligned 16-byte vectors.
+3. copy: a fixed number of programs (32 per SM) walk the flattened (request, miss) list of
+   the plan, so a single request's misses spread over the whole GPU instead of one block. Rows
+   move as int32 words; a 656-byte row is 41 aligned 16-byte vectors.
 
 Host rows come from `tables.host_kv[layer]`, a registered (pinned) CPU tensor: the Triton
 launchers of CUDA and ROCm turn such a pointer into its device-accessible address.
@@ -267,17 +267,21 @@ def _copy_kernel(
 
 @dataclass(frozen=True)
 class Tuning:
-    """Launch parameters. Defaults were chosen on an H200 with SW-1 (benchmarks/NOTES.md)."""
+    """Launch parameters, as measured on an H200 with SW-1 (benchmarks/NOTES.md)."""
 
+    # Lookups inside the plan kernel: one launch less. The split classify kernel measured
+    # 1-2 us faster per step on the H200 (within noise at B=1); not switched without a rerun.
     lookup_in_plan: bool = True
     plan_chunk_k: int = 2048
     plan_chunk_h: int = 4096
-    plan_warps: int = 8
+    plan_warps: int = 8  # 4 warps: +7 us per step at B=1; 16 warps: no gain (H200)
     classify_chunk_k: int = 256
     classify_warps: int = 4
-    copy_rows: int = 16
-    copy_warps: int = 4
-    copy_programs_per_unit: int = 8  # copy programs per SM / CU
+    # 2 rows x 2 warps per iteration, 32 programs per SM: 47 GB/s at B=128 on the extent
+    # layout and 2048 rows in ~31 us (H200), the best of the sweep in copy_limits.py.
+    copy_rows: int = 2
+    copy_warps: int = 2
+    copy_programs_per_unit: int = 32  # copy programs per SM / CU
     interpreter_copy_programs: int = 2  # each program costs ~1 ms under TRITON_INTERPRET=1
 
 

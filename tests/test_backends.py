@@ -300,6 +300,8 @@ def test_gpu_backends_bind_the_triton_kernels(fake_env) -> None:
     backend = hisparse.get_backend()
     assert backend.swap_in_kernel() is triton_kernels.swap_in_triton
     assert backend.copy_planned_kernel() is triton_kernels.copy_planned_triton
+    backup_kernels = pytest.importorskip("hisparse.kernels.backup_triton")
+    assert backend.backup_kernel() is backup_kernels.backup_newest_triton
 
 
 def test_without_triton_gpu_backends_fall_back_and_say_so_once(
@@ -307,7 +309,7 @@ def test_without_triton_gpu_backends_fall_back_and_say_so_once(
 ) -> None:
     fake_env("cuda")
 
-    def no_triton():
+    def no_triton(module_name: str) -> None:
         raise ModuleNotFoundError("No module named 'triton'", name="triton")
 
     monkeypatch.setattr(_accelerator, "_import_triton_kernels", no_triton)
@@ -316,6 +318,7 @@ def test_without_triton_gpu_backends_fall_back_and_say_so_once(
     with caplog.at_level(logging.WARNING, logger="hisparse.backends"):
         assert backend.swap_in_kernel() is swap_in_reference.swap_in_reference
         assert backend.copy_planned_kernel() is swap_in_reference.copy_planned_reference
+        assert backend.backup_kernel() is swap_in_reference.backup_newest_reference
     assert [r.message.count("pip install 'hisparse[triton]'") for r in caplog.records] == [1]
 
 
@@ -324,7 +327,7 @@ def test_a_missing_kernels_module_is_not_mistaken_for_missing_triton(
 ) -> None:
     fake_env("cuda")
 
-    def broken():
+    def broken(module_name: str) -> None:
         name = _accelerator.TRITON_KERNELS
         raise ModuleNotFoundError(f"No module named '{name}'", name=name)
 

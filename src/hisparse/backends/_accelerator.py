@@ -11,24 +11,31 @@ from typing import Any
 
 import torch
 
-from hisparse.backends.base import Backend, CopyPlannedFn, SwapInFn
+from hisparse.backends.base import Backend, BackupFn, CopyPlannedFn, SwapInFn
 from hisparse.kernels import swap_in_reference
 
 logger = logging.getLogger("hisparse.backends")
 
 TRITON_KERNELS = "hisparse.kernels.swap_in_triton"
+# Triton kernel -> (its module, the torch reference that replaces it without triton).
+_KERNELS = {
+    "swap_in_triton": (TRITON_KERNELS, "swap_in_reference"),
+    "copy_planned_triton": (TRITON_KERNELS, "copy_planned_reference"),
+    "backup_newest_triton": ("hisparse.kernels.backup_triton", "backup_newest_reference"),
+}
 _warned_no_triton = False
 
 
-def _import_triton_kernels() -> ModuleType:
-    return importlib.import_module(TRITON_KERNELS)
+def _import_triton_kernels(module_name: str = TRITON_KERNELS) -> ModuleType:
+    return importlib.import_module(module_name)
 
 
 def bind_triton_kernel(name: str) -> Any:
     """`name` from the Triton kernels, or its torch reference when triton is not installed."""
     global _warned_no_triton
+    module_name, reference_name = _KERNELS[name]
     try:
-        module = _import_triton_kernels()
+        module = _import_triton_kernels(module_name)
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] != "triton":
             raise  # our own kernels module is missing: a broken install, not a fallback case
@@ -38,7 +45,7 @@ def bind_triton_kernel(name: str) -> Any:
                 "triton is not installed, so swap-in runs the torch reference (it syncs with "
                 "the host every step). Install it with: pip install 'hisparse[triton]'"
             )
-        return getattr(swap_in_reference, name.replace("_triton", "_reference"))
+        return getattr(swap_in_reference, reference_name)
     return getattr(module, name)
 
 
@@ -92,4 +99,7 @@ class AcceleratorBackend(Backend):
 
     def copy_planned_kernel(self) -> CopyPlannedFn:
         return bind_triton_kernel("copy_planned_triton")
+
+    def backup_kernel(self) -> BackupFn:
+        return bind_triton_kernel("backup_newest_triton")
 

@@ -16,11 +16,14 @@ import torch
 
 from hisparse.backends.features import Feature, FeatureTable, Support
 from hisparse.errors import UnsupportedFeatureError
+from hisparse.kernels.swap_in_reference import backup_newest_reference
 
 # swap_in(tables, layer, group, req_slots, top_k, num_real, out, plan=None, skip_io=False)
 SwapInFn = Callable[..., None]
 # copy_planned(tables, layer, plan)
 CopyPlannedFn = Callable[..., None]
+# backup(tables, newest_rows, host_rows, num_real)
+BackupFn = Callable[..., None]
 
 
 class Backend(abc.ABC):
@@ -135,6 +138,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def copy_planned_kernel(self) -> CopyPlannedFn:
         """The copy-only replay of a miss plan."""
+
+    def backup_kernel(self) -> BackupFn:
+        """The copy of every layer's newest rows back to the host at the end of a step."""
+        return backup_newest_reference
 
     # --- the shell -------------------------------------------------------------------------
     def supports(self, feature: Feature) -> bool:

@@ -26,6 +26,9 @@ class CacheTables:
     counters: torch.Tensor  # [L, 3] int64: hits, misses, invalid entries
     hot_slots: int  # H
     extent_tokens: int  # E
+    # [L] int64 device tensor: the address a kernel uses for each host_kv[l] (the engine fills
+    # it from backend.device_address: on ROCm it is not the host pointer). None: data_ptr().
+    host_kv_addresses: torch.Tensor | None = None
 
     @property
     def slots_per_request(self) -> int:

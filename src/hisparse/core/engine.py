@@ -141,6 +141,10 @@ class HiSparseCache:
                 counters=torch.zeros(L, 3, dtype=torch.int64, device=dev),
                 hot_slots=H,
                 extent_tokens=E,
+                # What the fused backup kernel writes through (device-side on ROCm).
+                host_kv_addresses=torch.tensor(
+                    [backend.device_address(layer) for layer in self._pool.layers],
+                    dtype=torch.int64, device=dev),
             )
             self._req_slots = torch.zeros(B, **i32)
             self._num_real = torch.zeros(1, **i32)

@@ -35,20 +35,24 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 13)
 
 
-def row_pattern(uid: torch.Tensor | int, layer: int, positions: torch.Tensor,
+def row_pattern(uid: torch.Tensor | int, layer: torch.Tensor | int, positions: torch.Tensor,
                 width: int) -> torch.Tensor:
     """uint8 `[*positions.shape, width]`: token `positions` of request `uid` in `layer`.
 
-    Two independent 31-bit keys per row make a collision between two rows of a long run
-    (which would hide a wrong-row bug) about a 2**-62 event. `uid` broadcasts with positions.
+    Each row gets two independent 31-bit hashes of its key, so two rows of a long run (a
+    collision would hide a wrong-row bug) agree in both about once in 2**62; byte `j` mixes
+    them with per-column odd multipliers, a few integer ops per byte (cheap on a CPU too).
+    `uid` and `layer` broadcast with `positions`.
     """
     device = positions.device
     uid = torch.as_tensor(uid, dtype=torch.int64, device=device)
     p = positions.long()
-    low = (uid * 0x9E3779B1 + layer * 0x7FEB352D + p * 0x846CA68B) & _M31
-    high = (uid * 0x85EBCA77 + layer * 0x27D4EB2F + p * 0x165667B1 + 0x5BD1E995) & _M31
+    low = _mix((uid * 0x9E3779B1 + layer * 0x7FEB352D + p * 0x846CA68B) & _M31)
+    high = _mix((uid * 0x85EBCA77 + layer * 0x27D4EB2F + p * 0x165667B1 + 0x5BD1E995) & _M31)
     column = torch.arange(width, dtype=torch.int64, device=device)
-    mixed = _mix((low[..., None] ^ column * 0x61C88647) & _M31) ^ _mix(high[..., None] + column)
+    first = _mix(column * 0x61C88647 + 1) | 1  # odd multipliers below 2**31
+    second = _mix(column * 0x2545F491 + 7) | 1
+    mixed = ((low[..., None] * first) >> 23) ^ ((high[..., None] * second) >> 23)
     return (mixed & 0xFF).to(torch.uint8)
 
 

@@ -354,11 +354,7 @@ DEVICE_NAME_CHECKS = re.compile(
     "package",
     [
         "core",
-        pytest.param("kernels", marks=pytest.mark.xfail(
-            strict=True,
-            reason="kernels/swap_in_triton.py _compute_units() branches on cuda/xpu; "
-            "Backend.compute_units() is the replacement (reported to the lead)",
-        )),
+        "kernels",
     ],
 )
 def test_core_and_kernels_ask_for_capabilities_not_device_names(package: str) -> None:

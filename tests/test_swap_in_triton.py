@@ -215,22 +215,33 @@ def assert_rows_match_host(
     assert torch.equal(device_rows, tables.host_kv[layer][host_rows].cpu())
 
 
+# Planning variants (swap_in_triton.Tuning), each against the reference. The three-pass ones
+# run with small chunks so that every loop of the kernels runs several times at small sizes;
+# the direct ones need K and H in one block each, which the default chunk sizes give.
+VARIANTS = {
+    "three-pass": {},
+    "split": {"lookup_in_plan": False},
+    "early": {"early_loads": True, "copy_total_gate": True},
+    "direct": {"plan_direct": True, "early_loads": True, "copy_total_gate": True},
+    "direct-late": {"plan_direct": True},
+    "direct-split": {"plan_direct": True, "lookup_in_plan": False, "early_loads": True},
+}
+
+
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"K{s.top_k}-H{s.hot}-W{s.row_bytes}")
-@pytest.mark.parametrize("lookup_in_plan", [True, False], ids=["fused", "split"])
-def test_matches_reference_over_a_trace(
-    sizes: Sizes, lookup_in_plan: bool, rng: torch.Generator
-) -> None:
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, rng: torch.Generator) -> None:
     gen = rng
     want = make_tables(sizes, gen)
     got = clone_tables(want)
     previous: dict[int, list[int]] = {}
-    # Small chunks make every loop of the kernels run several times at small sizes.
-    small_chunks = {"plan_chunk_k": 16, "plan_chunk_h": 32, "copy_rows": 4}
-    if sizes in LARGE:
-        small_chunks = {}
-    with triton_kernels.tuning(lookup_in_plan=lookup_in_plan, classify_chunk_k=16, **small_chunks):
-        for step in range(4):
-            req_slots, top_k, num_real = next_top_k(want, sizes, previous, gen)
+    overrides: dict[str, object] = {"classify_chunk_k": 16, **VARIANTS[variant]}
+    if sizes in SMALL and not overrides.get("plan_direct"):
+        overrides.update(plan_chunk_k=16, plan_chunk_h=32, copy_rows=4)
+    with triton_kernels.tuning(**overrides):
+        for step in range(5):
+            if step != 3:  # step 3 repeats step 2's batch: all hits, a miss-free plan
+                req_slots, top_k, num_real = next_top_k(want, sizes, previous, gen)
             for layer, group in ((0, 0), (2, 1)):
                 out_want = torch.full_like(top_k, POISON)
                 out_got = torch.full_like(top_k, POISON)
@@ -242,6 +253,11 @@ def test_matches_reference_over_a_trace(
                 assert torch.equal(out_got, out_want), f"step {step} layer {layer}: outputs"
                 for name in ("count", "src", "dst"):
                     assert torch.equal(getattr(plan_got, name), getattr(plan_want, name)), name
+                if step == 3:
+                    assert int(plan_got.count.sum()) == 0, "a repeated batch must all hit"
+                total = triton_kernels._get_scratch(got, sizes.batch_cap, sizes.top_k).total
+                if overrides.get("copy_total_gate"):  # published, and reset for the next call
+                    assert total.tolist() == [0, 0, int(plan_want.count.sum())]
                 if layer == 0:  # follower layer 1 of group 0 replays the anchor's plan
                     copy_planned_reference(want, 1, plan_want)
                     triton_kernels.copy_planned_triton(got, 1, plan_got)
@@ -350,3 +366,14 @@ def test_hot_buffer_smaller_than_top_k_is_refused() -> None:
     tables = make_tables(sizes, torch.Generator().manual_seed(2))
     with pytest.raises(InvalidInputError, match="at least top_k"):
         _bad_call(tables, sizes)
+
+
+def test_compute_units_come_from_the_triton_driver() -> None:
+    """Grid sizing asks Triton's driver, not a vendor module; it must agree with torch's."""
+    if not ON_GPU:
+        assert triton_kernels._compute_units(torch.device("cpu")) == 1
+        return
+    expected = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    assert triton_kernels._compute_units(DEVICE) == expected
+    assert triton_kernels._compute_units(torch.device("cuda", torch.cuda.current_device())) == (
+        expected)

@@ -46,15 +46,82 @@ def _row_context(
     seq_lens_ptr,  # [R] int32 tokens per request slot
     R,
     S,
+    EARLY_LOADS: tl.constexpr,
 ):
-    real = b < tl.load(num_real_ptr)
-    r = tl.load(req_slots_ptr + b, mask=real, other=0)
+    if EARLY_LOADS:
+        # b < Bcap always, so the request slot needs no mask and its load flies together with
+        # num_real's instead of after it (one global round trip less).
+        real = b < tl.load(num_real_ptr)
+        r = tl.load(req_slots_ptr + b)
+    else:
+        real = b < tl.load(num_real_ptr)
+        r = tl.load(req_slots_ptr + b, mask=real, other=0)
     # A bad slot on a real row is the caller's bug; treating the row as padding keeps every
     # access in bounds (the engine's validate mode rejects it before the call).
     real = real & (r >= 0) & (r < R)
     r = tl.where(real, r, 0)
     n = tl.load(seq_lens_ptr + r, mask=real, other=0)
     return real, r, n, r * S
+
+
+@triton.jit
+def _lookup_chunk(
+    b,
+    k_offsets,
+    real,
+    r,
+    n,
+    base,
+    top_k_ptr,  # [Bcap, K] int32 positions, -1 = none
+    page_table_ptr,  # [R, P] int32 extent ids
+    resident_ptr,  # [N] int32 hot slot per host row (this group)
+    K,
+    H,
+    E,
+    P,
+    N,
+    EARLY_LOADS: tl.constexpr,
+):
+    """Resolve top-k entries: the device row of every non-miss (-1 for none/invalid), and the
+    hit slot / host row of long-regime entries, plus this chunk's hit/miss/invalid counts."""
+    in_k = k_offsets < K
+    if EARLY_LOADS:
+        # Neither load waits for num_real or seq_len: the top-k row is read unconditionally
+        # and the page table is masked by position alone (r is already clamped in range).
+        pos = tl.load(top_k_ptr + b * K + k_offsets, mask=in_k, other=-1)
+        pos = tl.where(real, pos, -1)
+        page_index = pos // E
+        page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,
+                       mask=(pos >= 0) & (page_index < P), other=-1)
+    else:
+        # Scalar conditions enter vectors through tl.where: `vector & scalar` gives an integer
+        # mask under TRITON_INTERPRET=1 (triton 3.9), which tl.load rejects.
+        pos = tl.load(top_k_ptr + b * K + k_offsets, mask=tl.where(real, in_k, False),
+                      other=-1)
+    valid = (pos >= 0) & (pos < n)  # padding rows read -1 and have n = 0: neither flag is set
+    invalid = (pos < -1) | (pos >= n)
+    long_seq = n > H
+    newest = valid & (pos == n - 1)
+    result = tl.where(long_seq, tl.where(newest, base + H, -1), tl.where(valid, base + pos, -1))
+    candidate = tl.where(long_seq, valid & (pos != n - 1), False)
+
+    if not EARLY_LOADS:
+        page_index = pos // E
+        page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,
+                       mask=candidate & (page_index < P), other=-1)
+    row = page * E + pos % E
+    # A position without a host row would be an engine bug; counting it as invalid keeps the
+    # kernel in bounds instead of copying from a wild address.
+    lost = candidate & ((page < 0) | (row >= N))
+    candidate = candidate & ~lost
+    slot = tl.load(resident_ptr + row, mask=candidate, other=-1)
+    hit = candidate & (slot >= 0) & (slot < H)
+    miss = candidate & (slot < 0)
+    result = tl.where(hit, base + slot, result)
+    n_hit = tl.sum((valid & ~miss & ~lost).to(tl.int32), axis=0)
+    n_miss = tl.sum(miss.to(tl.int32), axis=0)
+    n_invalid = tl.sum((invalid | lost).to(tl.int32), axis=0)
+    return in_k, result, hit, slot, miss, row, n_hit, n_miss, n_invalid
 
 
 @triton.jit
@@ -65,10 +132,10 @@ def _classify_chunk(
     r,
     n,
     base,
-    top_k_ptr,  # [Bcap, K] int32 positions, -1 = none
+    top_k_ptr,
     out_ptr,  # [Bcap, K] int32 device rows
-    page_table_ptr,  # [R, P] int32 extent ids
-    resident_ptr,  # [N] int32 hot slot per host row (this group)
+    page_table_ptr,
+    resident_ptr,
     hit_flag_ptr,  # [Bcap, H] int8 scratch: 1 = slot hit this step (cleared by the plan)
     miss_row_ptr,  # [Bcap, K] int32 scratch: host row of a miss, -1 otherwise
     K,
@@ -76,37 +143,15 @@ def _classify_chunk(
     E,
     P,
     N,
+    EARLY_LOADS: tl.constexpr,
 ):
-    in_k = k_offsets < K
-    # Scalar conditions enter vectors through tl.where: `vector & scalar` gives an integer mask
-    # under TRITON_INTERPRET=1 (triton 3.9), which tl.load rejects.
-    pos = tl.load(top_k_ptr + b * K + k_offsets, mask=tl.where(real, in_k, False), other=-1)
-    valid = (pos >= 0) & (pos < n)  # padding rows read -1 and have n = 0: neither flag is set
-    invalid = (pos < -1) | (pos >= n)
-    long_seq = n > H
-    newest = valid & (pos == n - 1)
-    result = tl.where(long_seq, tl.where(newest, base + H, -1), tl.where(valid, base + pos, -1))
-    candidate = tl.where(long_seq, valid & (pos != n - 1), False)
-
-    page_index = pos // E
-    page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,
-                   mask=candidate & (page_index < P), other=-1)
-    row = page * E + pos % E
-    # A position without a host row would be an engine bug; counting it as invalid keeps the
-    # kernel in bounds instead of copying from a wild address.
-    lost = candidate & ((page < 0) | (row >= N))
-    candidate = candidate & ~lost
-    slot = tl.load(resident_ptr + row, mask=candidate, other=-1)
-    hit = candidate & (slot >= 0) & (slot < H)
-    miss = candidate & (slot < 0)
-    result = tl.where(hit, base + slot, result)
-
+    in_k, result, hit, slot, miss, row, n_hit, n_miss, n_invalid = _lookup_chunk(
+        b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
+        K, H, E, P, N, EARLY_LOADS,
+    )
     tl.store(out_ptr + b * K + k_offsets, result, mask=in_k)
     tl.store(hit_flag_ptr + b * H + slot, tl.full(slot.shape, 1, tl.int8), mask=hit)
     tl.store(miss_row_ptr + b * K + k_offsets, tl.where(miss, row, -1), mask=in_k)
-    n_hit = tl.sum((valid & ~miss & ~lost).to(tl.int32), axis=0)
-    n_miss = tl.sum(miss.to(tl.int32), axis=0)
-    n_invalid = tl.sum((invalid | lost).to(tl.int32), axis=0)
     return n_hit, n_miss, n_invalid
 
 
@@ -118,18 +163,37 @@ def _add_counters(counters_ptr, n_hit, n_miss, n_invalid):
 
 
 @triton.jit
+def _publish_total(total_ptr, num_misses):
+    """Sum the misses of all plan programs into total[2] for the copy kernel's early exit.
+
+    total[0] accumulates, total[1] counts arrivals; the last program to arrive moves the sum
+    to total[2] and zeroes both, so the next call starts clean without a memset launch.
+    """
+    tl.atomic_add(total_ptr + 0, num_misses)
+    # acq_rel (the default) on the ticket orders this program's add before it, and lets the
+    # last arrival see every add.
+    arrived = tl.atomic_add(total_ptr + 1, 1)
+    if arrived == tl.num_programs(0) - 1:
+        grand_total = tl.atomic_xchg(total_ptr + 0, 0)
+        tl.atomic_xchg(total_ptr + 1, 0)
+        tl.store(total_ptr + 2, grand_total)
+
+
+@triton.jit
 def _classify_kernel(
     num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
     resident_ptr, hit_flag_ptr, miss_row_ptr, counters_ptr,  # counters: [3] int64 this layer
     R, S, K, H, E, P, N,
+    EARLY_LOADS: tl.constexpr,
     CHUNK_K: tl.constexpr,
 ):
     b = tl.program_id(0)
-    real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S)
+    real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
+                                    EARLY_LOADS)
     k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
     n_hit, n_miss, n_invalid = _classify_chunk(
         b, k_offsets, real, r, n, base, top_k_ptr, out_ptr, page_table_ptr, resident_ptr,
-        hit_flag_ptr, miss_row_ptr, K, H, E, P, N,
+        hit_flag_ptr, miss_row_ptr, K, H, E, P, N, EARLY_LOADS,
     )
     _add_counters(counters_ptr, n_hit, n_miss, n_invalid)
 
@@ -146,13 +210,17 @@ def _plan_kernel(
     plan_count_ptr,  # [>=Bcap] int32 misses per batch row
     plan_stride,
     counters_ptr,
+    total_ptr,  # [3] int32 scratch for _publish_total (WRITE_TOTAL)
     R, S, K, H, E, P, N,
     LOOKUP_IN_PLAN: tl.constexpr,
+    EARLY_LOADS: tl.constexpr,
+    WRITE_TOTAL: tl.constexpr,
     CHUNK_K: tl.constexpr,
     CHUNK_H: tl.constexpr,
 ):
     b = tl.program_id(0)
-    real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S)
+    real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
+                                    EARLY_LOADS)
     if LOOKUP_IN_PLAN:
         total_hit = 0
         total_miss = 0
@@ -161,6 +229,7 @@ def _plan_kernel(
             n_hit, n_miss, n_invalid = _classify_chunk(
                 b, k0 + tl.arange(0, CHUNK_K), real, r, n, base, top_k_ptr, out_ptr,
                 page_table_ptr, resident_ptr, hit_flag_ptr, miss_row_ptr, K, H, E, P, N,
+                EARLY_LOADS,
             )
             total_hit += n_hit
             total_miss += n_miss
@@ -228,11 +297,110 @@ def _plan_kernel(
             slot = tl.load(order_ptr + b * H + source, mask=in_h, other=0)
             tl.store(lru_row + h_offsets, slot, mask=in_h)
     tl.store(plan_count_ptr + b, num_misses)
+    if WRITE_TOTAL:
+        _publish_total(total_ptr, num_misses)
+
+
+@triton.jit
+def _plan_direct_kernel(
+    num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
+    resident_ptr, slot_row_ptr, lru_ptr, hit_flag_ptr, miss_row_ptr,
+    order_ptr,  # [Bcap, H] int32 scratch: the victims, in LRU order (first M entries)
+    plan_src_ptr, plan_dst_ptr, plan_count_ptr, plan_stride, counters_ptr, total_ptr,
+    R, S, K, H, E, P, N,
+    LOOKUP_IN_PLAN: tl.constexpr,
+    EARLY_LOADS: tl.constexpr,
+    WRITE_TOTAL: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= K: the whole top-k row lives in registers
+    BLOCK_H: tl.constexpr,  # >= H: the whole LRU row lives in registers
+):
+    """The plan of `_plan_kernel` with K and H in one block each, so that each slot's final
+    LRU position comes straight from its ranks and the miss count M (no third pass), miss
+    rows stay in registers (no scratch round trip), the victims' old rows are known before
+    the victims are handed out (their slot rows are read in LRU order with the lookups), and
+    a step without misses skips the victim pass. Same inputs, outputs and state changes."""
+    b = tl.program_id(0)
+    real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
+                                    EARLY_LOADS)
+    k_offsets = tl.arange(0, BLOCK_K)
+    h_offsets = tl.arange(0, BLOCK_H)
+    in_h = h_offsets < H
+    lru_row = lru_ptr + r.to(tl.int64) * H
+    # Issued before the lookups: it depends on the request slot alone. A short row's LRU is
+    # read and left alone.
+    lru_slots = tl.load(lru_row + h_offsets, mask=tl.where(real, in_h, False), other=0)
+    # Host row held by each slot in LRU order: in flight together with the lookups.
+    slot_rows = tl.load(slot_row_ptr + r.to(tl.int64) * H + lru_slots,
+                        mask=tl.where(real & (n > H), in_h, False), other=-1)
+    if LOOKUP_IN_PLAN:
+        in_k, result, hit, slot, miss, row, n_hit, n_miss, n_invalid = _lookup_chunk(
+            b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
+            K, H, E, P, N, EARLY_LOADS,
+        )
+        tl.store(hit_flag_ptr + b * H + slot, tl.full(slot.shape, 1, tl.int8), mask=hit)
+        _add_counters(counters_ptr, n_hit, n_miss, n_invalid)
+    else:  # the classify kernel resolved the entries and set the hit flags
+        in_k = k_offsets < K
+        row = tl.load(miss_row_ptr + b * K + k_offsets, mask=in_k, other=-1)
+        miss = row >= 0
+        result = tl.full(row.shape, -1, tl.int32)
+    victim = tl.zeros(row.shape, tl.int32)
+    num_misses = 0
+    if real & (n > H):
+        if LOOKUP_IN_PLAN:
+            tl.debug_barrier()  # hit flags set by other threads of this program are visible
+        flagged = tl.load(hit_flag_ptr + b * H + lru_slots, mask=in_h, other=0) != 0
+        tl.store(hit_flag_ptr + b * H + lru_slots, tl.zeros(lru_slots.shape, tl.int8),
+                 mask=in_h & flagged)
+        evictable = in_h & ~flagged
+        evict_rank = tl.cumsum(evictable.to(tl.int32), axis=0) - 1
+        hit_rank = h_offsets - 1 - evict_rank  # hit slots before h = h - evictables before h
+        num_evictable = tl.sum(evictable.to(tl.int32), axis=0)
+        # M <= num_evictable always holds when H >= K; the minimum only keeps us in bounds.
+        installed = tl.minimum(tl.sum(miss.to(tl.int32), axis=0), num_evictable)
+        # New LRU = untouched evictables, then the victims in miss order, then the hits.
+        new_position = tl.where(
+            evictable,
+            tl.where(evict_rank >= installed, evict_rank - installed,
+                     num_evictable - installed + evict_rank),
+            num_evictable + hit_rank,
+        )
+        victim_slot = evictable & (evict_rank < installed)
+        tl.store(order_ptr + b * H + evict_rank, lru_slots, mask=victim_slot)
+        # A victim's old row is not in this step's top-k (it was not hit, and a miss row is
+        # held by no slot), so this never touches a row a miss is installing below.
+        tl.store(resident_ptr + slot_rows, tl.full(slot_rows.shape, -1, tl.int32),
+                 mask=victim_slot & (slot_rows >= 0) & (slot_rows < N))
+        # Every thread read its LRU entries before the barrier above (or before its first use
+        # of them), so this in-place permutation reads nothing it overwrites.
+        tl.store(lru_row + new_position, lru_slots, mask=in_h)
+        if installed > 0:
+            tl.debug_barrier()  # the victims in `order` are visible to every thread
+            rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+            miss = miss & (rank < num_evictable)
+            victim = tl.load(order_ptr + b * H + rank, mask=miss, other=0)
+            tl.store(resident_ptr + row, victim, mask=miss)
+            tl.store(slot_row_ptr + r.to(tl.int64) * H + victim, row, mask=miss)
+            tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
+            tl.store(plan_dst_ptr + b * plan_stride + rank, base + victim, mask=miss)
+            num_misses += installed
+        else:
+            miss = tl.zeros(row.shape, tl.int1)  # (only when no slot is evictable: H < K)
+    else:
+        miss = tl.zeros(row.shape, tl.int1)  # short and padding rows have no misses
+    if LOOKUP_IN_PLAN:
+        tl.store(out_ptr + b * K + k_offsets, tl.where(miss, base + victim, result), mask=in_k)
+    else:
+        tl.store(out_ptr + b * K + k_offsets, base + victim, mask=miss)
+    tl.store(plan_count_ptr + b, num_misses)
+    if WRITE_TOTAL:
+        _publish_total(total_ptr, num_misses)
 
 
 @triton.jit
 def _copy_kernel(
     plan_src_ptr, plan_dst_ptr, plan_count_ptr, plan_stride,
+    total_ptr,  # [3] int32: total[2] = misses of the plan just made (TOTAL_GATE)
     host_ptr,  # [N, ROW_WORDS] int32: this layer's host rows (registered host memory)
     device_ptr,  # [R*S, ROW_WORDS] int32: this layer's device rows
     num_rows,  # batch rows in the plan
@@ -241,7 +409,13 @@ def _copy_kernel(
     BLOCK_WORDS: tl.constexpr,
     BLOCK_BATCH: tl.constexpr,
     ROWS: tl.constexpr,
+    TOTAL_GATE: tl.constexpr,
 ):
+    # A compile-time branch around a run-time one: joining them would emit the load always.
+    if TOTAL_GATE:  # noqa: SIM102
+        # One scalar load decides for a miss-free step; otherwise the counts below.
+        if tl.load(total_ptr + 2) == 0:
+            return
     batch = tl.arange(0, BLOCK_BATCH)
     counts = tl.load(plan_count_ptr + batch, mask=batch < num_rows, other=0)
     counts = tl.minimum(tl.maximum(counts, 0), max_count)
@@ -272,6 +446,15 @@ class Tuning:
     # Lookups inside the plan kernel: one launch less. The split classify kernel measured
     # 1-2 us faster per step on the H200 (within noise at B=1); not switched without a rerun.
     lookup_in_plan: bool = True
+    # (b) request slot, top-k row and page table loaded without waiting for num_real and
+    # seq_len: two dependent global round trips less per plan program.
+    early_loads: bool = False
+    # (a) `_plan_direct_kernel` where K <= plan_chunk_k and H <= plan_chunk_h: final LRU
+    # positions in one pass, miss rows in registers, no victim pass without misses.
+    plan_direct: bool = False
+    # (d) the plan kernel publishes its miss total; copy programs of a miss-free step exit on
+    # one scalar load instead of reading and scanning every row's count.
+    copy_total_gate: bool = False
     plan_chunk_k: int = 2048
     plan_chunk_h: int = 4096
     plan_warps: int = 8  # 4 warps: +7 us per step at B=1; 16 warps: no gain (H200)
@@ -305,6 +488,8 @@ class _Scratch:
     hit_flag: torch.Tensor  # [Bcap, H] int8, all zero between calls
     order: torch.Tensor  # [Bcap, H] int32
     miss_row: torch.Tensor  # [Bcap, K] int32
+    total: torch.Tensor  # [3] int32 for _publish_total: accumulator, arrivals (0 between
+    # calls), the last plan's miss total
     plan: MissPlan  # used when the caller passes none
 
 
@@ -324,6 +509,7 @@ def _get_scratch(tables: CacheTables, batch_cap: int, top_k: int) -> _Scratch:
             hit_flag=torch.zeros(batch_cap, hot, dtype=torch.int8, device=device),
             order=torch.empty(batch_cap, hot, dtype=torch.int32, device=device),
             miss_row=torch.empty(batch_cap, top_k, dtype=torch.int32, device=device),
+            total=torch.zeros(3, dtype=torch.int32, device=device),
             plan=MissPlan.empty(batch_cap, top_k, device),
         )
         per_shape[(batch_cap, top_k)] = scratch
@@ -400,14 +586,27 @@ def _layer_rows(tables: CacheTables, layer: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _compute_units(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    if device.type == "xpu":
-        return int(getattr(torch.xpu.get_device_properties(device), "gpu_subslice_count", 64))
-    return 1
+    """SMs / CUs / Xe cores of `device`, as Triton's own driver reports them (so the kernels
+    need no per-vendor branch); 1 where no Triton GPU driver is active."""
+    if device.type == "cpu":
+        return 1
+    units = _compute_unit_cache.get(device)
+    if units is None:
+        utils = triton.runtime.driver.active.utils
+        index = device.index if device.index is not None else (
+            triton.runtime.driver.active.get_current_device())
+        units = int(utils.get_device_properties(index)["multiprocessor_count"])
+        _compute_unit_cache[device] = units
+    return units
 
 
-def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int) -> None:
+_compute_unit_cache: dict[torch.device, int] = {}
+
+
+def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
+                 total: torch.Tensor | None = None) -> None:
+    """`total`: the scratch the plan kernel just published its miss total in, or None (a
+    replayed plan: its counts are all there is)."""
     host, device = _layer_rows(tables, layer)
     row_words = tables.row_bytes // 4
     t = _tuning
@@ -417,12 +616,15 @@ def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int)
     else:
         max_programs = _compute_units(device.device) * t.copy_programs_per_unit
     programs = max(1, min(triton.cdiv(num_rows * top_k, t.copy_rows), max_programs))
+    gate = total is not None
     _copy_kernel[(programs,)](
-        plan.src, plan.dst, plan.count, plan.src.stride(0), host, device, num_rows, top_k,
+        plan.src, plan.dst, plan.count, plan.src.stride(0), total if gate else plan.count,
+        host, device, num_rows, top_k,
         ROW_WORDS=row_words,
         BLOCK_WORDS=triton.next_power_of_2(row_words),
         BLOCK_BATCH=triton.next_power_of_2(num_rows),
         ROWS=t.copy_rows,
+        TOTAL_GATE=gate,
         num_warps=t.copy_warps,
     )
 
@@ -476,20 +678,28 @@ def swap_in_triton(
         _classify_kernel[(batch_cap, triton.cdiv(k, chunk))](
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
             scratch.hit_flag, scratch.miss_row, counters, *sizes,
-            CHUNK_K=chunk, num_warps=tune.classify_warps,
+            EARLY_LOADS=tune.early_loads, CHUNK_K=chunk, num_warps=tune.classify_warps,
         )
-    _plan_kernel[(batch_cap,)](
+    block_k, block_h = triton.next_power_of_2(k), triton.next_power_of_2(hot)
+    direct = tune.plan_direct and block_k <= tune.plan_chunk_k and block_h <= tune.plan_chunk_h
+    plan_args = (
         num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
         t.slot_row[group], t.lru[group], scratch.hit_flag, scratch.miss_row, scratch.order,
         used_plan.src, used_plan.dst, used_plan.count, used_plan.src.stride(0), counters,
-        *sizes,
-        LOOKUP_IN_PLAN=tune.lookup_in_plan,
-        CHUNK_K=min(triton.next_power_of_2(k), tune.plan_chunk_k),
-        CHUNK_H=min(triton.next_power_of_2(hot), tune.plan_chunk_h),
-        num_warps=tune.plan_warps,
+        scratch.total, *sizes,
     )
+    flags = {"LOOKUP_IN_PLAN": tune.lookup_in_plan, "EARLY_LOADS": tune.early_loads,
+             "WRITE_TOTAL": tune.copy_total_gate, "num_warps": tune.plan_warps}
+    if direct:
+        _plan_direct_kernel[(batch_cap,)](*plan_args, BLOCK_K=block_k, BLOCK_H=block_h, **flags)
+    else:
+        _plan_kernel[(batch_cap,)](
+            *plan_args, CHUNK_K=min(block_k, tune.plan_chunk_k),
+            CHUNK_H=min(block_h, tune.plan_chunk_h), **flags,
+        )
     if not skip_io:
-        _launch_copy(t, layer, used_plan, batch_cap)
+        _launch_copy(t, layer, used_plan, batch_cap,
+                     scratch.total if tune.copy_total_gate else None)
 
 
 def copy_planned_triton(tables: CacheTables, layer: int, plan: MissPlan) -> None:

@@ -9,6 +9,7 @@ checked byte for byte against the host pool.
 
     PYTHONPATH=src python benchmarks/swap_in.py              # full SW-1 + extent sweep
     PYTHONPATH=src python benchmarks/swap_in.py --quick      # smoke run, a few cells
+    PYTHONPATH=src python benchmarks/swap_in.py --ab         # planning variants, reduced grid
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ ROW_BYTES = 656
 LIBRARY_EXTENT = 512  # HiSparseConfig's default extent_tokens
 SLEEP_CYCLES = 200_000  # ~100 us at 2 GHz: the step is queued before the GPU reaches it
 # SGLang 0.5.23's fused swap-in on SW-1 scattered, H200 (issue 4; quoted, not re-measured here).
+# Planning variants for --ab (swap_in_triton.Tuning overrides); "baseline" is the default.
+AB_VARIANTS: dict[str, dict[str, object]] = {
+    "baseline": {},
+    "split": {"lookup_in_plan": False},
+    "early": {"early_loads": True},
+    "direct": {"plan_direct": True, "early_loads": True},
+    "direct-split": {"plan_direct": True, "early_loads": True, "lookup_in_plan": False},
+    "direct-gate": {"plan_direct": True, "early_loads": True, "copy_total_gate": True},
+    "direct-copy8": {"plan_direct": True, "early_loads": True, "copy_programs_per_unit": 8},
+}
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,
@@ -285,6 +296,49 @@ def plot(results: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def run_ab(pool: Pool, batches: list[int], churns: list[float], args, gen: torch.Generator,
+           results: dict, save: Callable[[], None], path: Path) -> int:
+    """Every planning variant on the same reduced grid, in one process (same pool, same GPU
+    state), then one median-us table per layout on stdout."""
+    from hisparse.kernels import swap_in_triton as kernels
+
+    results["ab_variants"] = AB_VARIANTS
+    results["miss_free_by_variant"] = {}
+    for name, overrides in AB_VARIANTS.items():
+        try:
+            with kernels.tuning(**overrides):
+                for layout in ("scattered", "extents"):
+                    extent = 1 if layout == "scattered" else LIBRARY_EXTENT
+                    for batch in batches:
+                        for churn in churns:
+                            record = run_cell(pool, batch, churn, layout, extent, args, gen)
+                            results["records"].append({"variant": name, **record})
+                            save()
+                results["miss_free_by_variant"][name] = miss_free_launch_overhead(pool, gen, args)
+                save()
+        except Exception as exc:  # one broken variant must not cost the others' numbers
+            print(f"variant {name} failed: {type(exc).__name__}: {exc}", flush=True)
+            results.setdefault("failed_variants", {})[name] = f"{type(exc).__name__}: {exc}"
+            save()
+    for layout in ("scattered", "extents"):
+        print(f"\nmedian us (skip-IO us), {layout}; miss-free = B=128 warm graph")
+        cells = [(b, c) for b in batches for c in churns]
+        print("variant".ljust(14) + "".join(f"B{b}c{c}".rjust(15) for b, c in cells)
+              + "miss-free".rjust(11))
+        for name in AB_VARIANTS:
+            row = {(r["B"], r["churn"]): r for r in results["records"]
+                   if r["variant"] == name and r["layout"] == layout}
+            text = "".join(
+                (f"{row[c]['median_us']}({row[c]['skip_io_median_us']})"
+                 + ("" if row[c]["correct"] else "!")).rjust(15) if c in row else "-".rjust(15)
+                for c in cells)
+            free = results["miss_free_by_variant"].get(name, {}).get("graph_us", "-")
+            print(name.ljust(14) + text + str(free).rjust(11))
+    save()
+    print(f"wrote {path}")
+    return 0 if results["all_correct"] and not results.get("failed_variants") else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="SW-1 swap-in benchmark (DESIGN.md 8)")
     parser.add_argument("--quick", action="store_true", help="a few cells, few steps (smoke)")
@@ -292,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the extent-size sweep at B=128, churn 1.0")
     parser.add_argument("--variants", action="store_true",
                         help="also time launch-parameter variants on a few cells")
+    parser.add_argument("--ab", action="store_true",
+                        help="only the planning variants (AB_VARIANTS) on B in {1, 128}, churn "
+                        "in {0, 0.2, 1.0}, both layouts, plus the miss-free step per variant")
     parser.add_argument("--tune-copy", action="store_true",
                         help="run with the copy launch parameters the limits sweep liked best")
     parser.add_argument("--warmup", type=int, default=8)
@@ -312,12 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         batches, churns, sweep_extents = [1, 16], [0.0, 1.0], [1, 512]
         args.warmup, args.steps = 2, 5
+    if args.ab:
+        batches, churns = [1, 128], [0.0, 0.2, 1.0]
     max_batch = 128 if (not args.quick or args.extent_sweep) else max(batches)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     rows = max_batch * SEQ_LEN
     began = time.perf_counter()
     host = alloc_registered(rows * ROW_BYTES).view(rows, ROW_BYTES)
-    limits = measure(host) if not args.quick else {}
+    limits = measure(host) if not (args.quick or args.ab) else {}
     from hisparse.kernels import swap_in_triton as kernels
 
     chosen = limits.get("copy_tuning_choice", {}) if args.tune_copy else {}
@@ -349,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"sw1-cuda{'-quick' if args.quick else ''}.json"
+    suffix = "-quick" if args.quick else "-ab" if args.ab else ""
+    path = out_dir / f"sw1-cuda{suffix}.json"
 
     def save() -> None:  # after every cell, so a run cut short still leaves its numbers
         checked = results["records"] + results.get("extent_sweep", []) + results.get(
@@ -358,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         results["seconds"] = round(time.perf_counter() - began, 1)
         path.write_text(json.dumps(results, indent=1) + "\n")
 
+    if args.ab:
+        return run_ab(pool, batches, churns, args, gen, results, save, path)
     if not args.extent_sweep:
         for layout in ("scattered", "extents"):
             extent = 1 if layout == "scattered" else LIBRARY_EXTENT

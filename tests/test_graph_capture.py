@@ -15,11 +15,12 @@ from hisparse.kernels.swap_in_reference import (
     copy_planned_reference,
     swap_in_reference,
 )
-from hisparse.kernels.swap_in_triton import copy_planned_triton, swap_in_triton
+from hisparse.kernels.swap_in_triton import copy_planned_triton, swap_in_triton, tuning
 from test_swap_in_triton import (
     DEVICE,
     POISON,
     SIZES,
+    VARIANTS,
     assert_rows_match_host,
     assert_same_state,
     clone_tables,
@@ -30,8 +31,18 @@ from test_swap_in_triton import (
 pytestmark = pytest.mark.gpu
 
 
+# Every planning variant that could become the default, captured and replayed.
+GRAPH_VARIANTS = ["three-pass", "split", "direct", "direct-split"]
+
+
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"K{s.top_k}-H{s.hot}-W{s.row_bytes}")
-def test_graph_replay_matches_eager_reference(sizes, rng: torch.Generator) -> None:
+@pytest.mark.parametrize("variant", GRAPH_VARIANTS)
+def test_graph_replay_matches_eager_reference(sizes, variant: str, rng: torch.Generator) -> None:
+    with tuning(**VARIANTS[variant]):
+        _replay_matches_eager(sizes, rng)
+
+
+def _replay_matches_eager(sizes, rng: torch.Generator) -> None:
     gen = rng
     want = make_tables(sizes, gen)
     got = clone_tables(want)

@@ -98,6 +98,7 @@ class Lockstep:
         self.check()
 
     def check(self) -> None:
+        self.cache.backend.synchronize()  # host rows: backups land asynchronously on GPUs
         check_against_model(self.cache, self.model)
 
 

@@ -94,6 +94,7 @@ class LockstepRun:
                 getattr(self, operation)()
                 self.counts.operations += 1
                 if self.counts.operations % self.full_check_every == 0:
+                    self.cache.backend.synchronize()  # host rows: backups land asynchronously
                     check_against_model(self.cache, self.model)
                     self.counts.full_checks += 1
             self._check_counters()

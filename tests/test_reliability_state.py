@@ -66,6 +66,7 @@ def _cpu(value: Any) -> Any:
 
 def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
     """Everything a rejected call must leave unchanged (reads device state: a host sync)."""
+    cache.backend.synchronize()  # backups may still be writing host rows from a side stream
     t = cache.tables
     state: dict[str, Any] = {
         f"tables.{f.name}": _cpu(getattr(t, f.name)) for f in dataclasses.fields(t)

@@ -34,15 +34,21 @@ ROW_BYTES = 656
 LIBRARY_EXTENT = 512  # HiSparseConfig's default extent_tokens
 SLEEP_CYCLES = 200_000  # ~100 us at 2 GHz: the step is queued before the GPU reaches it
 # SGLang 0.5.23's fused swap-in on SW-1 scattered, H200 (issue 4; quoted, not re-measured here).
-# Planning variants for --ab (swap_in_triton.Tuning overrides); "baseline" is the default.
+# Planning variants for --ab (swap_in_triton.Tuning overrides), every flag spelled out so a
+# name means the same whatever the defaults. "three-pass" was the default before the A/B of
+# benchmarks/results/sw1-cuda-ab.json; "direct-copy8" plus the automatic lookup split is now.
+_THREE_PASS = {"plan_direct": False, "early_loads": False, "lookup_in_plan": True,
+               "copy_total_gate": False, "copy_programs_per_unit": 32}
+_DIRECT = {**_THREE_PASS, "plan_direct": True, "early_loads": True}
 AB_VARIANTS: dict[str, dict[str, object]] = {
-    "baseline": {},
-    "split": {"lookup_in_plan": False},
-    "early": {"early_loads": True},
-    "direct": {"plan_direct": True, "early_loads": True},
-    "direct-split": {"plan_direct": True, "early_loads": True, "lookup_in_plan": False},
-    "direct-gate": {"plan_direct": True, "early_loads": True, "copy_total_gate": True},
-    "direct-copy8": {"plan_direct": True, "early_loads": True, "copy_programs_per_unit": 8},
+    "three-pass": _THREE_PASS,
+    "split": {**_THREE_PASS, "lookup_in_plan": False},
+    "early": {**_THREE_PASS, "early_loads": True},
+    "direct": _DIRECT,
+    "direct-split": {**_DIRECT, "lookup_in_plan": False},
+    "direct-gate": {**_DIRECT, "copy_total_gate": True},
+    "direct-copy8": {**_DIRECT, "copy_programs_per_unit": 8},
+    "default": {},
 }
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
@@ -436,13 +442,14 @@ def main(argv: list[str] | None = None) -> int:
                 run_cell(pool, max_batch, 1.0, "shuffled-extents", extent, args, gen))
             save()
     if args.variants:
-        variants = {"split-lookup": {"lookup_in_plan": False}, "plan-16-warps": {"plan_warps": 16},
-                    "plan-4-warps": {"plan_warps": 4},
-                    "plan-chunks-1024": {"plan_chunk_k": 1024, "plan_chunk_h": 1024}}
+        variants = {"lookup-fused": {"lookup_in_plan": True},
+                    "lookup-split": {"lookup_in_plan": False},
+                    "three-pass": AB_VARIANTS["three-pass"],
+                    "copy-32-per-sm": {"copy_programs_per_unit": 32}}
         results["variants"] = []
         for name, overrides in variants.items():
             with kernels.tuning(**overrides):
-                for batch, churn in ((1, 1.0), (128, 0.0), (128, 1.0)):
+                for batch, churn in ((1, 0.2), (16, 0.2), (64, 0.2), (128, 0.0), (128, 1.0)):
                     record = run_cell(pool, batch, churn, "extents", LIBRARY_EXTENT, args, gen)
                     results["variants"].append({"variant": name, **record})
                     save()

@@ -218,13 +218,15 @@ def assert_rows_match_host(
 # Planning variants (swap_in_triton.Tuning), each against the reference. The three-pass ones
 # run with small chunks so that every loop of the kernels runs several times at small sizes;
 # the direct ones need K and H in one block each, which the default chunk sizes give.
-VARIANTS = {
-    "three-pass": {},
-    "split": {"lookup_in_plan": False},
-    "early": {"early_loads": True, "copy_total_gate": True},
-    "direct": {"plan_direct": True, "early_loads": True, "copy_total_gate": True},
-    "direct-late": {"plan_direct": True},
-    "direct-split": {"plan_direct": True, "lookup_in_plan": False, "early_loads": True},
+_OLD = {"plan_direct": False, "early_loads": False, "copy_total_gate": False}
+VARIANTS = {  # every flag spelled out, so that a name means the same whatever the defaults
+    "three-pass": {**_OLD, "lookup_in_plan": True},
+    "split": {**_OLD, "lookup_in_plan": False},
+    "early": {**_OLD, "lookup_in_plan": True, "early_loads": True, "copy_total_gate": True},
+    "direct": {"plan_direct": True, "lookup_in_plan": True, "early_loads": True,
+               "copy_total_gate": True},
+    "default": {},  # what ships (Tuning's defaults)
+    "direct-split": {**_OLD, "plan_direct": True, "lookup_in_plan": False, "early_loads": True},
 }
 
 

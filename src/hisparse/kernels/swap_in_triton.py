@@ -1,19 +1,22 @@
 """Swap-in and planned copy in Triton, reading host rows in place (zero-copy over the link).
 
-Same signature and semantics as `kernels/swap_in_reference.py` (docs/ARCHITECTURE.md). Three
-launches, each with a grid fixed by `Bcap` and `K` so that a CUDA graph can capture them and
-replay with another `num_real`:
+Same signature and semantics as `kernels/swap_in_reference.py` (docs/ARCHITECTURE.md). Up to
+three launches, each with a grid fixed by `Bcap` and `K` so that a CUDA graph can capture them
+and replay with another `num_real`:
 
-1. classify (only when `lookup_in_plan` is off): grid (Bcap, K / chunk). Each top-k entry is
-   resolved through `page_table` and the persistent `resident` map: short regime, newest slot,
-   hit, miss or invalid. Hits mark their slot in a per-row flag buffer.
+1. classify (only when the lookups are split out, the default for small batches): grid
+   (Bcap, K / chunk). Each top-k entry is resolved through `page_table` and the persistent
+   `resident` map: short regime, newest slot, hit, miss or invalid. Hits mark their slot in
+   a per-row flag buffer.
 2. plan: one program per batch row. It owns all LRU state of its request (two rows of a batch
    never share a request slot), so it needs no atomics: it ranks the evictable slots in LRU
    order, gives the m-th miss the m-th of them, writes the new LRU order, `slot_row`,
-   `resident`, the miss outputs and the miss plan. With `lookup_in_plan` (the default) it also
-   does step 1 itself, saving a launch.
-3. copy: a fixed number of programs (32 per SM) walk the flattened (request, miss) list of
-   the plan, so a single request's misses spread over the whole GPU instead of one block. Rows
+   `resident`, the miss outputs and the miss plan; with the lookups in the plan it also does
+   step 1 itself. Two kernels: `_plan_direct_kernel` (the default where K and H each fit one
+   block: every slot's final LRU position in one pass, about 5 dependent global round trips)
+   and `_plan_kernel` (any K and H, in chunks: three passes over scratch).
+3. copy: a fixed number of programs per SM walk the flattened (request, miss) list of the
+   plan, so a single request's misses spread over the whole GPU instead of one block. Rows
    move as int32 words; a 656-byte row is 41 aligned 16-byte vectors.
 
 Host rows come from `tables.host_kv[layer]`, a registered (pinned) CPU tensor: the Triton
@@ -441,30 +444,37 @@ def _copy_kernel(
 
 @dataclass(frozen=True)
 class Tuning:
-    """Launch parameters, as measured on an H200 with SW-1 (benchmarks/NOTES.md)."""
+    """Launch parameters, as measured on an H200 with SW-1 (benchmarks/NOTES.md; the A/B of
+    the planning variants is benchmarks/results/sw1-cuda-ab.json)."""
 
-    # Lookups inside the plan kernel: one launch less. The split classify kernel measured
-    # 1-2 us faster per step on the H200 (within noise at B=1); not switched without a rerun.
-    lookup_in_plan: bool = True
+    # Lookups in a split classify kernel over (Bcap, K/256) programs, or inside the plan
+    # kernel (one launch less). None: split while the batch fills at most half the GPU's
+    # units. H200, direct plan: split saves 1.7 us at B=1 and costs 1.8 us on a miss-free
+    # B=128 step (B in between was not measured).
+    lookup_in_plan: bool | None = None
     # (b) request slot, top-k row and page table loaded without waiting for num_real and
-    # seq_len: two dependent global round trips less per plan program.
-    early_loads: bool = False
+    # seq_len: two dependent global round trips less per plan program (-0.5 us at B=1).
+    early_loads: bool = True
     # (a) `_plan_direct_kernel` where K <= plan_chunk_k and H <= plan_chunk_h: final LRU
     # positions in one pass, miss rows in registers, no victim pass without misses.
-    plan_direct: bool = False
+    # H200: plan-only 17-21 -> 13-18 us at B=1, 33 -> 28 us at B=128.
+    plan_direct: bool = True
     # (d) the plan kernel publishes its miss total; copy programs of a miss-free step exit on
-    # one scalar load instead of reading and scanning every row's count.
+    # one scalar load. Off: the plan programs' closing atomics cost more (+2.5 us per step
+    # on the H200) than the copy prologue saves.
     copy_total_gate: bool = False
     plan_chunk_k: int = 2048
     plan_chunk_h: int = 4096
     plan_warps: int = 8  # 4 warps: +7 us per step at B=1; 16 warps: no gain (H200)
     classify_chunk_k: int = 256
     classify_warps: int = 4
-    # 2 rows x 2 warps per iteration, 32 programs per SM: 47 GB/s at B=128 on the extent
-    # layout and 2048 rows in ~31 us (H200), the best of the sweep in copy_limits.py.
+    # 2 rows x 2 warps per iteration. 8 programs per SM rather than 32 (the copy_limits.py
+    # sweep's pick): H200, miss-free B=128 step 17.7 -> 15.9 us, extents c=0.2 at B=128
+    # 39 -> 42 GB/s, c=1.0 47.1 -> 45.7 GB/s; B=1 unchanged (1056 programs still cover
+    # 2048 rows in one pass).
     copy_rows: int = 2
     copy_warps: int = 2
-    copy_programs_per_unit: int = 32  # copy programs per SM / CU
+    copy_programs_per_unit: int = 8  # copy programs per SM / CU
     interpreter_copy_programs: int = 2  # each program costs ~1 ms under TRITON_INTERPRET=1
 
 
@@ -673,7 +683,10 @@ def swap_in_triton(
     sizes = (num_requests, t.slots_per_request, k, hot, t.extent_tokens, max_pages, num_host_rows)
     counters = t.counters[layer]
     tune = _tuning
-    if not tune.lookup_in_plan:
+    lookup_in_plan = tune.lookup_in_plan
+    if lookup_in_plan is None:
+        lookup_in_plan = 2 * batch_cap > _compute_units(device)
+    if not lookup_in_plan:
         chunk = min(triton.next_power_of_2(k), tune.classify_chunk_k)
         _classify_kernel[(batch_cap, triton.cdiv(k, chunk))](
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
@@ -688,7 +701,7 @@ def swap_in_triton(
         used_plan.src, used_plan.dst, used_plan.count, used_plan.src.stride(0), counters,
         scratch.total, *sizes,
     )
-    flags = {"LOOKUP_IN_PLAN": tune.lookup_in_plan, "EARLY_LOADS": tune.early_loads,
+    flags = {"LOOKUP_IN_PLAN": lookup_in_plan, "EARLY_LOADS": tune.early_loads,
              "WRITE_TOTAL": tune.copy_total_gate, "num_warps": tune.plan_warps}
     if direct:
         _plan_direct_kernel[(batch_cap,)](*plan_args, BLOCK_K=block_k, BLOCK_H=block_h, **flags)

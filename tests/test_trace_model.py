@@ -71,7 +71,9 @@ def test_heavy_hitters_persist_without_churn_and_drift_with_it() -> None:
     drifting = run_trace(
         TraceModel(top_k=128, carryover=0.0, heavy_hitters=32, heavy_churn=1.0), seed, 50_000, 3
     )
-    assert np.intersect1d(drifting[1], drifting[2]).size == 0
+    # Fresh picks may coincide by chance (about 128 * 128 / 50_000 = 0.3 expected); kept heavy
+    # hitters would add 32. Well under that shows they all moved.
+    assert np.intersect1d(drifting[1], drifting[2]).size < 8
 
 
 def test_recency_bias_concentrates_fresh_picks_in_the_window() -> None:

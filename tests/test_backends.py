@@ -365,3 +365,27 @@ def test_core_and_kernels_ask_for_capabilities_not_device_names(package: str) ->
         if DEVICE_NAME_CHECKS.search(line.split("#", 1)[0])
     ]
     assert offenders == [], "ask backend.supports(Feature.X) instead:\n" + "\n".join(offenders)
+
+
+def test_an_address_someone_left_registered_is_skipped_not_reused(fake_env) -> None:
+    env = fake_env("cuda")
+    backend = hisparse.get_backend()
+    real_register = env.cudart.cudaHostRegister
+    refused: list[int] = []
+
+    def left_registered_once(base: int, size: int, flags: int) -> int:
+        if not refused:  # the first mapping lands where a foreign registration lingers
+            refused.append(base)
+            return 712
+        return real_register(base, size, flags)
+
+    env.cudart.cudaHostRegister = left_registered_once
+    buffer = backend.alloc_host(PAGE + 1)
+    assert buffer.data_ptr() != refused[0]  # the refused mapping stays out of circulation
+    assert list(env.cudart.registered) == [buffer.data_ptr()]
+    backend.free_host(buffer)
+
+    env.cudart.cudaHostRegister = lambda base, size, flags: 712
+    with pytest.raises(HostAllocationError, match="still registered"):
+        backend.alloc_host(PAGE)
+    assert env.cudart.registered == {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import sys
 import time
 import uuid
@@ -33,6 +34,23 @@ try:
 except ImportError as exc:
     NIXL_MISSING = str(exc)
 needs_nixl = pytest.mark.skipif(NIXL_MISSING is not None, reason=f"{NIXL_MISSING}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_only_ucx() -> Iterator[None]:
+    """UCX on host transports only, here and in the spawned workers.
+
+    On a CUDA machine UCX may also use its CUDA transports, whose registration cache can keep
+    freed host buffers registered with the CUDA runtime; other code in the process then cannot
+    register a new mapping at those addresses. These tests move host memory only.
+    """
+    previous = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = "tcp,self,sm"
+    yield
+    if previous is None:
+        del os.environ["UCX_TLS"]
+    else:
+        os.environ["UCX_TLS"] = previous
 
 # Small on purpose: 16-token extents so requests span several extents and runs split.
 CONFIG = dict(

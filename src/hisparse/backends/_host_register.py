@@ -19,6 +19,14 @@ from typing import Any
 
 import torch
 
+from hisparse.backends._host_memory import (
+    ALREADY_REGISTERED_RETRIES,
+    ERROR_ALREADY_REGISTERED,
+    AlreadyRegistered,
+    available_host_bytes,
+    clear_runtime_error,
+    format_bytes,
+)
 from hisparse.errors import HostAllocationError
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -28,27 +36,6 @@ CHUNK_BYTES = 16 << 30
 # cudaHostRegisterPortable | cudaHostRegisterMapped: usable from every device context, and
 # mapped so a kernel can read it directly (hipHostGetDevicePointer needs the mapped flag).
 REGISTER_FLAGS = 1 | 2
-
-
-def available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo, else free physical pages; None when neither exists."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def format_bytes(num_bytes: int) -> str:
-    if num_bytes >= 1 << 30:
-        return f"{num_bytes} B ({num_bytes / (1 << 30):.2f} GiB)"
-    return f"{num_bytes} B ({num_bytes / (1 << 20):.2f} MiB)"
 
 
 def check_host_request(num_bytes: int, what: str) -> int | None:
@@ -98,6 +85,7 @@ class HostRegistry:
         self._runtime = runtime  # called lazily: returns the object with cudaHostRegister
         self._api = api  # "cudaHostRegister" or "hipHostRegister", for messages
         self._live: dict[int, _Registration] = {}
+        self._quarantine: list[torch.Tensor] = []  # mappings at addresses someone left registered
         self._lock = threading.Lock()
         atexit.register(self.release_all)
 
@@ -111,17 +99,28 @@ class HostRegistry:
         """
         available = check_host_request(num_bytes, "host pool")
         span = -(-num_bytes // PAGE_BYTES) * PAGE_BYTES
-        try:
-            mapping = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        except OSError as exc:
-            raise HostAllocationError(
-                f"host pool: mapping {format_bytes(span)} failed ({exc}); available: "
-                f"{format_bytes(available) if available is not None else 'unknown'}."
-            ) from exc
-        backing = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
-        buffer = backing[:num_bytes]
-        self._register_range(buffer.data_ptr(), span, backing, owned=True)
-        return buffer
+        for attempt in range(ALREADY_REGISTERED_RETRIES + 1):
+            try:
+                mapping = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except OSError as exc:
+                raise HostAllocationError(
+                    f"host pool: mapping {format_bytes(span)} failed ({exc}); available: "
+                    f"{format_bytes(available) if available is not None else 'unknown'}."
+                ) from exc
+            backing = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+            buffer = backing[:num_bytes]
+            try:
+                self._register_range(buffer.data_ptr(), span, backing, owned=True)
+                return buffer
+            except AlreadyRegistered as exc:
+                # Another component freed memory it had registered (a transfer engine's
+                # registration cache can do that), and the kernel handed us the same
+                # addresses. Those pages must not be reused: keep this mapping out of
+                # circulation for the life of the process and map elsewhere.
+                self._quarantine.append(backing)
+                if attempt == ALREADY_REGISTERED_RETRIES:
+                    raise HostAllocationError(str(exc)) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def free(self, buffer: torch.Tensor) -> None:
         registration = self._pop(buffer, owned=True)
@@ -135,7 +134,9 @@ class HostRegistry:
                 f"tensor on {buffer.device}; pass a contiguous CPU tensor."
             )
         num_bytes = buffer.numel() * buffer.element_size()
-        self._register_range(buffer.data_ptr(), num_bytes, None, owned=False)
+        # Holding the tensor keeps its memory from being freed while registered: freed pages
+        # that stay registered make the next mapping at that address unregistrable (error 712).
+        self._register_range(buffer.data_ptr(), num_bytes, buffer, owned=False)
 
     def unregister(self, buffer: torch.Tensor) -> None:
         self._unregister_chunks(self._pop(buffer, owned=False))
@@ -178,7 +179,15 @@ class HostRegistry:
             base, size = start + offset, min(CHUNK_BYTES, num_bytes - offset)
             status = int(runtime.cudaHostRegister(base, size, REGISTER_FLAGS))
             if status != 0:
+                clear_runtime_error(self._api)
                 self._unregister_chunks(_Registration(start, num_bytes, chunks, None, owned))
+                if status == ERROR_ALREADY_REGISTERED:
+                    raise AlreadyRegistered(
+                        f"{self._api} of {format_bytes(size)} at {base:#x} failed: part of the "
+                        "range is still registered (memory freed without being unregistered, "
+                        "by this process or a library in it); unregister memory before freeing "
+                        "it"
+                    )
                 available = available_host_bytes()
                 raise HostAllocationError(
                     f"{self._api} of {format_bytes(size)} at offset {offset} of a "

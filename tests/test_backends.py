@@ -389,3 +389,13 @@ def test_an_address_someone_left_registered_is_skipped_not_reused(fake_env) -> N
     with pytest.raises(HostAllocationError, match="still registered"):
         backend.alloc_host(PAGE)
     assert env.cudart.registered == {}
+
+
+def test_fake_environments_never_touch_the_real_registries(fake_env) -> None:
+    from hisparse.backends import cuda, rocm
+
+    fake_env("cuda")
+    # On a GPU machine the real registries hold real registrations of other tests; a fake
+    # runtime releasing them would leave them registered while their memory goes away.
+    assert cuda.CudaBackend.host_registry is not cuda._registry
+    assert rocm.RocmBackend.host_registry is not rocm._registry

@@ -112,7 +112,16 @@ def fake_environment(
     monkeypatch.setattr(torch.xpu, "get_device_name", lambda i=0: f"Fake xpu GPU {i}")
 
     env.hip = FakeHip(env.cudart)
-    from hisparse.backends import rocm
+    from hisparse.backends import cuda, rocm
+    from hisparse.backends._host_register import HostRegistry
+
+    # Registries of their own: the real ones may hold real registrations (on a GPU machine),
+    # and releasing those through the fake runtime would leave them registered for real
+    # while their memory is unmapped.
+    monkeypatch.setattr(cuda.CudaBackend, "host_registry",
+                        HostRegistry(lambda: env.cudart, "cudaHostRegister"))
+    monkeypatch.setattr(rocm.RocmBackend, "host_registry",
+                        HostRegistry(lambda: env.cudart, "hipHostRegister"))
 
     rocm.hip_library.cache_clear()
     monkeypatch.setattr(rocm, "hip_library", lambda: env.hip)

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import pd_workers
 from conftest import POISON_BYTE
-from hisparse.errors import InvalidInputError, TransferError
+from hisparse.errors import InvalidInputError, MissingDependencyError, TransferError
 from hisparse.pd import TransferTicket, coalesce_rows, import_nixl, split_runs
 
 try:
@@ -394,9 +394,9 @@ def test_missing_nixl_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setitem(sys.modules, "nixl_cu12", None)
     monkeypatch.setitem(sys.modules, "nixl", None)
-    with pytest.raises(ImportError, match=r"pip install 'hisparse\[pd\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install 'hisparse\[pd\]'"):
         NixlPrefillSender("nobody")
-    with pytest.raises(ImportError, match=r"pip install 'hisparse\[pd\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install 'hisparse\[pd\]'"):
         NixlDecodeEndpoint(object(), "nobody")  # type: ignore[arg-type]
 
 

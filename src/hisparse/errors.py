@@ -64,5 +64,9 @@ class PoolExhaustedError(HisparseError, MemoryError):
     """Not enough free host rows or device request slots; nothing was allocated."""
 
 
+class MissingDependencyError(HisparseError, ImportError):
+    """An optional dependency a feature needs is not installed; the message names the extra."""
+
+
 class TransferError(HisparseError, RuntimeError):
     """A KV transfer into reserved host rows failed or timed out; the rows were released."""

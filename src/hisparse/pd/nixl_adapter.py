@@ -38,6 +38,7 @@ import torch
 from hisparse.errors import (
     HisparseError,
     InvalidInputError,
+    MissingDependencyError,
     RequestStateError,
     TransferError,
     UnknownRequestError,
@@ -53,14 +54,14 @@ _RETIRED_MEMORY = 4096
 
 
 def import_nixl() -> ModuleType:
-    """The NIXL Python module, or an ImportError that says how to install it."""
+    """The NIXL Python module, or a MissingDependencyError that says how to install it."""
     try:
         import nixl_cu12 as nixl
     except ImportError as exc:
         try:
             import nixl  # wheels built for other CUDA versions use the plain name
         except ImportError:
-            raise ImportError(
+            raise MissingDependencyError(
                 f"hisparse.pd needs NIXL, which cannot be imported here ({exc}). "
                 "Install it with: pip install 'hisparse[pd]'"
             ) from exc

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+
+import torch
 
 from hisparse.errors import HostAllocationError
 
@@ -53,3 +56,29 @@ def format_bytes(num_bytes: int) -> str:
     if num_bytes >= 1 << 30:
         return f"{num_bytes} B ({num_bytes / (1 << 30):.2f} GiB)"
     return f"{num_bytes} B ({num_bytes / (1 << 20):.2f} MiB)"
+
+
+class LiveBuffers:
+    """The buffers `alloc_host` handed out, so `free_host` accepts each exactly once."""
+
+    def __init__(self, pool_name: str) -> None:
+        self._pool_name = pool_name  # "host pool", "USM host pool": for messages
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def add(self, buffer: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            self._buffers[buffer.data_ptr()] = buffer
+        return buffer
+
+    def remove(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if self._buffers.pop(buffer.data_ptr(), None) is None:
+                raise HostAllocationError(
+                    f"{self._pool_name}: no buffer from alloc_host starts at "
+                    f"{buffer.data_ptr():#x}; pass the exact tensor alloc_host returned "
+                    "(each is freed once)."
+                )
+
+    def __len__(self) -> int:
+        return len(self._buffers)

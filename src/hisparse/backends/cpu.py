@@ -5,14 +5,12 @@ Always available, so it is the fallback of detection and the backend CI tests ev
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from hisparse.backends._host_memory import LiveBuffers
 from hisparse.backends._host_register import allocate_plain
 from hisparse.backends.base import Backend, CopyPlannedFn, SwapInFn
 from hisparse.backends.features import Feature, FeatureTable, supported, unsupported
-from hisparse.errors import HostAllocationError
 from hisparse.kernels.swap_in_reference import copy_planned_reference, swap_in_reference
 
 CPU_FEATURES = FeatureTable({
@@ -44,8 +42,7 @@ class CpuBackend(Backend):
     features = CPU_FEATURES
 
     def __init__(self) -> None:
-        self._live: dict[int, torch.Tensor] = {}
-        self._lock = threading.Lock()
+        self._live = LiveBuffers("host pool")
 
     def unavailable_reason(self) -> str | None:
         return None
@@ -54,18 +51,10 @@ class CpuBackend(Backend):
         return torch.device("cpu")  # one host, whatever index was asked for
 
     def alloc_host(self, num_bytes: int) -> torch.Tensor:
-        buffer = allocate_plain(num_bytes, "host pool")
-        with self._lock:
-            self._live[buffer.data_ptr()] = buffer
-        return buffer
+        return self._live.add(allocate_plain(num_bytes, "host pool"))
 
     def free_host(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            if self._live.pop(buffer.data_ptr(), None) is None:
-                raise HostAllocationError(
-                    f"host pool: no buffer from alloc_host starts at {buffer.data_ptr():#x}; "
-                    "pass the exact tensor alloc_host returned (each is freed once)."
-                )
+        self._live.remove(buffer)
 
     def swap_in_kernel(self) -> SwapInFn:
         return swap_in_reference

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 
 import torch
 
 from hisparse.backends._accelerator import AcceleratorBackend
+from hisparse.backends._host_memory import LiveBuffers
 from hisparse.backends._host_register import check_host_request, format_bytes
 from hisparse.backends.features import Feature, FeatureTable, disabled, supported, unsupported
 from hisparse.errors import HostAllocationError
@@ -51,8 +51,7 @@ class XpuBackend(AcceleratorBackend):
     verified_on_hardware = False
 
     def __init__(self) -> None:
-        self._live: dict[int, torch.Tensor] = {}
-        self._lock = threading.Lock()
+        self._live = LiveBuffers("USM host pool")
 
     def unavailable_reason(self) -> str | None:
         xpu = getattr(torch, "xpu", None)
@@ -94,15 +93,8 @@ class XpuBackend(AcceleratorBackend):
                 "the device caps single host allocations at max_mem_alloc_size, so lower "
                 "host_pool_tokens."
             )
-        with self._lock:
-            self._live[buffer.data_ptr()] = buffer
-        return buffer
+        return self._live.add(buffer)
 
     def free_host(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            if self._live.pop(buffer.data_ptr(), None) is None:
-                raise HostAllocationError(
-                    f"USM host pool: no buffer from alloc_host starts at {buffer.data_ptr():#x}; "
-                    "pass the exact tensor alloc_host returned (each is freed once)."
-                )
+        self._live.remove(buffer)
         # The caching host allocator takes the block back once the last reference is gone.

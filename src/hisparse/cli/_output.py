@@ -151,24 +151,22 @@ class Progress:
 
 
 # --- argparse value types: their messages become "argument --x: <message>" ---------------------
-def positive_int(text: str) -> int:
+def _whole_number_at_least(minimum: int, text: str) -> int:
     try:
-        value = int(text)
+        value: int | None = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+        value = None
+    if value is None or value < minimum:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _whole_number_at_least(1, text)
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
+    return _whole_number_at_least(0, text)
 
 
 def non_negative_float(text: str) -> float:

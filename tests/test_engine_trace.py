@@ -432,13 +432,15 @@ def check_coverage(coverage: dict[str, int]) -> None:
     """Most examples must swap in a miss, and most evict a row that a miss brought in.
 
     Measured at 100 examples: 95-100% and 53-77% (before the long request and warm-up decode
-    in `build`: about 15-22% reached a miss). Runs under 50 examples are too noisy to judge.
+    in `build`: about 15-22% reached a miss). The bounds sit well below the measured ranges so
+    that only a real loss of coverage fails, never a run of unlucky draws; runs under 50
+    examples are too noisy to judge.
     """
     total = coverage["examples"]
     if total < 50:
         return
-    assert coverage["misses"] >= 0.8 * total, coverage
-    assert coverage["evictions"] >= 0.4 * total, coverage
+    assert coverage["misses"] >= 0.6 * total, coverage
+    assert coverage["evictions"] >= 0.3 * total, coverage
 
 
 def _test_case_for(backend: str) -> type:

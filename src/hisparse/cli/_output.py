@@ -92,6 +92,17 @@ def write_json(path: str | Path, document: dict[str, Any]) -> Path:
     return path
 
 
+def backend_for_device_argument(parser: argparse.ArgumentParser, device: str | None) -> Any:
+    """The backend `--device` names (None: the best here); an unusable one is a usage error."""
+    from hisparse.backends.registry import get_backend
+    from hisparse.errors import BackendUnavailableError
+
+    try:
+        return get_backend(device)
+    except BackendUnavailableError as exc:
+        parser.error(f"argument --device: {exc}")
+
+
 def import_pyplot(option: str = "--plot") -> ModuleType | str:
     """matplotlib.pyplot with a file-only backend, or the message to fail with."""
     try:

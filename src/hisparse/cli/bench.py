@@ -96,13 +96,9 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(pyplot, str):
             return out.fail("bench", pyplot)
     from hisparse import benchmarking
-    from hisparse.backends.registry import get_backend
-    from hisparse.errors import BackendUnavailableError, HisparseError
+    from hisparse.errors import HisparseError
 
-    try:
-        backend = get_backend(args.device)
-    except BackendUnavailableError as exc:
-        parser.error(f"argument --device: {exc}")
+    backend = out.backend_for_device_argument(parser, args.device)
     on_cpu = backend.torch_device_type == "cpu"
     quick = on_cpu if args.quick is None else args.quick
     preset = QUICK if quick else FULL

@@ -113,7 +113,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hisparse.errors import BackendUnavailableError, HisparseError
+    from hisparse.errors import HisparseError
     from hisparse.simulation import TraceModel, Workload, simulate
 
     parser: argparse.ArgumentParser = args.parser
@@ -121,12 +121,7 @@ def run(args: argparse.Namespace) -> int:
         pyplot = out.import_pyplot()
         if isinstance(pyplot, str):
             return out.fail("simulate", pyplot)
-    from hisparse.backends.registry import get_backend
-
-    try:
-        backend = get_backend(args.device)
-    except BackendUnavailableError as exc:
-        parser.error(f"argument --device: {exc}")
+    backend = out.backend_for_device_argument(parser, args.device)
     defaults = CPU_DEFAULTS if backend.torch_device_type == "cpu" else DEVICE_DEFAULTS
     sizes = {key: getattr(args, key) if getattr(args, key) is not None else value
              for key, value in defaults.items()}

@@ -86,6 +86,19 @@ def assert_unchanged(before: dict[str, object], cache) -> None:
             assert torch.equal(value, after["tensors"][name]), name
 
 
+
+def rejected_top_k(cache: hisparse.HiSparseCache, batch: list[int], top_k: torch.Tensor,
+                   rng: np.random.Generator) -> torch.Tensor:
+    """`top_k` with one row made invalid: a position out of range, or a duplicate."""
+    bad = top_k.clone()
+    b = int(rng.integers(len(batch)))
+    n = cache.seq_len(batch[b])
+    if rng.random() < 0.5 or cache.top_k < 2:
+        bad[b, 0] = int(rng.choice([n, n + 3, -2]))
+    else:
+        bad[b, 0] = bad[b, 1] = int(rng.integers(n))
+    return bad
+
 class EngineTrace(RuleBasedStateMachine):
     backend = "cpu"
 
@@ -286,13 +299,7 @@ class EngineTrace(RuleBasedStateMachine):
         return torch.from_numpy(top_k)
 
     def _rejected_swap_in(self, layer: int, batch: list[int], top_k: torch.Tensor) -> None:
-        bad = top_k.clone()
-        b = int(self.rng.integers(len(batch)))
-        n = self.cache.seq_len(batch[b])
-        if self.rng.random() < 0.5 or self.cache.top_k < 2:
-            bad[b, 0] = int(self.rng.choice([n, n + 3, -2]))
-        else:
-            bad[b, 0] = bad[b, 1] = int(self.rng.integers(n))
+        bad = rejected_top_k(self.cache, batch, top_k, self.rng)
         before = snapshot(self.cache)
         with pytest.raises(InvalidInputError):
             self.cache.swap_in(layer, bad.to(self.cache.device))

@@ -31,7 +31,7 @@ import hisparse
 from hisparse.core.requests import RequestState
 from hisparse.errors import HisparseError, InvalidInputError, PoolExhaustedError
 from oracle import CacheModel
-from test_engine_trace import build_cache, check_against_model
+from test_engine_trace import build_cache, check_against_model, rejected_top_k
 from test_reliability_state import assert_same_state, full_snapshot
 
 NUM_LAYERS, ROW_BYTES = 4, 32
@@ -285,13 +285,7 @@ class LockstepRun:
         return torch.from_numpy(top_k)
 
     def _rejected_swap_in(self, layer: int, batch: list[int], top_k: torch.Tensor) -> None:
-        bad = top_k.clone()
-        b = int(self.rng.integers(len(batch)))
-        n = self.cache.seq_len(batch[b])
-        if self.rng.random() < 0.5 or self.cache.top_k < 2:
-            bad[b, 0] = int(self.rng.choice([n, n + 3, -2]))
-        else:
-            bad[b, 0] = bad[b, 1] = int(self.rng.integers(n))
+        bad = rejected_top_k(self.cache, batch, top_k, self.rng)
         self.expect_rejection(InvalidInputError,
                               lambda: self.cache.swap_in(layer, bad.to(self.cache.device)))
 

@@ -9,7 +9,7 @@ checked byte for byte against the host pool.
 
     PYTHONPATH=src python benchmarks/swap_in.py              # full SW-1 + extent sweep
     PYTHONPATH=src python benchmarks/swap_in.py --quick      # smoke run, a few cells
-    PYTHONPATH=src python benchmarks/swap_in.py --ab         # planning variants, reduced grid
+    PYTHONPATH=src python benchmarks/swap_in.py --ab launch  # a round of variants (AB_ROUNDS)
 """
 
 from __future__ import annotations
@@ -34,22 +34,79 @@ ROW_BYTES = 656
 LIBRARY_EXTENT = 512  # HiSparseConfig's default extent_tokens
 SLEEP_CYCLES = 200_000  # ~100 us at 2 GHz: the step is queued before the GPU reaches it
 # SGLang 0.5.23's fused swap-in on SW-1 scattered, H200 (issue 4; quoted, not re-measured here).
-# Planning variants for --ab (swap_in_triton.Tuning overrides), every flag spelled out so a
-# name means the same whatever the defaults. "three-pass" was the default before the A/B of
-# benchmarks/results/sw1-cuda-ab.json; "direct-copy8" plus the automatic lookup split is now.
+# Variant rounds for --ab ROUND (swap_in_triton.Tuning overrides), every flag spelled out so a
+# name means the same whatever the defaults. Round "planning" chose the plan kernel
+# (results/sw1-cuda-ab-planning.json: "direct-copy8" plus the automatic lookup split won);
+# round "launch" compares programmatic dependent launch and the copy grid's width on top.
 _THREE_PASS = {"plan_direct": False, "early_loads": False, "lookup_in_plan": True,
-               "copy_total_gate": False, "copy_programs_per_unit": 32}
+               "copy_total_gate": False, "copy_programs_per_unit": 32, "pdl": False,
+               "pdl_copy_max_batch": None, "wide_copy_min_batch": None, "plan_warps": 8,
+               "copy_rows": 2, "copy_warps": 2, "slot_row_reads": "all",
+               "contiguous_flag_clear": False, "skip_unmoved_lru_writes": False}
 _DIRECT = {**_THREE_PASS, "plan_direct": True, "early_loads": True}
-AB_VARIANTS: dict[str, dict[str, object]] = {
-    "three-pass": _THREE_PASS,
-    "split": {**_THREE_PASS, "lookup_in_plan": False},
-    "early": {**_THREE_PASS, "early_loads": True},
-    "direct": _DIRECT,
-    "direct-split": {**_DIRECT, "lookup_in_plan": False},
-    "direct-gate": {**_DIRECT, "copy_total_gate": True},
-    "direct-copy8": {**_DIRECT, "copy_programs_per_unit": 8},
-    "default": {},
+_PLANNING_WINNER = {**_DIRECT, "lookup_in_plan": None, "copy_programs_per_unit": 8}
+_PDL = {**_PLANNING_WINNER, "pdl": True}
+_PDL_LE16 = {**_PDL, "pdl_copy_max_batch": 16}  # round "launch-edges" chose this
+_FLAG_CLEAR = {**_PDL_LE16, "contiguous_flag_clear": True}  # round "plan-transactions"
+AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
+    "planning": {
+        "three-pass": _THREE_PASS,
+        "split": {**_THREE_PASS, "lookup_in_plan": False},
+        "early": {**_THREE_PASS, "early_loads": True},
+        "direct": _DIRECT,
+        "direct-split": {**_DIRECT, "lookup_in_plan": False},
+        "direct-gate": {**_DIRECT, "copy_total_gate": True},
+        "direct-copy8": {**_DIRECT, "copy_programs_per_unit": 8},
+    },
+    "launch": {
+        "before": _PLANNING_WINNER,
+        "pdl": _PDL,
+        "pdl-fused": {**_PDL, "lookup_in_plan": True},
+        "pdl-split": {**_PDL, "lookup_in_plan": False},
+        "pdl-wide16": {**_PDL, "wide_copy_min_batch": 64, "wide_copy_programs_per_unit": 16},
+        "pdl-wide32": {**_PDL, "wide_copy_min_batch": 64, "wide_copy_programs_per_unit": 32},
+        "pdl-copy4": {**_PDL, "copy_programs_per_unit": 4},
+        "pdl-rows4": {**_PDL, "copy_rows": 4, "copy_warps": 4},
+        "default": {},
+    },
+    "launch-edges": {
+        "before": _PLANNING_WINNER,
+        "pdl": _PDL,
+        "pdl-plan-only": {**_PDL, "pdl_copy_max_batch": 0},
+        "pdl-copy-le16": {**_PDL, "pdl_copy_max_batch": 16},
+        "pdl-copy-le64": {**_PDL, "pdl_copy_max_batch": 64},
+        "pdl-le16-warps16": {**_PDL, "pdl_copy_max_batch": 16, "plan_warps": 16},
+        "pdl-le16-rows4": {**_PDL, "pdl_copy_max_batch": 16, "copy_rows": 4, "copy_warps": 4},
+        "before-again": _PLANNING_WINNER,
+    },
+    "plan-transactions": {
+        "before": _PDL_LE16,
+        "victim-rows": {**_PDL_LE16, "slot_row_reads": "victims"},
+        "flag-clear": {**_PDL_LE16, "contiguous_flag_clear": True},
+        "both": {**_PDL_LE16, "slot_row_reads": "victims", "contiguous_flag_clear": True},
+        "both-split": {**_PDL_LE16, "slot_row_reads": "victims", "contiguous_flag_clear": True,
+                       "lookup_in_plan": False},
+        "both-fused": {**_PDL_LE16, "slot_row_reads": "victims", "contiguous_flag_clear": True,
+                       "lookup_in_plan": True},
+        "before-again": _PDL_LE16,
+    },
+    "plan-transactions-2": {
+        "flag-clear": _FLAG_CLEAR,
+        "rows-with-misses": {**_FLAG_CLEAR, "slot_row_reads": "rows-with-misses"},
+        "skip-unmoved": {**_FLAG_CLEAR, "skip_unmoved_lru_writes": True},
+        "with-misses+skip": {**_FLAG_CLEAR, "slot_row_reads": "rows-with-misses",
+                             "skip_unmoved_lru_writes": True},
+        "victims+skip": {**_FLAG_CLEAR, "slot_row_reads": "victims",
+                         "skip_unmoved_lru_writes": True},
+        "default": {},
+        "flag-clear-again": _FLAG_CLEAR,
+    },
 }
+AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
+            "launch": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "launch-edges": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "plan-transactions": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "plan-transactions-2": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0])}
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,
@@ -304,13 +361,15 @@ def plot(results: dict, path: Path) -> None:
 
 def run_ab(pool: Pool, batches: list[int], churns: list[float], args, gen: torch.Generator,
            results: dict, save: Callable[[], None], path: Path) -> int:
-    """Every planning variant on the same reduced grid, in one process (same pool, same GPU
-    state), then one median-us table per layout on stdout."""
+    """Every variant of the round on the same reduced grid, in one process (same pool, same
+    GPU state), then one median-us table per layout on stdout."""
     from hisparse.kernels import swap_in_triton as kernels
 
-    results["ab_variants"] = AB_VARIANTS
+    variants = AB_ROUNDS[args.ab]
+    results["ab_round"] = args.ab
+    results["ab_variants"] = variants
     results["miss_free_by_variant"] = {}
-    for name, overrides in AB_VARIANTS.items():
+    for name, overrides in variants.items():
         try:
             with kernels.tuning(**overrides):
                 for layout in ("scattered", "extents"):
@@ -331,7 +390,7 @@ def run_ab(pool: Pool, batches: list[int], churns: list[float], args, gen: torch
         cells = [(b, c) for b in batches for c in churns]
         print("variant".ljust(14) + "".join(f"B{b}c{c}".rjust(15) for b, c in cells)
               + "miss-free".rjust(11))
-        for name in AB_VARIANTS:
+        for name in variants:
             row = {(r["B"], r["churn"]): r for r in results["records"]
                    if r["variant"] == name and r["layout"] == layout}
             text = "".join(
@@ -352,9 +411,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the extent-size sweep at B=128, churn 1.0")
     parser.add_argument("--variants", action="store_true",
                         help="also time launch-parameter variants on a few cells")
-    parser.add_argument("--ab", action="store_true",
-                        help="only the planning variants (AB_VARIANTS) on B in {1, 128}, churn "
-                        "in {0, 0.2, 1.0}, both layouts, plus the miss-free step per variant")
+    parser.add_argument("--ab", choices=sorted(AB_ROUNDS),
+                        help="only the variants of this round (AB_ROUNDS) on its reduced grid "
+                        "(AB_GRIDS), both layouts, plus the miss-free step per variant")
     parser.add_argument("--tune-copy", action="store_true",
                         help="run with the copy launch parameters the limits sweep liked best")
     parser.add_argument("--warmup", type=int, default=8)
@@ -376,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         batches, churns, sweep_extents = [1, 16], [0.0, 1.0], [1, 512]
         args.warmup, args.steps = 2, 5
     if args.ab:
-        batches, churns = [1, 128], [0.0, 0.2, 1.0]
+        batches, churns = AB_GRIDS[args.ab]
     max_batch = 128 if (not args.quick or args.extent_sweep) else max(batches)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     rows = max_batch * SEQ_LEN
@@ -414,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = "-quick" if args.quick else "-ab" if args.ab else ""
+    suffix = "-quick" if args.quick else f"-ab-{args.ab}" if args.ab else ""
     path = out_dir / f"sw1-cuda{suffix}.json"
 
     def save() -> None:  # after every cell, so a run cut short still leaves its numbers
@@ -444,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants:
         variants = {"lookup-fused": {"lookup_in_plan": True},
                     "lookup-split": {"lookup_in_plan": False},
-                    "three-pass": AB_VARIANTS["three-pass"],
+                    "three-pass": AB_ROUNDS["planning"]["three-pass"],
                     "copy-32-per-sm": {"copy_programs_per_unit": 32}}
         results["variants"] = []
         for name, overrides in variants.items():

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.gpu
 
 
 # Every planning variant that could become the default, captured and replayed.
-GRAPH_VARIANTS = ["default", "three-pass", "split", "direct", "direct-split"]
+GRAPH_VARIANTS = ["default", "three-pass", "split", "direct", "direct-split", "no-pdl"]
 
 
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"K{s.top_k}-H{s.hot}-W{s.row_bytes}")

@@ -317,11 +317,12 @@ class LockstepRun:
 
 
 def fuzz(backend: Any, decode_steps: int, seed: int, run_steps: int = 400,
-         full_check_every: int = 1) -> FuzzCounts:
-    """Fresh random runs of about `run_steps` decode steps each until `decode_steps` ran."""
+         full_check_every: int = 1, deadline: float | None = None) -> FuzzCounts:
+    """Fresh random runs of about `run_steps` decode steps each until `decode_steps` ran, or
+    until the wall clock (time.time()) passes `deadline`, checked between runs."""
     total = FuzzCounts()
     rng = np.random.default_rng(seed)
-    while total.decode_steps < decode_steps:
+    while total.decode_steps < decode_steps and (deadline is None or time.time() < deadline):
         run = LockstepRun(
             backend, SHAPES[int(rng.integers(len(SHAPES)))], bool(rng.random() < 0.5),
             int(rng.integers(10, 48)), int(rng.integers(2**31)),

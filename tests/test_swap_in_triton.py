@@ -227,6 +227,15 @@ VARIANTS = {  # every flag spelled out, so that a name means the same whatever t
                "copy_total_gate": True},
     "default": {},  # what ships (Tuning's defaults)
     "direct-split": {**_OLD, "plan_direct": True, "lookup_in_plan": False, "early_loads": True},
+    # Without programmatic dependent launch (the default uses it where the GPU can), and the
+    # wide copy grid; both change only how kernels launch, so they must change nothing else.
+    "no-pdl": {"pdl": False},
+    "wide-copy": {"wide_copy_min_batch": 1},
+    # The direct plan as it was before its memory transactions were cut, and other choices.
+    "direct-gather-all": {"slot_row_reads": "all", "contiguous_flag_clear": False,
+                          "skip_unmoved_lru_writes": False},
+    "direct-victim-rows": {"slot_row_reads": "victims"},
+    "direct-rows-with-misses": {"slot_row_reads": "rows-with-misses"},
 }
 
 

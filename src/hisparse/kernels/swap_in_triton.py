@@ -40,6 +40,21 @@ import triton.language as tl
 from hisparse.core.tables import CacheTables, MissPlan
 from hisparse.errors import InvalidInputError
 
+try:  # grid dependency control (programmatic dependent launch): NVIDIA sm_90+, triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAVE_GDC = True
+except ImportError:  # the kernels only call these under USE_PDL, which is then never set
+    _HAVE_GDC = False
+
+    @triton.jit
+    def gdc_wait() -> None:
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents() -> None:
+        pass
+
 
 @triton.jit
 def _row_context(
@@ -188,8 +203,11 @@ def _classify_kernel(
     resident_ptr, hit_flag_ptr, miss_row_ptr, counters_ptr,  # counters: [3] int64 this layer
     R, S, K, H, E, P, N,
     EARLY_LOADS: tl.constexpr,
+    USE_PDL: tl.constexpr,
     CHUNK_K: tl.constexpr,
 ):
+    if USE_PDL:  # the plan kernel may start now: it waits (gdc_wait) before reading our output
+        gdc_launch_dependents()
     b = tl.program_id(0)
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
                                     EARLY_LOADS)
@@ -218,9 +236,14 @@ def _plan_kernel(
     LOOKUP_IN_PLAN: tl.constexpr,
     EARLY_LOADS: tl.constexpr,
     WRITE_TOTAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
     CHUNK_K: tl.constexpr,
     CHUNK_H: tl.constexpr,
 ):
+    if USE_PDL:
+        gdc_launch_dependents()
+        if not LOOKUP_IN_PLAN:  # launched early behind the classify kernel: its output first
+            gdc_wait()
     b = tl.program_id(0)
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
                                     EARLY_LOADS)
@@ -314,14 +337,20 @@ def _plan_direct_kernel(
     LOOKUP_IN_PLAN: tl.constexpr,
     EARLY_LOADS: tl.constexpr,
     WRITE_TOTAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    SLOT_ROW_READS: tl.constexpr,  # 0 all up front, 1 all for rows with misses, 2 victims
+    CONTIGUOUS_FLAG_CLEAR: tl.constexpr,
+    SKIP_UNMOVED_LRU: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= K: the whole top-k row lives in registers
     BLOCK_H: tl.constexpr,  # >= H: the whole LRU row lives in registers
 ):
     """The plan of `_plan_kernel` with K and H in one block each, so that each slot's final
     LRU position comes straight from its ranks and the miss count M (no third pass), miss
-    rows stay in registers (no scratch round trip), the victims' old rows are known before
-    the victims are handed out (their slot rows are read in LRU order with the lookups), and
-    a step without misses skips the victim pass. Same inputs, outputs and state changes."""
+    rows stay in registers (no scratch round trip), the victims' old rows leave `resident`
+    before the victims are handed out, and a step without misses skips the victim pass and
+    reads no slot rows. Same inputs, outputs and state changes."""
+    if USE_PDL:  # the copy kernel may start now: it waits (gdc_wait) for our plan
+        gdc_launch_dependents()
     b = tl.program_id(0)
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
                                     EARLY_LOADS)
@@ -332,9 +361,9 @@ def _plan_direct_kernel(
     # Issued before the lookups: it depends on the request slot alone. A short row's LRU is
     # read and left alone.
     lru_slots = tl.load(lru_row + h_offsets, mask=tl.where(real, in_h, False), other=0)
-    # Host row held by each slot in LRU order: in flight together with the lookups.
-    slot_rows = tl.load(slot_row_ptr + r.to(tl.int64) * H + lru_slots,
-                        mask=tl.where(real & (n > H), in_h, False), other=-1)
+    if SLOT_ROW_READS == 0:  # every slot's host row, in flight together with the lookups
+        slot_rows_all = tl.load(slot_row_ptr + r.to(tl.int64) * H + lru_slots,
+                                mask=tl.where(real & (n > H), in_h, False), other=-1)
     if LOOKUP_IN_PLAN:
         in_k, result, hit, slot, miss, row, n_hit, n_miss, n_invalid = _lookup_chunk(
             b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
@@ -343,6 +372,10 @@ def _plan_direct_kernel(
         tl.store(hit_flag_ptr + b * H + slot, tl.full(slot.shape, 1, tl.int8), mask=hit)
         _add_counters(counters_ptr, n_hit, n_miss, n_invalid)
     else:  # the classify kernel resolved the entries and set the hit flags
+        if USE_PDL:
+            # Launched early behind it. Everything read above was written before the classify
+            # kernel began; nothing is stored before this point (classify reads `resident`).
+            gdc_wait()
         in_k = k_offsets < K
         row = tl.load(miss_row_ptr + b * K + k_offsets, mask=in_k, other=-1)
         miss = row >= 0
@@ -350,11 +383,24 @@ def _plan_direct_kernel(
     victim = tl.zeros(row.shape, tl.int32)
     num_misses = 0
     if real & (n > H):
+        if SLOT_ROW_READS == 1:
+            # Every slot's host row, but only for a row with misses: in flight together with
+            # the hit flags below, and no transactions at all on a miss-free step.
+            has_miss = tl.sum(miss.to(tl.int32), axis=0) > 0
+            slot_rows_all = tl.load(slot_row_ptr + r.to(tl.int64) * H + lru_slots,
+                                    mask=tl.where(has_miss, in_h, False), other=-1)
         if LOOKUP_IN_PLAN:
             tl.debug_barrier()  # hit flags set by other threads of this program are visible
         flagged = tl.load(hit_flag_ptr + b * H + lru_slots, mask=in_h, other=0) != 0
-        tl.store(hit_flag_ptr + b * H + lru_slots, tl.zeros(lru_slots.shape, tl.int8),
-                 mask=in_h & flagged)
+        if CONTIGUOUS_FLAG_CLEAR:
+            # The whole flag row in slot order: H / 128 coalesced stores instead of one
+            # scattered store per hit, once every thread has read its flags.
+            tl.debug_barrier()
+            tl.store(hit_flag_ptr + b * H + h_offsets, tl.zeros(h_offsets.shape, tl.int8),
+                     mask=in_h)
+        else:
+            tl.store(hit_flag_ptr + b * H + lru_slots, tl.zeros(lru_slots.shape, tl.int8),
+                     mask=in_h & flagged)
         evictable = in_h & ~flagged
         evict_rank = tl.cumsum(evictable.to(tl.int32), axis=0) - 1
         hit_rank = h_offsets - 1 - evict_rank  # hit slots before h = h - evictables before h
@@ -370,13 +416,19 @@ def _plan_direct_kernel(
         )
         victim_slot = evictable & (evict_rank < installed)
         tl.store(order_ptr + b * H + evict_rank, lru_slots, mask=victim_slot)
+        if SLOT_ROW_READS == 2:  # the victims' old rows alone, one dependent round trip later
+            slot_rows = tl.load(slot_row_ptr + r.to(tl.int64) * H + lru_slots,
+                                mask=victim_slot, other=-1)
+        else:
+            slot_rows = slot_rows_all
         # A victim's old row is not in this step's top-k (it was not hit, and a miss row is
         # held by no slot), so this never touches a row a miss is installing below.
         tl.store(resident_ptr + slot_rows, tl.full(slot_rows.shape, -1, tl.int32),
                  mask=victim_slot & (slot_rows >= 0) & (slot_rows < N))
         # Every thread read its LRU entries before the barrier above (or before its first use
         # of them), so this in-place permutation reads nothing it overwrites.
-        tl.store(lru_row + new_position, lru_slots, mask=in_h)
+        moved = (new_position != h_offsets) if SKIP_UNMOVED_LRU else True
+        tl.store(lru_row + new_position, lru_slots, mask=in_h & moved)
         if installed > 0:
             tl.debug_barrier()  # the victims in `order` are visible to every thread
             rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
@@ -413,7 +465,10 @@ def _copy_kernel(
     BLOCK_BATCH: tl.constexpr,
     ROWS: tl.constexpr,
     TOTAL_GATE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched early behind the plan kernel: wait for its plan
+        gdc_wait()
     # A compile-time branch around a run-time one: joining them would emit the load always.
     if TOTAL_GATE:  # noqa: SIM102
         # One scalar load decides for a miss-free step; otherwise the counts below.
@@ -463,6 +518,15 @@ class Tuning:
     # one scalar load. Off: the plan programs' closing atomics cost more (+2.5 us per step
     # on the H200) than the copy prologue saves.
     copy_total_gate: bool = False
+    # Direct plan only; each cuts the scattered memory transactions of a plan program (one
+    # per SM at most). Which slots' host rows are read to clear the victims' `resident`
+    # entries: "all" H with the lookups, "rows-with-misses" (all H, skipped on a miss-free
+    # row) or "victims" alone (one dependent round trip later).
+    slot_row_reads: str = "all"
+    # Hit flags cleared by coalesced stores over the whole row instead of one per hit.
+    contiguous_flag_clear: bool = True
+    # LRU entries whose position does not change are not rewritten.
+    skip_unmoved_lru_writes: bool = True
     plan_chunk_k: int = 2048
     plan_chunk_h: int = 4096
     plan_warps: int = 8  # 4 warps: +7 us per step at B=1; 16 warps: no gain (H200)
@@ -475,10 +539,22 @@ class Tuning:
     copy_rows: int = 2
     copy_warps: int = 2
     copy_programs_per_unit: int = 8  # copy programs per SM / CU
+    # From this batch capacity on, `wide_copy_programs_per_unit` instead (None: never). The
+    # width depends on Bcap alone, so a captured graph keeps it.
+    wide_copy_min_batch: int | None = None
+    wide_copy_programs_per_unit: int = 32
+    # Programmatic dependent launch between our kernels (NVIDIA sm_90+): each kernel lets the
+    # next one launch at its start, and the next waits on the device (griddepcontrol) before
+    # it reads what the previous wrote, so launch latency and the copy prologue overlap the
+    # plan. None: wherever the device and triton support it.
+    pdl: bool | None = None
+    # The copy is launched that way only up to this batch capacity (None: always; 0: never).
+    pdl_copy_max_batch: int | None = 16
     interpreter_copy_programs: int = 2  # each program costs ~1 ms under TRITON_INTERPRET=1
 
 
 _tuning = Tuning()
+_SLOT_ROW_READS = ("all", "rows-with-misses", "victims")
 
 
 @contextlib.contextmanager
@@ -613,10 +689,35 @@ def _compute_units(device: torch.device) -> int:
 _compute_unit_cache: dict[torch.device, int] = {}
 
 
+def _pdl_supported(device: torch.device) -> bool:
+    """Grid dependency control needs an NVIDIA GPU of compute capability 9.0 or newer and a
+    triton that can launch with it."""
+    if not _HAVE_GDC or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    supported = _pdl_cache.get(device)
+    if supported is None:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        has_option = "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+        supported = has_option and torch.cuda.get_device_capability(device) >= (9, 0)
+        _pdl_cache[device] = supported
+    return supported
+
+
+_pdl_cache: dict[torch.device, bool] = {}
+
+
+def _use_pdl(device: torch.device) -> bool:
+    wanted = _tuning.pdl
+    return _pdl_supported(device) if wanted is None else wanted and _pdl_supported(device)
+
+
 def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
-                 total: torch.Tensor | None = None) -> None:
+                 total: torch.Tensor | None = None, behind_plan: bool = False) -> None:
     """`total`: the scratch the plan kernel just published its miss total in, or None (a
-    replayed plan: its counts are all there is)."""
+    replayed plan: its counts are all there is). `behind_plan`: launched right after our plan
+    kernel on the same stream, so it may be a programmatic dependent launch (a replay follows
+    an event wait or foreign work and never is)."""
     host, device = _layer_rows(tables, layer)
     row_words = tables.row_bytes // 4
     t = _tuning
@@ -624,9 +725,13 @@ def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
     if host.device.type == "cpu" and device.device.type == "cpu":
         max_programs = t.interpreter_copy_programs
     else:
-        max_programs = _compute_units(device.device) * t.copy_programs_per_unit
+        wide = t.wide_copy_min_batch is not None and num_rows >= t.wide_copy_min_batch
+        per_unit = t.wide_copy_programs_per_unit if wide else t.copy_programs_per_unit
+        max_programs = _compute_units(device.device) * per_unit
     programs = max(1, min(triton.cdiv(num_rows * top_k, t.copy_rows), max_programs))
     gate = total is not None
+    pdl_limit = t.pdl_copy_max_batch
+    pdl = behind_plan and (pdl_limit is None or num_rows <= pdl_limit) and _use_pdl(device.device)
     _copy_kernel[(programs,)](
         plan.src, plan.dst, plan.count, plan.src.stride(0), total if gate else plan.count,
         host, device, num_rows, top_k,
@@ -635,7 +740,9 @@ def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
         BLOCK_BATCH=triton.next_power_of_2(num_rows),
         ROWS=t.copy_rows,
         TOTAL_GATE=gate,
+        USE_PDL=pdl,
         num_warps=t.copy_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -686,12 +793,14 @@ def swap_in_triton(
     lookup_in_plan = tune.lookup_in_plan
     if lookup_in_plan is None:
         lookup_in_plan = 2 * batch_cap > _compute_units(device)
+    pdl = _use_pdl(device)
     if not lookup_in_plan:
         chunk = min(triton.next_power_of_2(k), tune.classify_chunk_k)
         _classify_kernel[(batch_cap, triton.cdiv(k, chunk))](
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
             scratch.hit_flag, scratch.miss_row, counters, *sizes,
-            EARLY_LOADS=tune.early_loads, CHUNK_K=chunk, num_warps=tune.classify_warps,
+            EARLY_LOADS=tune.early_loads, USE_PDL=pdl, CHUNK_K=chunk,
+            num_warps=tune.classify_warps,
         )
     block_k, block_h = triton.next_power_of_2(k), triton.next_power_of_2(hot)
     direct = tune.plan_direct and block_k <= tune.plan_chunk_k and block_h <= tune.plan_chunk_h
@@ -702,9 +811,16 @@ def swap_in_triton(
         scratch.total, *sizes,
     )
     flags = {"LOOKUP_IN_PLAN": lookup_in_plan, "EARLY_LOADS": tune.early_loads,
-             "WRITE_TOTAL": tune.copy_total_gate, "num_warps": tune.plan_warps}
+             "WRITE_TOTAL": tune.copy_total_gate, "USE_PDL": pdl, "num_warps": tune.plan_warps}
+    if pdl and not lookup_in_plan:  # behind the classify kernel (which reads no plan output)
+        flags["launch_pdl"] = True
     if direct:
-        _plan_direct_kernel[(batch_cap,)](*plan_args, BLOCK_K=block_k, BLOCK_H=block_h, **flags)
+        _plan_direct_kernel[(batch_cap,)](
+            *plan_args, SLOT_ROW_READS=_SLOT_ROW_READS.index(tune.slot_row_reads),
+            CONTIGUOUS_FLAG_CLEAR=tune.contiguous_flag_clear,
+            SKIP_UNMOVED_LRU=tune.skip_unmoved_lru_writes, BLOCK_K=block_k, BLOCK_H=block_h,
+            **flags,
+        )
     else:
         _plan_kernel[(batch_cap,)](
             *plan_args, CHUNK_K=min(block_k, tune.plan_chunk_k),
@@ -712,7 +828,7 @@ def swap_in_triton(
         )
     if not skip_io:
         _launch_copy(t, layer, used_plan, batch_cap,
-                     scratch.total if tune.copy_total_gate else None)
+                     scratch.total if tune.copy_total_gate else None, behind_plan=True)
 
 
 def copy_planned_triton(tables: CacheTables, layer: int, plan: MissPlan) -> None:

@@ -499,8 +499,8 @@ def _copy_kernel(
 
 @dataclass(frozen=True)
 class Tuning:
-    """Launch parameters, as measured on an H200 with SW-1 (benchmarks/NOTES.md; the A/B of
-    the planning variants is benchmarks/results/sw1-cuda-ab.json)."""
+    """Launch parameters, as measured on an H200 with SW-1 (benchmarks/NOTES.md; the A/B
+    rounds that chose them are benchmarks/results/sw1-cuda-ab-*.json)."""
 
     # Lookups in a split classify kernel over (Bcap, K/256) programs, or inside the plan
     # kernel (one launch less). None: split while the batch fills at most half the GPU's
@@ -690,16 +690,19 @@ _compute_unit_cache: dict[torch.device, int] = {}
 
 
 def _pdl_supported(device: torch.device) -> bool:
-    """Grid dependency control needs an NVIDIA GPU of compute capability 9.0 or newer and a
-    triton that can launch with it."""
-    if not _HAVE_GDC or device.type != "cuda" or torch.version.hip is not None:
+    """Grid dependency control: the active triton backend must launch with `launch_pdl` and
+    target an architecture that has it (compute capability 9.0 or newer)."""
+    if not _HAVE_GDC or device.type == "cpu":
         return False
     supported = _pdl_cache.get(device)
     if supported is None:
-        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.compiler.compiler import make_backend
 
-        has_option = "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
-        supported = has_option and torch.cuda.get_device_capability(device) >= (9, 0)
+        target = triton.runtime.driver.active.get_current_target()
+        options = make_backend(target).parse_options({})
+        # An integer arch is a compute capability (90 = sm_90); other vendors name theirs.
+        supported = hasattr(options, "launch_pdl") and isinstance(target.arch, int) and (
+            target.arch >= 90)
         _pdl_cache[device] = supported
     return supported
 

@@ -230,7 +230,7 @@ VARIANTS = {  # every flag spelled out, so that a name means the same whatever t
     # Without programmatic dependent launch (the default uses it where the GPU can), and the
     # wide copy grid; both change only how kernels launch, so they must change nothing else.
     "no-pdl": {"pdl": False},
-    "wide-copy": {"wide_copy_min_batch": 1},
+    "large-batch-copy": {"large_batch_copy_min_batch": 1},
     # The direct plan as it was before its memory transactions were cut, and other choices.
     "direct-gather-all": {"slot_row_reads": "all", "contiguous_flag_clear": False,
                           "skip_unmoved_lru_writes": False},

@@ -539,10 +539,13 @@ class Tuning:
     copy_rows: int = 2
     copy_warps: int = 2
     copy_programs_per_unit: int = 8  # copy programs per SM / CU
-    # From this batch capacity on, `wide_copy_programs_per_unit` instead (None: never). The
-    # width depends on Bcap alone, so a captured graph keeps it.
-    wide_copy_min_batch: int | None = None
-    wide_copy_programs_per_unit: int = 32
+    # From this batch capacity on, `large_batch_copy_programs_per_unit` instead (None: never).
+    # It depends on Bcap alone, so a captured graph keeps it. The width sets how many rows are
+    # in flight at once: more hides host latency, fewer keeps them within fewer host regions
+    # (H200: 16-32 per SM from B=64 gave scattered B=128 +1-2% and cost the miss-free step
+    # 0.3-1.5 us; fewer than 8 at large batches is not measured without PDL yet).
+    large_batch_copy_min_batch: int | None = None
+    large_batch_copy_programs_per_unit: int = 4
     # Programmatic dependent launch between our kernels (NVIDIA sm_90+): each kernel lets the
     # next one launch at its start, and the next waits on the device (griddepcontrol) before
     # it reads what the previous wrote, so launch latency and the copy prologue overlap the
@@ -728,8 +731,9 @@ def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
     if host.device.type == "cpu" and device.device.type == "cpu":
         max_programs = t.interpreter_copy_programs
     else:
-        wide = t.wide_copy_min_batch is not None and num_rows >= t.wide_copy_min_batch
-        per_unit = t.wide_copy_programs_per_unit if wide else t.copy_programs_per_unit
+        threshold = t.large_batch_copy_min_batch
+        large = threshold is not None and num_rows >= threshold
+        per_unit = t.large_batch_copy_programs_per_unit if large else t.copy_programs_per_unit
         max_programs = _compute_units(device.device) * per_unit
     programs = max(1, min(triton.cdiv(num_rows * top_k, t.copy_rows), max_programs))
     gate = total is not None

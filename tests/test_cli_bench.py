@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from cli_checks import assert_plot_written_or_matplotlib_missing
 from hisparse import benchmarking
 from hisparse.backends.registry import get_backend
 from hisparse.cli.main import main
@@ -121,14 +122,7 @@ def test_plot_writes_a_png_or_says_matplotlib_is_missing(
     target = tmp_path / "bench.png"
     code = main(["bench", *TINY, "--only", "copy", "--output", str(tmp_path / "b.json"),
                  "--plot", str(target)])
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert code == 1
-        assert "--plot needs matplotlib" in capsys.readouterr().err
-    else:
-        assert code == 0
-        assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_plot_written_or_matplotlib_missing(code, target, capsys)
 
 
 def test_help_carries_an_example(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from cli_checks import assert_plot_written_or_matplotlib_missing
 from hisparse import planning
 from hisparse.cli.main import main
 from hisparse.errors import InvalidInputError
@@ -169,15 +170,7 @@ def test_plot_writes_a_png_or_says_matplotlib_is_missing(
 ) -> None:
     target = tmp_path / "plan.png"
     code = main(["plan", "--context", "8192", "32768", "--plot", str(target)])
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert code == 1
-        assert "--plot needs matplotlib" in capsys.readouterr().err
-        assert not target.exists()
-    else:
-        assert code == 0
-        assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_plot_written_or_matplotlib_missing(code, target, capsys)
 
 
 def test_help_shows_an_example_and_the_formulas(capsys: pytest.CaptureFixture[str]) -> None:

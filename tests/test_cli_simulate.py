@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from cli_checks import assert_plot_written_or_matplotlib_missing
 from hisparse.cli import simulate as simulate_cli
 from hisparse.cli.main import main
 from hisparse.simulation import TraceModel, make_traces
@@ -177,14 +178,7 @@ def test_plot_writes_a_png_or_says_matplotlib_is_missing(
     code = main(["simulate", "--device", "cpu", "--preset", "tiny", "--requests", "1",
                  "--steps", "3", "--warmup", "1", "--context", "300", "--no-progress",
                  "--no-split", "--plot", str(target)])
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert code == 1
-        assert "--plot needs matplotlib" in capsys.readouterr().err
-    else:
-        assert code == 0
-        assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_plot_written_or_matplotlib_missing(code, target, capsys)
 
 
 def test_help_defaults_match_the_trace_model(capsys: pytest.CaptureFixture[str]) -> None:

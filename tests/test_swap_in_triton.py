@@ -228,7 +228,7 @@ VARIANTS = {  # every flag spelled out, so that a name means the same whatever t
     "default": {},  # what ships (Tuning's defaults)
     "direct-split": {**_OLD, "plan_direct": True, "lookup_in_plan": False, "early_loads": True},
     # Without programmatic dependent launch (the default uses it where the GPU can), and the
-    # wide copy grid; both change only how kernels launch, so they must change nothing else.
+    # large-batch copy grid; both change only how kernels launch, so nothing else may change.
     "no-pdl": {"pdl": False},
     "large-batch-copy": {"large_batch_copy_min_batch": 1},
     # The direct plan as it was before its memory transactions were cut, and other choices.

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -674,56 +675,37 @@ def _layer_rows(tables: CacheTables, layer: int) -> tuple[torch.Tensor, torch.Te
     return host.view(torch.int32), device.view(torch.int32)
 
 
+@functools.cache
 def _compute_units(device: torch.device) -> int:
     """SMs / CUs / Xe cores of `device`, as Triton's own driver reports them (so the kernels
     need no per-vendor branch); 1 where no Triton GPU driver is active."""
     if device.type == "cpu":
         return 1
-    units = _compute_unit_cache.get(device)
-    if units is None:
-        utils = triton.runtime.driver.active.utils
-        index = device.index if device.index is not None else (
-            triton.runtime.driver.active.get_current_device())
-        units = int(utils.get_device_properties(index)["multiprocessor_count"])
-        _compute_unit_cache[device] = units
-    return units
+    utils = triton.runtime.driver.active.utils
+    index = device.index if device.index is not None else (
+        triton.runtime.driver.active.get_current_device())
+    return int(utils.get_device_properties(index)["multiprocessor_count"])
 
 
-_compute_unit_cache: dict[torch.device, int] = {}
-
-
+@functools.cache
 def _pdl_supported(device: torch.device) -> bool:
     """Grid dependency control: the active triton backend must launch with `launch_pdl` and
     target an architecture that has it (compute capability 9.0 or newer)."""
     if not _HAVE_GDC or device.type == "cpu":
         return False
-    supported = _pdl_cache.get(device)
-    if supported is None:
-        from triton.compiler.compiler import make_backend
+    from triton.compiler.compiler import make_backend
 
-        target = triton.runtime.driver.active.get_current_target()
-        options = make_backend(target).parse_options({})
-        # An integer arch is a compute capability (90 = sm_90); other vendors name theirs.
-        supported = hasattr(options, "launch_pdl") and isinstance(target.arch, int) and (
-            target.arch >= 90)
-        _pdl_cache[device] = supported
-    return supported
-
-
-_pdl_cache: dict[torch.device, bool] = {}
-
-
-def _use_pdl(device: torch.device) -> bool:
-    wanted = _tuning.pdl
-    return _pdl_supported(device) if wanted is None else wanted and _pdl_supported(device)
+    target = triton.runtime.driver.active.get_current_target()
+    options = make_backend(target).parse_options({})
+    # An integer arch is a compute capability (90 = sm_90); other vendors name theirs.
+    return hasattr(options, "launch_pdl") and isinstance(target.arch, int) and target.arch >= 90
 
 
 def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
-                 total: torch.Tensor | None = None, behind_plan: bool = False) -> None:
+                 total: torch.Tensor | None = None, pdl: bool = False) -> None:
     """`total`: the scratch the plan kernel just published its miss total in, or None (a
-    replayed plan: its counts are all there is). `behind_plan`: launched right after our plan
-    kernel on the same stream, so it may be a programmatic dependent launch (a replay follows
-    an event wait or foreign work and never is)."""
+    replayed plan: its counts are all there is). `pdl`: launch as a programmatic dependent
+    of the kernel just before it, which must be our plan kernel on the same stream."""
     host, device = _layer_rows(tables, layer)
     row_words = tables.row_bytes // 4
     t = _tuning
@@ -737,8 +719,6 @@ def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
         max_programs = _compute_units(device.device) * per_unit
     programs = max(1, min(triton.cdiv(num_rows * top_k, t.copy_rows), max_programs))
     gate = total is not None
-    pdl_limit = t.pdl_copy_max_batch
-    pdl = behind_plan and (pdl_limit is None or num_rows <= pdl_limit) and _use_pdl(device.device)
     _copy_kernel[(programs,)](
         plan.src, plan.dst, plan.count, plan.src.stride(0), total if gate else plan.count,
         host, device, num_rows, top_k,
@@ -800,7 +780,7 @@ def swap_in_triton(
     lookup_in_plan = tune.lookup_in_plan
     if lookup_in_plan is None:
         lookup_in_plan = 2 * batch_cap > _compute_units(device)
-    pdl = _use_pdl(device)
+    pdl = tune.pdl is not False and _pdl_supported(device)
     if not lookup_in_plan:
         chunk = min(triton.next_power_of_2(k), tune.classify_chunk_k)
         _classify_kernel[(batch_cap, triton.cdiv(k, chunk))](
@@ -834,8 +814,12 @@ def swap_in_triton(
             CHUNK_H=min(block_h, tune.plan_chunk_h), **flags,
         )
     if not skip_io:
+        # A shared-index replay (copy_planned_triton) follows an event wait or foreign work
+        # and is never launched this way.
+        pdl_limit = tune.pdl_copy_max_batch
         _launch_copy(t, layer, used_plan, batch_cap,
-                     scratch.total if tune.copy_total_gate else None, behind_plan=True)
+                     scratch.total if tune.copy_total_gate else None,
+                     pdl=pdl and (pdl_limit is None or batch_cap <= pdl_limit))
 
 
 def copy_planned_triton(tables: CacheTables, layer: int, plan: MissPlan) -> None:

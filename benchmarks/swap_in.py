@@ -42,7 +42,8 @@ _THREE_PASS = {"plan_direct": False, "early_loads": False, "lookup_in_plan": Tru
                "copy_total_gate": False, "copy_programs_per_unit": 32, "pdl": False,
                "pdl_copy_max_batch": None, "large_batch_copy_min_batch": None, "plan_warps": 8,
                "copy_rows": 2, "copy_warps": 2, "slot_row_reads": "all",
-               "contiguous_flag_clear": False, "skip_unmoved_lru_writes": False}
+               "contiguous_flag_clear": False, "skip_unmoved_lru_writes": False,
+               "on_chip_gathers": False}
 _DIRECT = {**_THREE_PASS, "plan_direct": True, "early_loads": True}
 _PLANNING_WINNER = {**_DIRECT, "lookup_in_plan": None, "copy_programs_per_unit": 8}
 _PDL = {**_PLANNING_WINNER, "pdl": True}
@@ -104,8 +105,8 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "default": {},
         "flag-clear-again": _FLAG_CLEAR,
     },
-    # Not run yet: the copy's in-flight window at large batches (benchmarks/NOTES.md, third
-    # pass, "what is left" (1)). Fewer rows in flight keep them within fewer requests' extents.
+    # The copy's in-flight window at large batches (benchmarks/NOTES.md, third pass, "what is
+    # left" (1)): fewer rows in flight keep them within fewer requests' extents.
     "copy-window": {
         "chosen": _CHOSEN,
         "large-batch-copy4": {**_CHOSEN, "large_batch_copy_min_batch": 64,
@@ -119,13 +120,29 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "default": {},
         "chosen-again": _CHOSEN,
     },
+    # The miss-free step as SW-1 measures it, on a cold L2 (NOTES.md, fourth pass): lookups
+    # split out at every batch size, flag and slot rows permuted on chip, and the copy window.
+    "cold-step": {
+        "chosen": _CHOSEN,
+        "split": {**_CHOSEN, "lookup_in_plan": False},
+        "on-chip": {**_CHOSEN, "on_chip_gathers": True},
+        "on-chip-split": {**_CHOSEN, "on_chip_gathers": True, "lookup_in_plan": False},
+        "on-chip-with-misses": {**_CHOSEN, "on_chip_gathers": True,
+                                "slot_row_reads": "rows-with-misses"},
+        "large-batch-copy4": {**_CHOSEN, "large_batch_copy_min_batch": 64,
+                              "large_batch_copy_programs_per_unit": 4},
+        "large-batch-copy2": {**_CHOSEN, "large_batch_copy_min_batch": 64,
+                              "large_batch_copy_programs_per_unit": 2},
+        "chosen-again": _CHOSEN,
+    },
 }
 AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "launch": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "launch-edges": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "plan-transactions": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "plan-transactions-2": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "copy-window": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0])}
+            "copy-window": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "cold-step": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,
@@ -138,6 +155,18 @@ SGLANG_US = {
 class Pool:
     host: torch.Tensor  # [rows, ROW_BYTES] uint8, registered host memory
     mirror: torch.Tensor  # the same bytes on the device, for verification
+
+
+def fill_pool(host: torch.Tensor, gen: torch.Generator) -> Pool:
+    """Random bytes in the registered rows `host`, and their mirror on the device."""
+    rows = host.shape[0]
+    mirror = torch.empty(rows, ROW_BYTES, dtype=torch.uint8, device="cuda")
+    chunk = 1 << 20
+    for first in range(0, rows, chunk):
+        block = mirror[first : first + chunk]
+        block.random_(0, 256, generator=gen)
+        host[first : first + chunk].copy_(block)
+    return Pool(host, mirror)
 
 
 @dataclass
@@ -466,13 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = limits.get("copy_tuning_choice", {}) if args.tune_copy else {}
     tuning_scope = kernels.tuning(**chosen)
     tuning_scope.__enter__()  # held for the whole run; the process exits after it
-    mirror = torch.empty(rows, ROW_BYTES, dtype=torch.uint8, device="cuda")
-    chunk = 1 << 20
-    for first in range(0, rows, chunk):
-        block = mirror[first : first + chunk]
-        block.random_(0, 256, generator=gen)
-        host[first : first + chunk].copy_(block)
-    pool = Pool(host, mirror)
+    pool = fill_pool(host, gen)
     print(f"pool of {rows} rows ready in {time.perf_counter() - began:.1f} s", flush=True)
 
     card = torch.cuda.get_device_name()

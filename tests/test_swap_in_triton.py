@@ -236,6 +236,10 @@ VARIANTS = {  # every flag spelled out, so that a name means the same whatever t
                           "skip_unmoved_lru_writes": False},
     "direct-victim-rows": {"slot_row_reads": "victims"},
     "direct-rows-with-misses": {"slot_row_reads": "rows-with-misses"},
+    # Flag and slot rows permuted into LRU order on chip, fused and split lookups.
+    "on-chip-gathers": {"on_chip_gathers": True},
+    "on-chip-gathers-split": {"on_chip_gathers": True, "lookup_in_plan": False},
+    "on-chip-rows-with-misses": {"on_chip_gathers": True, "slot_row_reads": "rows-with-misses"},
 }
 
 

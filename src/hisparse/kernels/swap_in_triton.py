@@ -329,6 +329,20 @@ def _plan_kernel(
 
 
 @triton.jit
+def _rows_in_lru_order(row_ptr, lru_slots, h_offsets, mask, ON_CHIP: tl.constexpr):
+    """`row_ptr[lru_slots]` where `mask` holds, else -1 (a per-slot row read in LRU order).
+
+    ON_CHIP reads the row in slot order (H / 32 coalesced sectors) and permutes it in shared
+    memory, instead of one scattered global load per slot: on a cold L2 those loads are
+    separate DRAM sector requests on the plan's critical path."""
+    if ON_CHIP:
+        in_slot_order = tl.load(row_ptr + h_offsets, mask=mask, other=-1)
+        return tl.where(mask, tl.gather(in_slot_order, lru_slots, 0), -1)
+    else:
+        return tl.load(row_ptr + lru_slots, mask=mask, other=-1)
+
+
+@triton.jit
 def _plan_direct_kernel(
     num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
     resident_ptr, slot_row_ptr, lru_ptr, hit_flag_ptr, miss_row_ptr,
@@ -340,6 +354,7 @@ def _plan_direct_kernel(
     WRITE_TOTAL: tl.constexpr,
     USE_PDL: tl.constexpr,
     SLOT_ROW_READS: tl.constexpr,  # 0 all up front, 1 all for rows with misses, 2 victims
+    ON_CHIP_GATHERS: tl.constexpr,  # flag and slot rows read whole, permuted by tl.gather
     CONTIGUOUS_FLAG_CLEAR: tl.constexpr,
     SKIP_UNMOVED_LRU: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= K: the whole top-k row lives in registers
@@ -363,8 +378,9 @@ def _plan_direct_kernel(
     # read and left alone.
     lru_slots = tl.load(lru_row + h_offsets, mask=tl.where(real, in_h, False), other=0)
     if SLOT_ROW_READS == 0:  # every slot's host row, in flight together with the lookups
-        slot_rows_all = tl.load(slot_row_ptr + r.to(tl.int64) * H + lru_slots,
-                                mask=tl.where(real & (n > H), in_h, False), other=-1)
+        slot_rows_all = _rows_in_lru_order(slot_row_ptr + r.to(tl.int64) * H, lru_slots,
+                                           h_offsets, tl.where(real & (n > H), in_h, False),
+                                           ON_CHIP_GATHERS)
     if LOOKUP_IN_PLAN:
         in_k, result, hit, slot, miss, row, n_hit, n_miss, n_invalid = _lookup_chunk(
             b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
@@ -388,11 +404,13 @@ def _plan_direct_kernel(
             # Every slot's host row, but only for a row with misses: in flight together with
             # the hit flags below, and no transactions at all on a miss-free step.
             has_miss = tl.sum(miss.to(tl.int32), axis=0) > 0
-            slot_rows_all = tl.load(slot_row_ptr + r.to(tl.int64) * H + lru_slots,
-                                    mask=tl.where(has_miss, in_h, False), other=-1)
+            slot_rows_all = _rows_in_lru_order(slot_row_ptr + r.to(tl.int64) * H, lru_slots,
+                                               h_offsets, tl.where(has_miss, in_h, False),
+                                               ON_CHIP_GATHERS)
         if LOOKUP_IN_PLAN:
             tl.debug_barrier()  # hit flags set by other threads of this program are visible
-        flagged = tl.load(hit_flag_ptr + b * H + lru_slots, mask=in_h, other=0) != 0
+        flagged = _rows_in_lru_order(hit_flag_ptr + b * H, lru_slots, h_offsets, in_h,
+                                     ON_CHIP_GATHERS) > 0
         if CONTIGUOUS_FLAG_CLEAR:
             # The whole flag row in slot order: H / 128 coalesced stores instead of one
             # scattered store per hit, once every thread has read its flags.
@@ -524,6 +542,9 @@ class Tuning:
     # entries: "all" H with the lookups, "rows-with-misses" (all H, skipped on a miss-free
     # row) or "victims" alone (one dependent round trip later).
     slot_row_reads: str = "all"
+    # Hit flags and all slots' host rows read as whole rows and put into LRU order on chip
+    # (tl.gather through shared memory) instead of gathered from global memory.
+    on_chip_gathers: bool = False
     # Hit flags cleared by coalesced stores over the whole row instead of one per hit.
     contiguous_flag_clear: bool = True
     # LRU entries whose position does not change are not rewritten.
@@ -804,7 +825,7 @@ def swap_in_triton(
     if direct:
         _plan_direct_kernel[(batch_cap,)](
             *plan_args, SLOT_ROW_READS=_SLOT_ROW_READS.index(tune.slot_row_reads),
-            CONTIGUOUS_FLAG_CLEAR=tune.contiguous_flag_clear,
+            ON_CHIP_GATHERS=tune.on_chip_gathers, CONTIGUOUS_FLAG_CLEAR=tune.contiguous_flag_clear,
             SKIP_UNMOVED_LRU=tune.skip_unmoved_lru_writes, BLOCK_K=block_k, BLOCK_H=block_h,
             **flags,
         )

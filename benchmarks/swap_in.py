@@ -43,13 +43,15 @@ _THREE_PASS = {"plan_direct": False, "early_loads": False, "lookup_in_plan": Tru
                "pdl_copy_max_batch": None, "large_batch_copy_min_batch": None, "plan_warps": 8,
                "copy_rows": 2, "copy_warps": 2, "slot_row_reads": "all",
                "contiguous_flag_clear": False, "skip_unmoved_lru_writes": False,
-               "on_chip_gathers": False}
+               "on_chip_gathers": False, "relaxed_counters": False}
 _DIRECT = {**_THREE_PASS, "plan_direct": True, "early_loads": True}
 _PLANNING_WINNER = {**_DIRECT, "lookup_in_plan": None, "copy_programs_per_unit": 8}
 _PDL = {**_PLANNING_WINNER, "pdl": True}
 _PDL_LE16 = {**_PDL, "pdl_copy_max_batch": 16}  # round "launch-edges" chose this
 _FLAG_CLEAR = {**_PDL_LE16, "contiguous_flag_clear": True}  # round "plan-transactions"
 _CHOSEN = {**_FLAG_CLEAR, "skip_unmoved_lru_writes": True}  # round "plan-transactions-2"
+_COLD_BASE = {**_CHOSEN, "lookup_in_plan": False, "large_batch_copy_min_batch": 64,
+              "large_batch_copy_programs_per_unit": 2}  # round "cold-step"
 AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
     "planning": {
         "three-pass": _THREE_PASS,
@@ -135,6 +137,18 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
                               "large_batch_copy_programs_per_unit": 2},
         "chosen-again": _CHOSEN,
     },
+    # After "cold-step": lookups split and a narrow copy grid at large batches together, the
+    # counters' fences, and how narrow and from which batch the copy grid should be.
+    "cold-step-2": {
+        "chosen": _CHOSEN,
+        "split-copy2": _COLD_BASE,
+        "split-copy2-relaxed": {**_COLD_BASE, "relaxed_counters": True},
+        "relaxed": {**_CHOSEN, "relaxed_counters": True},
+        "split-copy1": {**_COLD_BASE, "large_batch_copy_programs_per_unit": 1},
+        "split-copy2-pdl": {**_COLD_BASE, "pdl_copy_max_batch": None},
+        "split-copy2-from16": {**_COLD_BASE, "large_batch_copy_min_batch": 16},
+        "split-copy2-again": _COLD_BASE,
+    },
 }
 AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "launch": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
@@ -142,7 +156,8 @@ AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "plan-transactions": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "plan-transactions-2": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "copy-window": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "cold-step": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
+            "cold-step": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "cold-step-2": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,

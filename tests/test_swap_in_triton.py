@@ -240,6 +240,8 @@ VARIANTS = {  # every flag spelled out, so that a name means the same whatever t
     "on-chip-gathers": {"on_chip_gathers": True},
     "on-chip-gathers-split": {"on_chip_gathers": True, "lookup_in_plan": False},
     "on-chip-rows-with-misses": {"on_chip_gathers": True, "slot_row_reads": "rows-with-misses"},
+    "relaxed-counters": {"relaxed_counters": True},
+    "relaxed-counters-split": {"relaxed_counters": True, "lookup_in_plan": False},
 }
 
 

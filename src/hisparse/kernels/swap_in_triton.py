@@ -4,7 +4,7 @@ Same signature and semantics as `kernels/swap_in_reference.py` (docs/ARCHITECTUR
 three launches, each with a grid fixed by `Bcap` and `K` so that a CUDA graph can capture them
 and replay with another `num_real`:
 
-1. classify (only when the lookups are split out, the default for small batches): grid
+1. classify (unless the lookups are folded into the plan, `Tuning.lookup_in_plan`): grid
    (Bcap, K / chunk). Each top-k entry is resolved through `page_table` and the persistent
    `resident` map: short regime, newest slot, hit, miss or invalid. Hits mark their slot in
    a per-row flag buffer.
@@ -534,9 +534,9 @@ class Tuning:
 
     # Lookups in a split classify kernel over (Bcap, K/256) programs, or inside the plan
     # kernel (one launch less). None: split while the batch fills at most half the GPU's
-    # units. H200, direct plan: split saves 1.7 us at B=1 and costs 1.8 us on a miss-free
-    # B=128 step (B in between was not measured).
-    lookup_in_plan: bool | None = None
+    # units. H200: split saves 1.7 us at B=1 and, on SW-1's cold-L2 miss-free step at B=128,
+    # 2.7 us (extents; 1.4 scattered); only a warm L2 favours the fused plan (+0.5 us).
+    lookup_in_plan: bool | None = False
     # (b) request slot, top-k row and page table loaded without waiting for num_real and
     # seq_len: two dependent global round trips less per plan program (-0.5 us at B=1).
     early_loads: bool = True
@@ -553,10 +553,12 @@ class Tuning:
     # entries: "all" H with the lookups, "rows-with-misses" (all H, skipped on a miss-free
     # row) or "victims" alone (one dependent round trip later).
     slot_row_reads: str = "all"
-    # Hit/miss/invalid counters added without acquire/release fences.
-    relaxed_counters: bool = False
+    # Hit/miss/invalid counters added without acquire/release fences: -1 us on every step
+    # from B=16 on, -0.3..-0.6 at B=1 (H200; the split classify grid is Bcap x 8 programs).
+    relaxed_counters: bool = True
     # Hit flags and all slots' host rows read as whole rows and put into LRU order on chip
-    # (tl.gather through shared memory) instead of gathered from global memory.
+    # (tl.gather through shared memory) instead of gathered from global memory. Off: +0.7 us
+    # on the cold and the warm miss-free B=128 step (the plan waits on latency, not sectors).
     on_chip_gathers: bool = False
     # Hit flags cleared by coalesced stores over the whole row instead of one per hit.
     contiguous_flag_clear: bool = True
@@ -576,11 +578,12 @@ class Tuning:
     copy_programs_per_unit: int = 8  # copy programs per SM / CU
     # From this batch capacity on, `large_batch_copy_programs_per_unit` instead (None: never).
     # It depends on Bcap alone, so a captured graph keeps it. The width sets how many rows are
-    # in flight at once: more hides host latency, fewer keeps them within fewer host regions
-    # (H200: 16-32 per SM from B=64 gave scattered B=128 +1-2% and cost the miss-free step
-    # 0.3-1.5 us; fewer than 8 at large batches is not measured without PDL yet).
-    large_batch_copy_min_batch: int | None = None
-    large_batch_copy_programs_per_unit: int = 4
+    # in flight at once: more hides host latency, fewer keeps the link's reads within fewer
+    # requests' extents. H200, extents B=128: 1 per SM (264 rows in flight) c=0.2 838 ->
+    # 780 us, c=1.0 -2%; 2 per SM 787-805 us; 4 no gain; scattered B=64 -2% with 1 per SM;
+    # 16-32 per SM gave scattered B=128 +1-2% but cost extents. Below B=64 no change.
+    large_batch_copy_min_batch: int | None = 64
+    large_batch_copy_programs_per_unit: int = 1
     # Programmatic dependent launch between our kernels (NVIDIA sm_90+): each kernel lets the
     # next one launch at its start, and the next waits on the device (griddepcontrol) before
     # it reads what the previous wrote, so launch latency and the copy prologue overlap the

@@ -52,6 +52,8 @@ _FLAG_CLEAR = {**_PDL_LE16, "contiguous_flag_clear": True}  # round "plan-transa
 _CHOSEN = {**_FLAG_CLEAR, "skip_unmoved_lru_writes": True}  # round "plan-transactions-2"
 _COLD_BASE = {**_CHOSEN, "lookup_in_plan": False, "large_batch_copy_min_batch": 64,
               "large_batch_copy_programs_per_unit": 2}  # round "cold-step"
+_COLD_CHOSEN = {**_COLD_BASE, "relaxed_counters": True,
+                "large_batch_copy_programs_per_unit": 1}  # round "cold-step-2"
 AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
     "planning": {
         "three-pass": _THREE_PASS,
@@ -149,6 +151,17 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "split-copy2-from16": {**_COLD_BASE, "large_batch_copy_min_batch": 16},
         "split-copy2-again": _COLD_BASE,
     },
+    # After "cold-step-2" (defaults = _COLD_CHOSEN): the widths of the two latency-bound
+    # kernels of a miss-free step, and skipping the slot-row reads of miss-free rows.
+    "cold-step-3": {
+        "chosen": _COLD_CHOSEN,
+        "classify-chunk512": {**_COLD_CHOSEN, "classify_chunk_k": 512},
+        "classify-chunk128": {**_COLD_CHOSEN, "classify_chunk_k": 128},
+        "classify-warps8": {**_COLD_CHOSEN, "classify_warps": 8},
+        "plan-warps16": {**_COLD_CHOSEN, "plan_warps": 16},
+        "rows-with-misses": {**_COLD_CHOSEN, "slot_row_reads": "rows-with-misses"},
+        "chosen-again": _COLD_CHOSEN,
+    },
 }
 AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "launch": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
@@ -157,7 +170,8 @@ AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "plan-transactions-2": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "copy-window": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "cold-step": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "cold-step-2": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
+            "cold-step-2": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "cold-step-3": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,

@@ -1,9 +1,8 @@
 """One SW-1 step, marked for a profiler: the steps before it warm the state, not the caches.
 
 Builds the SW-1 cell (benchmarks/swap_in.py) for one batch size, churn and layout, runs
-`--steps` graph-free swap-in steps each behind a fresh top-k (as SW-1 does, so the L2 holds
-the top-k generator's data, not the tables), and wraps the last one in the NVTX range
-"step", which Nsight Compute can select:
+`--steps` eager swap-in steps, each after an L2 flush and a fresh top-k as in SW-1, and wraps
+the last one in the NVTX range "step", which Nsight Compute can select:
 
     ncu --clock-control none --nvtx --nvtx-include "step/" \\
         python benchmarks/profile_step.py --batch 128 --churn 0 --layout extents
@@ -17,7 +16,10 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from hisparse import benchmarking
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import swap_in as sw1  # a sibling script, not a package
@@ -41,19 +43,25 @@ def main(argv: list[str] | None = None) -> int:
     from hisparse.kernels import swap_in_triton as kernels
 
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    rows = args.batch * sw1.SEQ_LEN
-    pool = sw1.fill_pool(alloc_registered(rows * sw1.ROW_BYTES).view(rows, sw1.ROW_BYTES), gen)
-    extent = sw1.LIBRARY_EXTENT if args.layout == "extents" else 1
-    cell = sw1.build_cell(pool, args.batch, args.layout, extent, gen)
+    sizes = sw1.SIZES
+    rows = args.batch * sizes.seq_len
+    pool = sw1.fill_pool(alloc_registered(rows * sizes.row_bytes).view(rows, sizes.row_bytes),
+                         gen)
+    extent = sizes.extent_tokens if args.layout == "extents" else 1
+    cell = sw1.build_cell(pool, args.batch, args.churn, args.layout, extent,
+                          np.random.default_rng(args.seed))
+    flusher = benchmarking.CacheFlusher(torch.device("cuda"))
     tables = cell.tables
     req_slots = torch.arange(args.batch, dtype=torch.int32, device="cuda")
     num_real = torch.tensor([args.batch], dtype=torch.int32, device="cuda")
-    out = torch.empty(args.batch, sw1.TOP_K, dtype=torch.int32, device="cuda")
-    plan = MissPlan.empty(args.batch, sw1.TOP_K, torch.device("cuda"))
+    out = torch.empty(args.batch, sizes.top_k, dtype=torch.int32, device="cuda")
+    plan = MissPlan.empty(args.batch, sizes.top_k, torch.device("cuda"))
     wrong = 0
     with kernels.tuning(**args.tuning):
         for step in range(args.steps):
-            top_k = sw1.next_top_k(cell, args.churn, gen)
+            positions = cell.next_top_k()
+            flusher.flush()
+            top_k = positions.clone()  # written after the flush, as the indexer would
             torch.cuda.synchronize()
             last = step == args.steps - 1
             if last:

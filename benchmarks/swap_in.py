@@ -1,11 +1,13 @@
 """SW-1, the swap-in kernel workload of DESIGN.md section 8, on one CUDA GPU.
 
 One layer, 656 B rows, top_k 2048, hot buffer 4096 (+1 newest), every request at seq_len 32768
-fully in the host pool. Each step keeps (1 - churn) of the previous top-k and draws the rest
-from positions that are not in the hot buffer (positions never selected run out after ~15 steps
-at churn 1.0, so "not resident" is what keeps the miss count at churn x K). Steps run as CUDA
-graph replays queued behind a GPU sleep, so the times are device times; every step's rows are
-checked byte for byte against the host pool.
+fully in the host pool; the tables, layouts and top-k trace are hisparse.benchmarking's (the
+same workload `hisparse bench` times eagerly). Each step keeps (1 - churn) of the previous
+top-k and takes the rest from positions that are not in the hot buffer, so it misses exactly
+churn x K rows. Before each step the L2 is flushed (the rest of a model runs between two
+swap-ins of one layer) and the top-k written; steps run as CUDA graph replays queued behind a
+GPU sleep, so the times are device times; every step's rows are checked byte for byte against
+the host pool.
 
     PYTHONPATH=src python benchmarks/swap_in.py              # full SW-1 + extent sweep
     PYTHONPATH=src python benchmarks/swap_in.py --quick      # smoke run, a few cells
@@ -25,13 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-SEQ_LEN = 32768
-TOP_K = 2048
-HOT = 4096
-ROW_BYTES = 656
-LIBRARY_EXTENT = 512  # HiSparseConfig's default extent_tokens
+from hisparse import benchmarking
+from hisparse.backends.registry import get_backend
+from hisparse.core.tables import CacheTables, MissPlan
+
+SIZES = benchmarking.SW1Sizes()  # DESIGN.md 8; extent_tokens: HiSparseConfig's default
 SLEEP_CYCLES = 200_000  # ~100 us at 2 GHz: the step is queued before the GPU reaches it
 # SGLang 0.5.23's fused swap-in on SW-1 scattered, H200 (issue 4; quoted, not re-measured here).
 # Variant rounds for --ab ROUND (swap_in_triton.Tuning overrides), every flag spelled out so a
@@ -182,14 +185,14 @@ SGLANG_US = {
 
 @dataclass
 class Pool:
-    host: torch.Tensor  # [rows, ROW_BYTES] uint8, registered host memory
-    mirror: torch.Tensor  # the same bytes on the device, for verification
+    host: torch.Tensor  # [rows, row_bytes] uint8, registered host memory
+    mirror: torch.Tensor  # the same bytes on the device: seeds hot buffers, checks every step
 
 
 def fill_pool(host: torch.Tensor, gen: torch.Generator) -> Pool:
     """Random bytes in the registered rows `host`, and their mirror on the device."""
     rows = host.shape[0]
-    mirror = torch.empty(rows, ROW_BYTES, dtype=torch.uint8, device="cuda")
+    mirror = torch.empty(rows, SIZES.row_bytes, dtype=torch.uint8, device="cuda")
     chunk = 1 << 20
     for first in range(0, rows, chunk):
         block = mirror[first : first + chunk]
@@ -200,97 +203,44 @@ def fill_pool(host: torch.Tensor, gen: torch.Generator) -> Pool:
 
 @dataclass
 class Cell:
-    tables: object  # CacheTables
-    rows_of_pos: torch.Tensor  # [B, SEQ_LEN] int64 host row of every position
-    previous: torch.Tensor | None = None  # [B, K] last top-k
+    tables: CacheTables
+    host_rows: torch.Tensor  # [B, seq_len] int64 on the device: host row of every position
+    trace: benchmarking.ChurnTrace
+
+    def next_top_k(self) -> torch.Tensor:
+        return torch.from_numpy(self.trace.step()).to(self.host_rows.device)
 
 
-def build_cell(pool: Pool, batch: int, layout: str, extent: int, gen: torch.Generator) -> Cell:
-    from hisparse.core.host_pool import ExtentAllocator
-    from hisparse.core.tables import CacheTables
-
-    dev = pool.mirror.device
-    num_rows = batch * SEQ_LEN
-    pages = SEQ_LEN // extent
-    if layout == "extents":  # the library's allocator on a fresh pool
-        allocator = ExtentAllocator(num_rows // extent)
-        page_table = torch.tensor([allocator.allocate(pages) for _ in range(batch)])
-    else:  # "scattered" (extent 1) or "shuffled-extents": extents in random order
-        page_table = torch.randperm(num_rows // extent, generator=gen, device=gen.device)
-        page_table = page_table.view(batch, pages)
-    page_table = page_table.to(torch.int32).to(dev)
-    positions = torch.arange(SEQ_LEN, device=dev)
-    rows_of_pos = page_table.long()[:, positions // extent] * extent + positions % extent
-
-    slots = HOT + 1
-    seeded = rows_of_pos[:, SEQ_LEN - 1 - HOT : SEQ_LEN - 1]  # slot s holds position n-1-H+s
-    resident = torch.full((1, num_rows), -1, dtype=torch.int32, device=dev)
-    resident[0, seeded.reshape(-1)] = torch.arange(HOT, dtype=torch.int32, device=dev).repeat(batch)
-    device_kv = torch.zeros(1, batch * slots, ROW_BYTES, dtype=torch.uint8, device=dev)
-    base = torch.arange(batch, device=dev)[:, None] * slots
-    hot_rows = (base + torch.arange(HOT, device=dev)).reshape(-1)
-    device_kv[0, hot_rows] = pool.mirror[seeded.reshape(-1)]
-    device_kv[0, base[:, 0] + HOT] = pool.mirror[rows_of_pos[:, SEQ_LEN - 1]]
-    tables = CacheTables(
-        device_kv=device_kv,
-        host_kv=[pool.host[:num_rows]],
-        page_table=page_table,
-        seq_lens=torch.full((batch,), SEQ_LEN, dtype=torch.int32, device=dev),
-        slot_row=seeded.to(torch.int32)[None].contiguous(),
-        lru=torch.arange(HOT, dtype=torch.int32, device=dev).repeat(1, batch, 1),
-        resident=resident,
-        counters=torch.zeros(1, 3, dtype=torch.int64, device=dev),
-        hot_slots=HOT,
-        extent_tokens=extent,
-    )
-    return Cell(tables, rows_of_pos)
+def build_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int,
+               rng: np.random.Generator) -> Cell:
+    """SW-1's tables and top-k trace (hisparse.benchmarking), extents of `extent` tokens."""
+    sizes = dataclasses.replace(SIZES, extent_tokens=extent)
+    tables, host_rows = benchmarking.build_tables(
+        get_backend("cuda"), pool.host, layout, batch, sizes, rng, mirror=pool.mirror)
+    return Cell(tables, torch.from_numpy(host_rows).cuda(),
+                benchmarking.ChurnTrace(batch, sizes, churn, rng))
 
 
-def next_top_k(cell: Cell, churn: float, gen: torch.Generator) -> torch.Tensor:
-    t = cell.tables
-    batch = t.seq_lens.shape[0]
-    dev = t.lru.device
-    if cell.previous is None:
-        scores = torch.rand(batch, SEQ_LEN - 1, device=dev, generator=gen)
-        chosen = scores.topk(TOP_K, dim=1).indices
-    else:
-        fresh = round(churn * TOP_K)
-        candidate = t.resident[0][cell.rows_of_pos] < 0
-        candidate[:, SEQ_LEN - 1] = False  # the newest token is always resident
-        candidate.scatter_(1, cell.previous, False)
-        scores = torch.rand(batch, SEQ_LEN, device=dev, generator=gen).masked_fill_(~candidate, -1)
-        new = scores.topk(fresh, dim=1).indices
-        kept_at = torch.rand(batch, TOP_K, device=dev, generator=gen).topk(TOP_K - fresh).indices
-        chosen = torch.cat([cell.previous.gather(1, kept_at), new], dim=1)
-        shuffle = torch.rand(batch, TOP_K, device=dev, generator=gen).argsort(dim=1)
-        chosen = chosen.gather(1, shuffle)
-    cell.previous = chosen
-    return chosen.to(torch.int32)
-
-
-def count_wrong_rows(
-    pool: Pool, cell: Cell, top_k: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
+def count_wrong_rows(pool: Pool, cell: Cell, top_k: torch.Tensor,
+                     out: torch.Tensor) -> torch.Tensor:
     """Device scalar: entries whose returned row differs from the host row (or is missing)."""
-    expected = pool.mirror[cell.rows_of_pos.gather(1, top_k.long())]
-    got = cell.tables.device_kv[0][out.clamp(min=0).long()]
-    return ((got != expected).any(dim=-1) | (out < 0)).sum()
+    return benchmarking.wrong_rows(cell.tables, pool.mirror, cell.host_rows, top_k, out)
 
 
 def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, args,
-             gen: torch.Generator) -> dict[str, object]:
-    from hisparse.core.tables import MissPlan
+             rng: np.random.Generator) -> dict[str, object]:
     from hisparse.kernels.swap_in_triton import swap_in_triton
 
-    cell = build_cell(pool, batch, layout, extent, gen)
+    cell = build_cell(pool, batch, churn, layout, extent, rng)
     t = cell.tables
     dev = t.lru.device
     req_slots = torch.arange(batch, dtype=torch.int32, device=dev)
     num_real = torch.tensor([batch], dtype=torch.int32, device=dev)
-    top_k = next_top_k(cell, churn, gen)
-    out = torch.empty(batch, TOP_K, dtype=torch.int32, device=dev)
-    plan = MissPlan.empty(batch, TOP_K, dev)
+    top_k = cell.next_top_k()
+    out = torch.empty(batch, SIZES.top_k, dtype=torch.int32, device=dev)
+    plan = MissPlan.empty(batch, SIZES.top_k, dev)
     wrong = torch.zeros((), dtype=torch.int64, device=dev)
+    flusher = benchmarking.CacheFlusher(dev)
 
     swap_in_triton(t, 0, 0, req_slots, top_k, num_real, out, plan)  # compiles, allocates scratch
     wrong += count_wrong_rows(pool, cell, top_k, out)
@@ -303,7 +253,9 @@ def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, arg
     def timed_steps(count: int, skip_io: bool, verify: bool) -> list[tuple]:
         events = []
         for _ in range(count):
-            top_k.copy_(next_top_k(cell, churn, gen))
+            fresh = cell.next_top_k()
+            flusher.flush()  # the rest of a model runs between two swap-ins of one layer
+            top_k.copy_(fresh)  # ...and the indexer writes the top-k just before
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(SLEEP_CYCLES)
             start.record()
@@ -329,7 +281,7 @@ def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, arg
         "median_us": round(median, 1),
         "p90_us": round(times[min(len(times) - 1, math.ceil(0.9 * len(times)) - 1)], 1),
         "misses_per_step": misses,
-        "miss_GBps": round(misses * ROW_BYTES / median / 1e3, 2),
+        "miss_GBps": round(misses * SIZES.row_bytes / median / 1e3, 2),
         "skip_io_median_us": round(statistics.median(plan_times), 1),
         "correct": int(wrong) == 0,
     }
@@ -341,20 +293,20 @@ def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, arg
     return record
 
 
-def miss_free_launch_overhead(pool: Pool, gen: torch.Generator, args) -> dict[str, float]:
-    """B=128, churn 0 in steady state: graph replay, eager device time and eager wall time."""
-    from hisparse.core.tables import MissPlan
+def miss_free_warm(pool: Pool, rng: np.random.Generator, args) -> dict[str, float]:
+    """B=128, churn 0, the same top-k replayed back to back (a warm L2, unlike SW-1's cells):
+    graph replay, eager device time and eager wall time."""
     from hisparse.kernels.swap_in_triton import swap_in_triton
 
     batch = 128
-    cell = build_cell(pool, batch, "extents", LIBRARY_EXTENT, gen)
+    cell = build_cell(pool, batch, 0.0, "extents", SIZES.extent_tokens, rng)
     t = cell.tables
     dev = t.lru.device
     req_slots = torch.arange(batch, dtype=torch.int32, device=dev)
     num_real = torch.tensor([batch], dtype=torch.int32, device=dev)
-    top_k = next_top_k(cell, 0.0, gen)
-    out = torch.empty(batch, TOP_K, dtype=torch.int32, device=dev)
-    plan = MissPlan.empty(batch, TOP_K, dev)
+    top_k = cell.next_top_k()
+    out = torch.empty(batch, SIZES.top_k, dtype=torch.int32, device=dev)
+    plan = MissPlan.empty(batch, SIZES.top_k, dev)
 
     def call() -> None:
         swap_in_triton(t, 0, 0, req_slots, top_k, num_real, out, plan)
@@ -390,7 +342,7 @@ def miss_free_launch_overhead(pool: Pool, gen: torch.Generator, args) -> dict[st
         "misses_while_timed": int(t.counters[0, 1]) - misses_before,
         "wrong_rows": int(count_wrong_rows(pool, cell, top_k, out)),
     }
-    print("miss-free", json.dumps(result), flush=True)
+    print("miss-free (warm)", json.dumps(result), flush=True)
     return result
 
 
@@ -436,7 +388,7 @@ def plot(results: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def run_ab(pool: Pool, batches: list[int], churns: list[float], args, gen: torch.Generator,
+def run_ab(pool: Pool, batches: list[int], churns: list[float], args, rng: np.random.Generator,
            results: dict, save: Callable[[], None], path: Path) -> int:
     """Every variant of the round on the same reduced grid, in one process (same pool, same
     GPU state), then one median-us table per layout on stdout."""
@@ -450,13 +402,13 @@ def run_ab(pool: Pool, batches: list[int], churns: list[float], args, gen: torch
         try:
             with kernels.tuning(**overrides):
                 for layout in ("scattered", "extents"):
-                    extent = 1 if layout == "scattered" else LIBRARY_EXTENT
+                    extent = 1 if layout == "scattered" else SIZES.extent_tokens
                     for batch in batches:
                         for churn in churns:
-                            record = run_cell(pool, batch, churn, layout, extent, args, gen)
+                            record = run_cell(pool, batch, churn, layout, extent, args, rng)
                             results["records"].append({"variant": name, **record})
                             save()
-                results["miss_free_by_variant"][name] = miss_free_launch_overhead(pool, gen, args)
+                results["miss_free_by_variant"][name] = miss_free_warm(pool, rng, args)
                 save()
         except Exception as exc:  # one broken variant must not cost the others' numbers
             print(f"variant {name} failed: {type(exc).__name__}: {exc}", flush=True)
@@ -514,10 +466,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.ab:
         batches, churns = AB_GRIDS[args.ab]
     max_batch = 128 if (not args.quick or args.extent_sweep) else max(batches)
-    gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    rows = max_batch * SEQ_LEN
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)  # the pool's bytes
+    rng = np.random.default_rng(args.seed)  # layouts and top-k traces
+    rows = max_batch * SIZES.seq_len
     began = time.perf_counter()
-    host = alloc_registered(rows * ROW_BYTES).view(rows, ROW_BYTES)
+    host = alloc_registered(rows * SIZES.row_bytes).view(rows, SIZES.row_bytes)
     limits = measure(host) if not (args.quick or args.ab) else {}
     from hisparse.kernels import swap_in_triton as kernels
 
@@ -531,13 +484,16 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, object] = {
         "card": card, "torch": torch.__version__, "triton": triton.__version__,
         "command": " ".join(["python", *sys.argv]),
-        "workload": {"seq_len": SEQ_LEN, "top_k": TOP_K, "hot": HOT, "row_bytes": ROW_BYTES,
-                     "warmup": args.warmup, "steps": args.steps,
+        "workload": {"seq_len": SIZES.seq_len, "top_k": SIZES.top_k, "hot": SIZES.hot_slots,
+                     "row_bytes": SIZES.row_bytes, "warmup": args.warmup, "steps": args.steps,
                      "timing": "CUDA graph replay queued behind a GPU sleep: device time",
-                     "new_positions": "drawn from positions not resident in the hot buffer",
+                     "caches": "flushed before every step (2 x L2 written), then the top-k "
+                               "copied in: tables cold, top-k warm, as between two layers",
+                     "new_positions": "hisparse.benchmarking.ChurnTrace: positions older than "
+                                      "the seeded hot buffer, not selected recently",
                      "layouts": {"scattered": "every token at a random row of a pool of B*32768",
                                  "extents": "hisparse.core.host_pool.ExtentAllocator, "
-                                            f"{LIBRARY_EXTENT}-token extents, fresh pool",
+                                            f"{SIZES.extent_tokens}-token extents, fresh pool",
                                  "shuffled-extents": "extents of E rows in random order"}},
         "limits": limits, "records": [],
         "tuning": dataclasses.asdict(kernels._tuning),
@@ -555,21 +511,21 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(results, indent=1) + "\n")
 
     if args.ab:
-        return run_ab(pool, batches, churns, args, gen, results, save, path)
+        return run_ab(pool, batches, churns, args, rng, results, save, path)
     if not args.extent_sweep:
         for layout in ("scattered", "extents"):
-            extent = 1 if layout == "scattered" else LIBRARY_EXTENT
+            extent = 1 if layout == "scattered" else SIZES.extent_tokens
             for batch in batches:
                 for churn in churns:
                     results["records"].append(
-                        run_cell(pool, batch, churn, layout, extent, args, gen))
+                        run_cell(pool, batch, churn, layout, extent, args, rng))
                     save()
-        results["miss_free"] = miss_free_launch_overhead(pool, gen, args)
+        results["miss_free_warm"] = miss_free_warm(pool, rng, args)
     if not args.quick or args.extent_sweep:
         results["extent_sweep"] = []
         for extent in sweep_extents:
             results["extent_sweep"].append(
-                run_cell(pool, max_batch, 1.0, "shuffled-extents", extent, args, gen))
+                run_cell(pool, max_batch, 1.0, benchmarking.SWEEP_LAYOUT, extent, args, rng))
             save()
     if args.variants:
         variants = {"lookup-fused": {"lookup_in_plan": True},
@@ -580,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, overrides in variants.items():
             with kernels.tuning(**overrides):
                 for batch, churn in ((1, 0.2), (16, 0.2), (64, 0.2), (128, 0.0), (128, 1.0)):
-                    record = run_cell(pool, batch, churn, "extents", LIBRARY_EXTENT, args, gen)
+                    record = run_cell(pool, batch, churn, "extents", SIZES.extent_tokens,
+                                      args, rng)
                     results["variants"].append({"variant": name, **record})
                     save()
     save()

@@ -49,8 +49,8 @@ def test_sw1_cells_and_copy_probes(capsys: pytest.CaptureFixture[str], tmp_path,
         if cell["churn"] == 0:
             assert cell["misses_per_step"] == 0 and cell["miss_bytes_per_second"] is None
         else:
-            # Fresh positions are never selected before; only still-seeded tokens can hit.
-            assert 0.5 * 64 * cell["batch"] < cell["misses_per_step"] <= 64 * cell["batch"]
+            # Fresh positions were never selected nor seeded: each one misses.
+            assert cell["misses_per_step"] == 64 * cell["batch"]
             assert cell["miss_bytes_per_second"] == pytest.approx(
                 cell["misses_per_step"] * 656 / cell["step_seconds"])
     copies = {(r["name"], r["rows"]): r for r in doc["copy_limits"]}
@@ -129,3 +129,33 @@ def test_help_carries_an_example(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     assert "hisparse bench --device cuda --output benchmarks/results/" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("churn", [0.25, 1.0])
+def test_every_fresh_position_misses_also_after_the_trace_wraps(churn: float) -> None:
+    """SW-1 promises churn x top_k misses a step; at churn 1.0 these sizes wrap the trace's
+    cycle of fresh positions after 13 steps, and the hot buffer must have evicted them."""
+    backend = get_backend("cpu")
+    sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128)
+    rng = np.random.default_rng()
+    batch = 3
+    pool = backend.alloc_host(batch * 1024 * 656).view(batch * 1024, 656)
+    benchmarking.fill_pool(pool)
+    mirror = pool.clone()  # seeds the hot buffers like a device copy of the pool would
+    tables, host_rows = benchmarking.build_tables(backend, pool, "scattered", batch, sizes, rng,
+                                                  mirror=mirror)
+    trace = benchmarking.ChurnTrace(batch, sizes, churn, rng)
+    kernel, _ = benchmarking.swap_in_kernel(backend)
+    req_slots = torch.arange(batch, dtype=torch.int32)
+    num_real = torch.tensor([batch], dtype=torch.int32)
+    fresh = round(churn * 64)
+    for step in range(40):
+        positions = torch.from_numpy(trace.step())
+        out = torch.full((batch, 64), -1, dtype=torch.int32)
+        before = int(tables.counters[0, 1])
+        kernel(tables, 0, 0, req_slots, positions, num_real, out)
+        misses = int(tables.counters[0, 1]) - before
+        assert misses == batch * (64 if step == 0 else fresh), f"step {step}"
+        wrong = benchmarking.wrong_rows(tables, mirror, torch.from_numpy(host_rows), positions,
+                                        out)
+        assert int(wrong) == 0, f"step {step}"

@@ -1,11 +1,15 @@
 """Reusable core of the benchmarks: SW-1 (DESIGN.md section 8) and the copy-limit probes.
 
-`hisparse bench` drives these functions; `benchmarks/swap_in.py` may import them too. They
-call the backend's kernels directly on hand-built `CacheTables` (one layer, one group), so
-the host layout is under the benchmark's control:
+This module is the one definition of the SW-1 workload: `hisparse bench` times it eagerly on
+any backend, `benchmarks/swap_in.py` replays it in CUDA graphs. Both call the backend's
+kernels directly on hand-built `CacheTables` (one layer, one group), so the host layout is
+under the benchmark's control:
   * scattered: every token at a random row of a pool holding all B x seq_len tokens;
-  * extents: contexts built from `extent_tokens`-token extents by the library's allocator.
-Every cell checks the rows its last step returned against the host pool, byte for byte.
+  * extents: contexts built from `extent_tokens`-token extents by the library's allocator;
+  * shuffled-extents (extent sweeps): `extent_tokens`-token extents in random order.
+Before each timed step the device caches are flushed (in a model, the other layers' work runs
+between two swap-ins of one layer), then that step's top-k is written. Every cell checks the
+rows it returned against the host pool, byte for byte.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from hisparse.core.tables import CacheTables, MissPlan
 from hisparse.errors import InvalidInputError
 
 LAYOUTS = ("scattered", "extents")
+SWEEP_LAYOUT = "shuffled-extents"
 
 
 @dataclass(frozen=True)
@@ -41,15 +46,18 @@ class SW1Sizes:
 
     @classmethod
     def quick(cls) -> SW1Sizes:
-        return cls(seq_len=8192, warmup_steps=2, timed_steps=5)
+        return cls(seq_len=16384, warmup_steps=2, timed_steps=5)
 
     def check(self) -> None:
         problems = []
         if self.hot_slots < self.top_k:
             problems.append(f"hot_slots ({self.hot_slots}) must be >= top_k ({self.top_k})")
-        if self.seq_len <= self.hot_slots + self.top_k:
-            problems.append(f"seq_len ({self.seq_len}) must exceed hot_slots + top_k "
-                            f"({self.hot_slots + self.top_k}) so that misses are possible")
+        # Fresh positions come from those older than the seeded hot buffer, and must have left
+        # it before they come round again (at churn 1.0 that takes H + K of them).
+        if self.seq_len <= 2 * self.hot_slots + self.top_k:
+            problems.append(f"seq_len ({self.seq_len}) must exceed 2 x hot_slots + top_k "
+                            f"({2 * self.hot_slots + self.top_k}) so that every fresh position "
+                            "misses")
         if self.row_bytes % 4:
             problems.append(f"row_bytes ({self.row_bytes}) must be a multiple of 4")
         if self.seq_len % self.extent_tokens:
@@ -124,19 +132,26 @@ def page_table_for(layout: str, batch: int, sizes: SW1Sizes, rng: np.random.Gene
     if layout == "scattered":
         # One-token extents: a page-table entry per token, at a random row of the pool.
         return rng.permutation(batch * sizes.seq_len).reshape(batch, sizes.seq_len), 1
+    extents_per_request = sizes.seq_len // sizes.extent_tokens
     if layout == "extents":
-        extents_per_request = sizes.seq_len // sizes.extent_tokens
         allocator = ExtentAllocator(batch * extents_per_request)
         table = [allocator.allocate(extents_per_request) for _ in range(batch)]
         return np.asarray(table, dtype=np.int64), sizes.extent_tokens
-    raise InvalidInputError(f"unknown host layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+    if layout == SWEEP_LAYOUT:
+        order = rng.permutation(batch * extents_per_request)
+        return order.reshape(batch, extents_per_request), sizes.extent_tokens
+    raise InvalidInputError(f"unknown host layout {layout!r}; use one of "
+                            f"{', '.join((*LAYOUTS, SWEEP_LAYOUT))}")
 
 
 def build_tables(
     backend: Backend, pool: torch.Tensor, layout: str, batch: int, sizes: SW1Sizes,
-    rng: np.random.Generator,
+    rng: np.random.Generator, mirror: torch.Tensor | None = None,
 ) -> tuple[CacheTables, np.ndarray]:
-    """One layer with B requests of seq_len tokens, hot buffers seeded (ARCHITECTURE.md)."""
+    """One layer with B requests of seq_len tokens, hot buffers seeded (ARCHITECTURE.md).
+
+    `mirror`: the pool's rows on the device, to seed the hot buffers from (faster than a
+    host gather of B x (H+1) rows)."""
     device = backend.device()
     hot, slots, n = sizes.hot_slots, sizes.hot_slots + 1, sizes.seq_len
     pages, extent = page_table_for(layout, batch, sizes, rng)
@@ -146,9 +161,9 @@ def build_tables(
     host = pool[:num_rows]
     seeded = host_rows[:, n - 1 - hot:]  # the H tokens before the newest, then the newest
     device_kv = torch.zeros(1, batch * slots, sizes.row_bytes, dtype=torch.uint8, device=device)
-    device_kv[0].view(batch, slots, -1).copy_(
-        host[torch.from_numpy(seeded.reshape(-1))].view(batch, slots, -1)
-    )
+    source = host if mirror is None else mirror
+    seeded_rows = torch.from_numpy(seeded.reshape(-1)).to(source.device)
+    device_kv[0].view(batch, slots, -1).copy_(source[seeded_rows].view(batch, slots, -1))
     resident = torch.full((1, num_rows), -1, **i32)
     lru_rows = torch.from_numpy(seeded[:, :hot].reshape(-1)).to(device)
     resident[0, lru_rows] = torch.arange(hot, **i32).repeat(batch)
@@ -173,15 +188,22 @@ def token_host_rows(pages: np.ndarray, extent: int, seq_len: int) -> np.ndarray:
 
 
 class ChurnTrace:
-    """SW-1's top-k: each step keeps (1 - churn) of the previous one and takes the rest from
-    positions not selected before (cycling through a per-request permutation: by the time it
-    wraps, the hot buffer has long evicted them). The newest token is never selected."""
+    """SW-1's top-k: each step keeps (1 - churn) of the previous one, in a new order, and takes
+    the rest from positions not in the hot buffer, so that every step misses churn x top_k rows.
+
+    Fresh positions cycle through a per-request permutation of the positions older than the
+    seeded hot buffer. At churn 1.0 `SW1Sizes.check` makes the cycle long enough that the hot
+    buffer has evicted a position before it comes round again; at lower churn one cycle takes
+    (seq_len - 1 - H) / (churn x K) steps (SW-1 at churn 0.2: 70), and a position could
+    still be resident when it comes back only if it stayed in the top-k for most of them.
+    The seeded positions and the newest token are never selected."""
 
     def __init__(self, batch: int, sizes: SW1Sizes, churn: float, rng: np.random.Generator):
         self.rng = rng
         self.top_k = sizes.top_k
         self.fresh_per_step = round(churn * sizes.top_k)
-        self.order = np.argsort(rng.random((batch, sizes.seq_len - 1)), axis=1)
+        older = sizes.seq_len - 1 - sizes.hot_slots  # positions never seeded into a hot slot
+        self.order = np.argsort(rng.random((batch, older)), axis=1)
         self.current = self.order[:, : sizes.top_k].copy()
         self.cursor = sizes.top_k
 
@@ -209,10 +231,12 @@ def sw1_cell(
     num_real = torch.tensor([batch], dtype=torch.int32, device=device)
     out = torch.full((batch, sizes.top_k), -1, dtype=torch.int32, device=device)
     timer = StepTimer(backend, device)
+    flusher = CacheFlusher(device)
     times, misses = [], []
     top_k = None
     for step in range(sizes.warmup_steps + sizes.timed_steps):
         positions = trace.step()
+        flusher.flush()
         top_k = torch.from_numpy(positions).to(device)
         before = int(tables.counters[0, 1])
         backend.synchronize()
@@ -236,16 +260,47 @@ def sw1_cell(
     )
 
 
+def wrong_rows(tables: CacheTables, pool_rows: torch.Tensor, host_rows: torch.Tensor,
+               top_k: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Scalar tensor on `pool_rows`' device: top-k entries whose returned device row differs
+    from their token's host row, or that returned none (DESIGN.md 3.1).
+
+    `pool_rows` is the host pool or a copy of it on the device (which keeps a per-step check
+    on the device); `host_rows` [B, seq_len] and `top_k` are moved to its device."""
+    where = pool_rows.device
+    token_rows = host_rows.to(where).gather(1, top_k.to(where, torch.int64))
+    expected = pool_rows[token_rows]
+    returned = out.to(where, torch.int64)
+    got = tables.device_kv[0][out.clamp(min=0).long()].to(where)
+    return ((got != expected).any(dim=-1) | (returned < 0)).sum()
+
+
 def rows_match(tables: CacheTables, host_rows: np.ndarray, positions: np.ndarray,
                out: torch.Tensor) -> bool:
-    """Every returned device row holds the host row of its token (DESIGN.md 3.1)."""
-    expected_rows = np.take_along_axis(host_rows, positions.astype(np.int64), axis=1)
-    expected = tables.host_kv[0][torch.from_numpy(expected_rows.reshape(-1))]
-    returned = out.reshape(-1).long()
-    if bool((returned < 0).any()):
-        return False
-    got = tables.device_kv[0][returned].cpu()
-    return bool(torch.equal(got, expected))
+    """Every returned device row holds the host row of its token, checked on the host."""
+    wrong = wrong_rows(tables, tables.host_kv[0], torch.from_numpy(host_rows),
+                       torch.from_numpy(positions), out)
+    return int(wrong) == 0
+
+
+class CacheFlusher:
+    """Evicts the device's caches before a timed step, as a model's other layers would.
+
+    Writes a buffer of twice the last-level cache (CUDA and ROCm report its size; elsewhere
+    256 MiB); nothing to do on a CPU, whose timings are host wall time anyway."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.scratch: torch.Tensor | None = None
+        if device.type == "cpu":
+            return
+        size = 256 << 20
+        if device.type == "cuda":
+            size = max(2 * torch.cuda.get_device_properties(device).L2_cache_size, 64 << 20)
+        self.scratch = torch.empty(size, dtype=torch.uint8, device=device)
+
+    def flush(self) -> None:
+        if self.scratch is not None:
+            self.scratch.fill_(1)
 
 
 def run_sw1(

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ from hisparse.backends.registry import get_backend
 from hisparse.core.tables import CacheTables, MissPlan
 
 SIZES = benchmarking.SW1Sizes()  # DESIGN.md 8; extent_tokens: HiSparseConfig's default
-SLEEP_CYCLES = 200_000  # ~100 us at 2 GHz: the step is queued before the GPU reaches it
+
 # SGLang 0.5.23's fused swap-in on SW-1 scattered, H200 (issue 4; quoted, not re-measured here).
 # Variant rounds for --ab ROUND (swap_in_triton.Tuning overrides), every flag spelled out so a
 # name means the same whatever the defaults. Round "planning" chose the plan kernel
@@ -228,62 +227,22 @@ def count_wrong_rows(pool: Pool, cell: Cell, top_k: torch.Tensor,
 
 
 def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, args,
-             rng: np.random.Generator) -> dict[str, object]:
-    from hisparse.kernels.swap_in_triton import swap_in_triton
-
-    cell = build_cell(pool, batch, churn, layout, extent, rng)
-    t = cell.tables
-    dev = t.lru.device
-    req_slots = torch.arange(batch, dtype=torch.int32, device=dev)
-    num_real = torch.tensor([batch], dtype=torch.int32, device=dev)
-    top_k = cell.next_top_k()
-    out = torch.empty(batch, SIZES.top_k, dtype=torch.int32, device=dev)
-    plan = MissPlan.empty(batch, SIZES.top_k, dev)
-    wrong = torch.zeros((), dtype=torch.int64, device=dev)
-    flusher = benchmarking.CacheFlusher(dev)
-
-    swap_in_triton(t, 0, 0, req_slots, top_k, num_real, out, plan)  # compiles, allocates scratch
-    wrong += count_wrong_rows(pool, cell, top_k, out)
-    graphs = {}
-    for skip_io in (False, True):
-        graphs[skip_io] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[skip_io]):
-            swap_in_triton(t, 0, 0, req_slots, top_k, num_real, out, plan, skip_io=skip_io)
-
-    def timed_steps(count: int, skip_io: bool, verify: bool) -> list[tuple]:
-        events = []
-        for _ in range(count):
-            fresh = cell.next_top_k()
-            flusher.flush()  # the rest of a model runs between two swap-ins of one layer
-            top_k.copy_(fresh)  # ...and the indexer writes the top-k just before
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(SLEEP_CYCLES)
-            start.record()
-            graphs[skip_io].replay()
-            end.record()
-            events.append((start, end))
-            if verify:
-                wrong.add_(count_wrong_rows(pool, cell, top_k, out))
-        return events
-
-    timed_steps(args.warmup - 1, False, True)
-    misses_before = int(t.counters[0, 1])
-    events = timed_steps(args.steps, False, True)
-    torch.cuda.synchronize()
-    misses = (int(t.counters[0, 1]) - misses_before) / args.steps
-    times = sorted(s.elapsed_time(e) * 1000.0 for s, e in events)
-    plan_events = timed_steps(args.steps, True, False)
-    torch.cuda.synchronize()
-    plan_times = [s.elapsed_time(e) * 1000.0 for s, e in plan_events]
-    median = statistics.median(times)
+             seed: int) -> dict[str, object]:
+    """hisparse.benchmarking's SW-1 cell (graph replays, every step checked against the
+    mirror, then the skip-IO probe) as one JSON record."""
+    sizes = dataclasses.replace(SIZES, extent_tokens=extent, warmup_steps=args.warmup,
+                                timed_steps=args.steps)
+    cell = benchmarking.sw1_cell(get_backend("cuda"), pool.host, layout, batch, churn, sizes,
+                                 seed, mirror=pool.mirror, skip_io=True)
+    median = cell.step_seconds * 1e6
     record: dict[str, object] = {
-        "B": batch, "churn": churn, "layout": layout, "extent_tokens": extent,
+        "B": batch, "churn": churn, "layout": layout, "extent_tokens": cell.extent_tokens,
         "median_us": round(median, 1),
-        "p90_us": round(times[min(len(times) - 1, math.ceil(0.9 * len(times)) - 1)], 1),
-        "misses_per_step": misses,
-        "miss_GBps": round(misses * SIZES.row_bytes / median / 1e3, 2),
-        "skip_io_median_us": round(statistics.median(plan_times), 1),
-        "correct": int(wrong) == 0,
+        "p90_us": round(cell.p90_seconds * 1e6, 1),
+        "misses_per_step": cell.misses_per_step,
+        "miss_GBps": round(cell.misses_per_step * SIZES.row_bytes / median / 1e3, 2),
+        "skip_io_median_us": round((cell.skip_io_step_seconds or 0.0) * 1e6, 1),
+        "correct": cell.verified,
     }
     reference = SGLANG_US.get((batch, churn)) if layout == "scattered" else None
     if reference is not None:
@@ -298,7 +257,7 @@ def miss_free_warm(pool: Pool, rng: np.random.Generator, args) -> dict[str, floa
     graph replay, eager device time and eager wall time."""
     from hisparse.kernels.swap_in_triton import swap_in_triton
 
-    batch = 128
+    batch = min(128, pool.host.shape[0] // SIZES.seq_len)  # --quick sizes the pool smaller
     cell = build_cell(pool, batch, 0.0, "extents", SIZES.extent_tokens, rng)
     t = cell.tables
     dev = t.lru.device
@@ -321,7 +280,7 @@ def miss_free_warm(pool: Pool, rng: np.random.Generator, args) -> dict[str, floa
         times = []
         for _ in range(args.steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(SLEEP_CYCLES)
+            torch.cuda._sleep(benchmarking.SLEEP_CYCLES)
             start.record()
             fn()
             end.record()
@@ -405,7 +364,7 @@ def run_ab(pool: Pool, batches: list[int], churns: list[float], args, rng: np.ra
                     extent = 1 if layout == "scattered" else SIZES.extent_tokens
                     for batch in batches:
                         for churn in churns:
-                            record = run_cell(pool, batch, churn, layout, extent, args, rng)
+                            record = run_cell(pool, batch, churn, layout, extent, args, args.seed)
                             results["records"].append({"variant": name, **record})
                             save()
                 results["miss_free_by_variant"][name] = miss_free_warm(pool, rng, args)
@@ -518,14 +477,15 @@ def main(argv: list[str] | None = None) -> int:
             for batch in batches:
                 for churn in churns:
                     results["records"].append(
-                        run_cell(pool, batch, churn, layout, extent, args, rng))
+                        run_cell(pool, batch, churn, layout, extent, args, args.seed))
                     save()
         results["miss_free_warm"] = miss_free_warm(pool, rng, args)
     if not args.quick or args.extent_sweep:
         results["extent_sweep"] = []
         for extent in sweep_extents:
             results["extent_sweep"].append(
-                run_cell(pool, max_batch, 1.0, benchmarking.SWEEP_LAYOUT, extent, args, rng))
+                run_cell(pool, max_batch, 1.0, benchmarking.SWEEP_LAYOUT, extent, args,
+                         args.seed))
             save()
     if args.variants:
         variants = {"lookup-fused": {"lookup_in_plan": True},
@@ -537,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             with kernels.tuning(**overrides):
                 for batch, churn in ((1, 0.2), (16, 0.2), (64, 0.2), (128, 0.0), (128, 1.0)):
                     record = run_cell(pool, batch, churn, "extents", SIZES.extent_tokens,
-                                      args, rng)
+                                      args, args.seed)
                     results["variants"].append({"variant": name, **record})
                     save()
     save()

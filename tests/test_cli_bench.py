@@ -44,7 +44,9 @@ def test_sw1_cells_and_copy_probes(capsys: pytest.CaptureFixture[str], tmp_path,
     ]
     for cell in cells:
         assert cell["verified"] is True
-        assert cell["step_seconds"] > 0
+        assert cell["timing"] == "eager"  # no graph capture on a CPU
+        assert cell["p90_seconds"] >= cell["step_seconds"] > 0
+        assert cell["extent_tokens"] == (1 if cell["layout"] == "scattered" else 512)
         assert cell["target_met"] is None  # CPU numbers are never judged against H200 targets
         if cell["churn"] == 0:
             assert cell["misses_per_step"] == 0 and cell["miss_bytes_per_second"] is None
@@ -159,3 +161,25 @@ def test_every_fresh_position_misses_also_after_the_trace_wraps(churn: float) ->
         wrong = benchmarking.wrong_rows(tables, mirror, torch.from_numpy(host_rows), positions,
                                         out)
         assert int(wrong) == 0, f"step {step}"
+
+
+def test_a_cell_checked_every_step_against_a_mirror_and_planned_without_io() -> None:
+    """The path benchmarks/swap_in.py takes: the pool's copy checks each step's rows, and the
+    skip-IO probe times planning alone."""
+    backend = get_backend("cpu")
+    sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128, warmup_steps=1,
+                                  timed_steps=3)
+    pool = backend.alloc_host(2 * 1024 * 656).view(2 * 1024, 656)
+    benchmarking.fill_pool(pool)
+    mirror = pool.clone()
+    seed = int(np.random.default_rng().integers(2**31))
+    cell = benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed, mirror=mirror,
+                                 skip_io=True)
+    assert cell.verified and cell.misses_per_step == 2 * 32
+    assert cell.skip_io_step_seconds is not None and cell.skip_io_step_seconds > 0
+    # Rows copied on a miss come from the pool: against a mirror that differs from the pool
+    # in one byte of every row, they fail the per-step check.
+    mirror[:, int(np.random.default_rng().integers(656))] ^= 0xFF
+    poisoned = benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed,
+                                     mirror=mirror)
+    assert poisoned.misses_per_step == 2 * 32 and not poisoned.verified

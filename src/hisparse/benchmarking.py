@@ -14,6 +14,7 @@ rows it returned against the host pool, byte for byte.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -75,21 +76,34 @@ class SW1Cell:
     batch: int
     churn: float
     step_seconds: float  # median over the timed steps
+    p90_seconds: float
     misses_per_step: float
     miss_bytes_per_second: float | None  # misses x row bytes / step time; None without misses
-    verified: bool  # the last step's rows equal the host rows, byte for byte
+    verified: bool  # the rows of every checked step equal the host rows, byte for byte
+    timing: str  # "graph replay" or "eager"
+    extent_tokens: int
+    skip_io_step_seconds: float | None = None  # median with skip_io=True (plan only)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
-class StepTimer:
-    """Device events on an accelerator, the wall clock (after the call returns) on the CPU."""
+# ~100 us of GPU clock: a graph replay queued behind it starts the moment the GPU reaches it.
+SLEEP_CYCLES = 200_000
 
-    def __init__(self, backend: Backend, device: torch.device) -> None:
+
+class StepTimer:
+    """Device events on an accelerator, the wall clock (after the call returns) on the CPU.
+
+    `queued`: start the events behind a device-side sleep (CUDA and ROCm), so a call whose
+    launch is cheap (a graph replay) is timed from when the GPU reaches it, not from when
+    the host got there."""
+
+    def __init__(self, backend: Backend, device: torch.device, queued: bool = False) -> None:
         self.backend = backend
         self.on_host = device.type == "cpu"
         self.device = device
+        self.queued = queued and device.type == "cuda"
 
     def time(self, call: Callable[[], None]) -> float:
         if self.on_host:
@@ -98,6 +112,8 @@ class StepTimer:
             return time.perf_counter() - start
         begin = torch.Event(device=self.device, enable_timing=True)
         end = torch.Event(device=self.device, enable_timing=True)
+        if self.queued:
+            torch.cuda._sleep(SLEEP_CYCLES)
         begin.record()
         call()
         end.record()
@@ -220,32 +236,79 @@ class ChurnTrace:
 
 def sw1_cell(
     backend: Backend, pool: torch.Tensor, layout: str, batch: int, churn: float,
-    sizes: SW1Sizes, seed: int = 0,
+    sizes: SW1Sizes, seed: int = 0, mirror: torch.Tensor | None = None,
+    skip_io: bool = False,
 ) -> SW1Cell:
-    rng = np.random.default_rng([seed, batch, round(churn * 1000), LAYOUTS.index(layout)])
+    """One SW-1 cell: an untimed first step, `warmup_steps`, then `timed_steps` timed ones.
+
+    Where the backend captures graphs the step is captured once and replayed (the launch cost
+    a serving loop avoids the same way), else each step is launched eagerly. `mirror` (the
+    pool on the device) checks every step's rows on the device; without it the last step's
+    rows are checked on the host. `skip_io` then times as many steps planned without moving
+    bytes (the skip-IO probe)."""
+    rng = np.random.default_rng([seed, batch, round(churn * 1000),
+                                 (*LAYOUTS, SWEEP_LAYOUT).index(layout)])
     device = backend.device()
-    tables, host_rows = build_tables(backend, pool, layout, batch, sizes, rng)
+    tables, host_rows = build_tables(backend, pool, layout, batch, sizes, rng, mirror=mirror)
     kernel, _ = swap_in_kernel(backend)
     trace = ChurnTrace(batch, sizes, churn, rng)
     req_slots = torch.arange(batch, dtype=torch.int32, device=device)
     num_real = torch.tensor([batch], dtype=torch.int32, device=device)
+    top_k = torch.empty(batch, sizes.top_k, dtype=torch.int32, device=device)
     out = torch.full((batch, sizes.top_k), -1, dtype=torch.int32, device=device)
-    timer = StepTimer(backend, device)
+    host_rows_on_device = None if mirror is None else torch.from_numpy(host_rows).to(device)
+    wrong = torch.zeros((), dtype=torch.int64, device=device)
+    graphs = backend.supports(Feature.GRAPH_CAPTURE)
+    timer = StepTimer(backend, device, queued=graphs)
     flusher = CacheFlusher(device)
-    times, misses = [], []
-    top_k = None
-    for step in range(sizes.warmup_steps + sizes.timed_steps):
+
+    def step_for(io_kernel: Callable[..., None], **options: object) -> Callable[[], None]:
+        def call() -> None:
+            io_kernel(tables, 0, 0, req_slots, top_k, num_real, out, **options)
+
+        if not graphs:
+            return call
+        graph = backend.new_graph()
+        with backend.graph_capture(graph):
+            call()
+        return graph.replay
+
+    def next_top_k() -> np.ndarray:
         positions = trace.step()
-        flusher.flush()
-        top_k = torch.from_numpy(positions).to(device)
+        flusher.flush()  # the rest of a model runs between two swap-ins of one layer...
+        top_k.copy_(torch.from_numpy(positions))  # ...and the indexer writes the top-k last
+        return positions
+
+    def check() -> None:
+        if host_rows_on_device is not None:
+            wrong.add_(wrong_rows(tables, mirror, host_rows_on_device, top_k, out))
+
+    positions = next_top_k()
+    kernel(tables, 0, 0, req_slots, top_k, num_real, out)  # compiles, allocates scratch
+    check()
+    run = step_for(kernel)
+    times, misses = [], []
+    for step in range(sizes.warmup_steps + sizes.timed_steps):
+        positions = next_top_k()
         before = int(tables.counters[0, 1])
         backend.synchronize()
-        seconds = timer.time(lambda t=top_k: kernel(tables, 0, 0, req_slots, t, num_real, out))
+        seconds = timer.time(run)
+        check()
         if step >= sizes.warmup_steps:
             times.append(seconds)
             misses.append(int(tables.counters[0, 1]) - before)
-    assert top_k is not None
-    verified = rows_match(tables, host_rows, positions, out)
+    verified = int(wrong) == 0 and (
+        mirror is not None or rows_match(tables, host_rows, positions, out))
+    skip_io_seconds = None
+    if skip_io:
+        run_planning = step_for(backend.skip_io_swap_in_kernel(), skip_io=True)
+        planning_times = []
+        for _ in range(sizes.timed_steps):
+            next_top_k()
+            backend.synchronize()
+            planning_times.append(timer.time(run_planning))
+        skip_io_seconds = statistics.median(planning_times)
+    times.sort()
     step_seconds = statistics.median(times)
     misses_per_step = statistics.mean(misses)
     return SW1Cell(
@@ -253,10 +316,14 @@ def sw1_cell(
         batch=batch,
         churn=churn,
         step_seconds=step_seconds,
+        p90_seconds=times[min(len(times) - 1, math.ceil(0.9 * len(times)) - 1)],
         misses_per_step=misses_per_step,
         miss_bytes_per_second=(misses_per_step * sizes.row_bytes / step_seconds
                                if misses_per_step else None),
         verified=verified,
+        timing="graph replay" if graphs else "eager",
+        extent_tokens=1 if layout == "scattered" else sizes.extent_tokens,
+        skip_io_step_seconds=skip_io_seconds,
     )
 
 

@@ -207,24 +207,31 @@ def to_document(backend: Any, quick: bool, kernel: str, sizes: Any, cells: list[
         "cpu_numbers": on_cpu,
         "swap_in_kernel": kernel,
         "command_line": " ".join(["hisparse", *sys.argv[1:]]),
-        "timing": TIMING_NOTE,
+        "timing": "; ".join(sorted({TIMING_NOTES[cell.timing] for cell in cells}))
+                  or None,
         "sw1": {"sizes": dataclasses.asdict(sizes), "cells": sw1},
         "copy_limits": limits,
     }
 
 
-# Each step is launched eagerly and timed alone, so the numbers include launch latency and the
-# Python checks of the call: what an eager serving loop sees. benchmarks/swap_in.py times CUDA
-# graph replays with the queue kept busy (device time), which is what the targets compare.
-TIMING_NOTE = ("each step launched eagerly and timed alone with device events (includes launch "
-               "latency); benchmarks/swap_in.py times graph replays, the basis of the targets")
+# Where the backend captures graphs (CUDA, ROCm) each step is a graph replay queued behind a
+# device sleep: device time, what a graph-replaying serving loop sees and what the targets
+# compare (benchmarks/swap_in.py runs the same cells). Elsewhere each step is launched eagerly,
+# so the numbers include launch latency and the Python checks of the call.
+TIMING_NOTES = {
+    "graph replay": "each step a graph replay timed with device events from when the device "
+                    "reaches it, after a flush of the device caches",
+    "eager": "each step launched eagerly and timed alone (device events on an accelerator, "
+             "wall time on a CPU): includes launch latency",
+}
 
 
 def render(document: dict[str, Any]) -> str:
     lines = [f"hisparse bench on {document['device']} ({document['backend']} backend"
              + (f": {', '.join(document['device_names'])}" if document["device_names"] else "")
              + f"); swap-in kernel {document['swap_in_kernel']}"]
-    lines.append(f"timing: {document['timing']}")
+    if document["timing"]:
+        lines.append(f"timing: {document['timing']}")
     if document["cpu_numbers"]:
         lines.append("CPU numbers: the torch reference on the host. The limits and targets are "
                      "an H200's; they are shown for reference, not compared.")

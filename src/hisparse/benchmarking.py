@@ -1,9 +1,9 @@
 """Reusable core of the benchmarks: SW-1 (DESIGN.md section 8) and the copy-limit probes.
 
-This module is the one definition of the SW-1 workload: `hisparse bench` times it eagerly on
-any backend, `benchmarks/swap_in.py` replays it in CUDA graphs. Both call the backend's
-kernels directly on hand-built `CacheTables` (one layer, one group), so the host layout is
-under the benchmark's control:
+This module is the one definition of the SW-1 workload, which `hisparse bench` and
+`benchmarks/swap_in.py` both run (`sw1_cell`: graph replays where the backend captures
+graphs, eager launches elsewhere). It calls the backend's kernels directly on hand-built
+`CacheTables` (one layer, one group), so the host layout is under the benchmark's control:
   * scattered: every token at a random row of a pool holding all B x seq_len tokens;
   * extents: contexts built from `extent_tokens`-token extents by the library's allocator;
   * shuffled-extents (extent sweeps): `extent_tokens`-token extents in random order.

@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     sizes = sw1.SIZES
     rows = args.batch * sizes.seq_len
-    pool = sw1.fill_pool(alloc_registered(rows * sizes.row_bytes).view(rows, sizes.row_bytes),
-                         gen)
+    host = alloc_registered(rows * sizes.row_bytes).view(rows, sizes.row_bytes)
+    pool = sw1.random_pool_with_mirror(host, gen)
     extent = sizes.extent_tokens if args.layout == "extents" else 1
     cell = sw1.build_cell(pool, args.batch, args.churn, args.layout, extent,
                           np.random.default_rng(args.seed))

@@ -188,7 +188,7 @@ class Pool:
     mirror: torch.Tensor  # the same bytes on the device: seeds hot buffers, checks every step
 
 
-def fill_pool(host: torch.Tensor, gen: torch.Generator) -> Pool:
+def random_pool_with_mirror(host: torch.Tensor, gen: torch.Generator) -> Pool:
     """Random bytes in the registered rows `host`, and their mirror on the device."""
     rows = host.shape[0]
     mirror = torch.empty(rows, SIZES.row_bytes, dtype=torch.uint8, device="cuda")
@@ -276,17 +276,10 @@ def miss_free_warm(pool: Pool, rng: np.random.Generator, args) -> dict[str, floa
     with torch.cuda.graph(graph):
         call()
 
+    timer = benchmarking.StepTimer(get_backend("cuda"), dev, queued=True)
+
     def device_us(fn: Callable[[], None]) -> float:
-        times = []
-        for _ in range(args.steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(benchmarking.SLEEP_CYCLES)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000.0)
-        return round(statistics.median(times), 1)
+        return round(statistics.median(timer.time(fn) for _ in range(args.steps)) * 1e6, 1)
 
     torch.cuda.synchronize()
     misses_before = int(t.counters[0, 1])
@@ -436,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = limits.get("copy_tuning_choice", {}) if args.tune_copy else {}
     tuning_scope = kernels.tuning(**chosen)
     tuning_scope.__enter__()  # held for the whole run; the process exits after it
-    pool = fill_pool(host, gen)
+    pool = random_pool_with_mirror(host, gen)
     print(f"pool of {rows} rows ready in {time.perf_counter() - began:.1f} s", flush=True)
 
     card = torch.cuda.get_device_name()

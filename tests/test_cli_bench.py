@@ -11,6 +11,7 @@ import torch
 
 from cli_checks import assert_plot_written_or_matplotlib_missing
 from hisparse import benchmarking
+from hisparse.backends.base import Backend
 from hisparse.backends.registry import get_backend
 from hisparse.cli.main import main
 
@@ -18,6 +19,13 @@ TINY = ["--device", "cpu", "--no-progress", "--batches", "1", "2", "--churns", "
         "--seq-len", "1024", "--top-k", "64", "--hot-buffer", "128", "--warmup", "2",
         "--steps", "2", "--bulk-mib", "1", "--gather-pool-mib", "1",
         "--gather-rows", "100", "1000"]
+
+
+def filled_pool(backend: Backend, requests: int, seq_len: int = 1024) -> torch.Tensor:
+    """A host pool of `requests` x `seq_len` 656 B rows, each row's bytes its own."""
+    pool = backend.alloc_host(requests * seq_len * 656).view(requests * seq_len, 656)
+    benchmarking.fill_pool(pool)
+    return pool
 
 
 def bench_json(capsys: pytest.CaptureFixture[str], tmp_path, *argv: str) -> dict:
@@ -81,8 +89,7 @@ def test_a_wrong_device_row_fails_the_byte_check() -> None:
     backend = get_backend("cpu")
     sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128)
     rng = np.random.default_rng()
-    pool = backend.alloc_host(2 * 1024 * 656).view(2 * 1024, 656)
-    benchmarking.fill_pool(pool)
+    pool = filled_pool(backend, 2)
     assert len({bytes(row) for row in pool.numpy()}) == pool.shape[0], "rows must differ"
     tables, host_rows = benchmarking.build_tables(backend, pool, "extents", 2, sizes, rng)
     trace = benchmarking.ChurnTrace(2, sizes, churn=0.5, rng=rng)
@@ -141,8 +148,7 @@ def test_every_fresh_position_misses_also_after_the_trace_wraps(churn: float) ->
     sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128)
     rng = np.random.default_rng()
     batch = 3
-    pool = backend.alloc_host(batch * 1024 * 656).view(batch * 1024, 656)
-    benchmarking.fill_pool(pool)
+    pool = filled_pool(backend, batch)
     mirror = pool.clone()  # seeds the hot buffers like a device copy of the pool would
     tables, host_rows = benchmarking.build_tables(backend, pool, "scattered", batch, sizes, rng,
                                                   mirror=mirror)
@@ -169,8 +175,7 @@ def test_a_cell_checked_every_step_against_a_mirror_and_planned_without_io() -> 
     backend = get_backend("cpu")
     sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128, warmup_steps=1,
                                   timed_steps=3)
-    pool = backend.alloc_host(2 * 1024 * 656).view(2 * 1024, 656)
-    benchmarking.fill_pool(pool)
+    pool = filled_pool(backend, 2)
     mirror = pool.clone()
     seed = int(np.random.default_rng().integers(2**31))
     cell = benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed, mirror=mirror,

@@ -175,18 +175,10 @@ def _classify_chunk(
 
 
 @triton.jit
-def _add_counters(counters_ptr, n_hit, n_miss, n_invalid, RELAXED: tl.constexpr):
-    # The counters order nothing: they are read after the kernel ends, so they need no
-    # acquire/release fence (the default `acq_rel` puts one around every atomic).
-    if RELAXED:
-        tl.atomic_add(counters_ptr + 0, n_hit.to(tl.int64), mask=n_hit != 0, sem="relaxed")
-        tl.atomic_add(counters_ptr + 1, n_miss.to(tl.int64), mask=n_miss != 0, sem="relaxed")
-        tl.atomic_add(counters_ptr + 2, n_invalid.to(tl.int64), mask=n_invalid != 0,
-                      sem="relaxed")
-    else:
-        tl.atomic_add(counters_ptr + 0, n_hit.to(tl.int64), mask=n_hit != 0)
-        tl.atomic_add(counters_ptr + 1, n_miss.to(tl.int64), mask=n_miss != 0)
-        tl.atomic_add(counters_ptr + 2, n_invalid.to(tl.int64), mask=n_invalid != 0)
+def _add_counters(counters_ptr, n_hit, n_miss, n_invalid, SEM: tl.constexpr):
+    tl.atomic_add(counters_ptr + 0, n_hit.to(tl.int64), mask=n_hit != 0, sem=SEM)
+    tl.atomic_add(counters_ptr + 1, n_miss.to(tl.int64), mask=n_miss != 0, sem=SEM)
+    tl.atomic_add(counters_ptr + 2, n_invalid.to(tl.int64), mask=n_invalid != 0, sem=SEM)
 
 
 @triton.jit
@@ -213,7 +205,7 @@ def _classify_kernel(
     R, S, K, H, E, P, N,
     EARLY_LOADS: tl.constexpr,
     USE_PDL: tl.constexpr,
-    RELAXED_COUNTERS: tl.constexpr,
+    COUNTER_SEM: tl.constexpr,  # atomics' memory order
     CHUNK_K: tl.constexpr,
 ):
     if USE_PDL:  # the plan kernel may start now: it waits (gdc_wait) before reading our output
@@ -226,7 +218,7 @@ def _classify_kernel(
         b, k_offsets, real, r, n, base, top_k_ptr, out_ptr, page_table_ptr, resident_ptr,
         hit_flag_ptr, miss_row_ptr, K, H, E, P, N, EARLY_LOADS,
     )
-    _add_counters(counters_ptr, n_hit, n_miss, n_invalid, RELAXED_COUNTERS)
+    _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
 
 
 @triton.jit
@@ -247,7 +239,7 @@ def _plan_kernel(
     EARLY_LOADS: tl.constexpr,
     WRITE_TOTAL: tl.constexpr,
     USE_PDL: tl.constexpr,
-    RELAXED_COUNTERS: tl.constexpr,
+    COUNTER_SEM: tl.constexpr,  # atomics' memory order
     CHUNK_K: tl.constexpr,
     CHUNK_H: tl.constexpr,
 ):
@@ -271,7 +263,7 @@ def _plan_kernel(
             total_hit += n_hit
             total_miss += n_miss
             total_invalid += n_invalid
-        _add_counters(counters_ptr, total_hit, total_miss, total_invalid, RELAXED_COUNTERS)
+        _add_counters(counters_ptr, total_hit, total_miss, total_invalid, COUNTER_SEM)
         # Hit flags and miss rows written by other threads of this program must be visible.
         tl.debug_barrier()
 
@@ -363,7 +355,7 @@ def _plan_direct_kernel(
     EARLY_LOADS: tl.constexpr,
     WRITE_TOTAL: tl.constexpr,
     USE_PDL: tl.constexpr,
-    RELAXED_COUNTERS: tl.constexpr,
+    COUNTER_SEM: tl.constexpr,  # atomics' memory order
     SLOT_ROW_READS: tl.constexpr,  # 0 all up front, 1 all for rows with misses, 2 victims
     ON_CHIP_GATHERS: tl.constexpr,  # flag and slot rows read whole, permuted by tl.gather
     CONTIGUOUS_FLAG_CLEAR: tl.constexpr,
@@ -398,7 +390,7 @@ def _plan_direct_kernel(
             K, H, E, P, N, EARLY_LOADS,
         )
         tl.store(hit_flag_ptr + b * H + slot, tl.full(slot.shape, 1, tl.int8), mask=hit)
-        _add_counters(counters_ptr, n_hit, n_miss, n_invalid, RELAXED_COUNTERS)
+        _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
     else:  # the classify kernel resolved the entries and set the hit flags
         if USE_PDL:
             # Launched early behind it. Everything read above was written before the classify
@@ -818,13 +810,16 @@ def swap_in_triton(
     if lookup_in_plan is None:
         lookup_in_plan = 2 * batch_cap > _compute_units(device)
     pdl = tune.pdl is not False and _pdl_supported(device)
+    # The counters order nothing (they are read after the kernels end), so they need no
+    # acquire/release fence around each atomic, which is the default memory order.
+    counter_sem = "relaxed" if tune.relaxed_counters else "acq_rel"
     if not lookup_in_plan:
         chunk = min(triton.next_power_of_2(k), tune.classify_chunk_k)
         _classify_kernel[(batch_cap, triton.cdiv(k, chunk))](
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
             scratch.hit_flag, scratch.miss_row, counters, *sizes,
             EARLY_LOADS=tune.early_loads, USE_PDL=pdl,
-            RELAXED_COUNTERS=tune.relaxed_counters, CHUNK_K=chunk,
+            COUNTER_SEM=counter_sem, CHUNK_K=chunk,
             num_warps=tune.classify_warps,
         )
     block_k, block_h = triton.next_power_of_2(k), triton.next_power_of_2(hot)
@@ -837,7 +832,7 @@ def swap_in_triton(
     )
     flags = {"LOOKUP_IN_PLAN": lookup_in_plan, "EARLY_LOADS": tune.early_loads,
              "WRITE_TOTAL": tune.copy_total_gate, "USE_PDL": pdl,
-             "RELAXED_COUNTERS": tune.relaxed_counters, "num_warps": tune.plan_warps}
+             "COUNTER_SEM": counter_sem, "num_warps": tune.plan_warps}
     if pdl and not lookup_in_plan:  # behind the classify kernel (which reads no plan output)
         flags["launch_pdl"] = True
     if direct:

@@ -45,7 +45,8 @@ _THREE_PASS = {"plan_direct": False, "early_loads": False, "lookup_in_plan": Tru
                "pdl_copy_max_batch": None, "large_batch_copy_min_batch": None, "plan_warps": 8,
                "copy_rows": 2, "copy_warps": 2, "slot_row_reads": "all",
                "contiguous_flag_clear": False, "skip_unmoved_lru_writes": False,
-               "on_chip_gathers": False, "relaxed_counters": False}
+               "on_chip_gathers": False, "relaxed_counters": False,
+               "prefetch_copy_max_batch": 0, "classify_chunk_k": 256}
 _DIRECT = {**_THREE_PASS, "plan_direct": True, "early_loads": True}
 _PLANNING_WINNER = {**_DIRECT, "lookup_in_plan": None, "copy_programs_per_unit": 8}
 _PDL = {**_PLANNING_WINNER, "pdl": True}
@@ -164,6 +165,17 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "rows-with-misses": {**_COLD_CHOSEN, "slot_row_reads": "rows-with-misses"},
         "chosen-again": _COLD_CHOSEN,
     },
+    # The copy by top-k entry that fetches host rows while the plan runs (NOTES.md, fifth
+    # pass), at B=1 alone and through B=16, and a wider classify grid at small batches.
+    "prefetch": {
+        "chosen": _COLD_CHOSEN,
+        "prefetch-b1": {**_COLD_CHOSEN, "prefetch_copy_max_batch": 1},
+        "prefetch-b16": {**_COLD_CHOSEN, "prefetch_copy_max_batch": 16},
+        "prefetch-b1-chunk64": {**_COLD_CHOSEN, "prefetch_copy_max_batch": 1,
+                                "classify_chunk_k": 64},
+        "chunk64": {**_COLD_CHOSEN, "classify_chunk_k": 64},
+        "chosen-again": _COLD_CHOSEN,
+    },
 }
 AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "launch": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
@@ -173,7 +185,8 @@ AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "copy-window": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "cold-step": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "cold-step-2": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "cold-step-3": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
+            "cold-step-3": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "prefetch": ([1, 16], [0.0, 0.05, 0.2, 1.0])}
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,

@@ -242,6 +242,12 @@ VARIANTS = {  # every flag spelled out, so that a name means the same whatever t
     "on-chip-rows-with-misses": {"on_chip_gathers": True, "slot_row_reads": "rows-with-misses"},
     "relaxed-counters": {"relaxed_counters": True},
     "relaxed-counters-split": {"relaxed_counters": True, "lookup_in_plan": False},
+    # The copy by top-k entry (host rows fetched before the plan is done), at every batch
+    # size; with the lookups in the plan it must fall back to the copy by plan.
+    "prefetched-copy": {"prefetch_copy_max_batch": None, "lookup_in_plan": False},
+    "prefetched-copy-three-pass": {**_OLD, "prefetch_copy_max_batch": None,
+                                   "lookup_in_plan": False},
+    "prefetched-copy-fused-lookups": {"prefetch_copy_max_batch": None, "lookup_in_plan": True},
 }
 
 

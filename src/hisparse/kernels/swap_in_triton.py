@@ -240,13 +240,17 @@ def _plan_kernel(
     WRITE_TOTAL: tl.constexpr,
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,  # atomics' memory order
+    DEPENDENTS_READ_LOOKUPS: tl.constexpr,  # the next kernel reads the classify output
     CHUNK_K: tl.constexpr,
     CHUNK_H: tl.constexpr,
 ):
     if USE_PDL:
-        gdc_launch_dependents()
+        if not DEPENDENTS_READ_LOOKUPS:
+            gdc_launch_dependents()
         if not LOOKUP_IN_PLAN:  # launched early behind the classify kernel: its output first
             gdc_wait()
+            if DEPENDENTS_READ_LOOKUPS:  # only now is the classify grid known to be done
+                gdc_launch_dependents()
     b = tl.program_id(0)
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
                                     EARLY_LOADS)
@@ -356,6 +360,7 @@ def _plan_direct_kernel(
     WRITE_TOTAL: tl.constexpr,
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,  # atomics' memory order
+    DEPENDENTS_READ_LOOKUPS: tl.constexpr,  # the next kernel reads the classify output
     SLOT_ROW_READS: tl.constexpr,  # 0 all up front, 1 all for rows with misses, 2 victims
     ON_CHIP_GATHERS: tl.constexpr,  # flag and slot rows read whole, permuted by tl.gather
     CONTIGUOUS_FLAG_CLEAR: tl.constexpr,
@@ -368,7 +373,7 @@ def _plan_direct_kernel(
     rows stay in registers (no scratch round trip), the victims' old rows leave `resident`
     before the victims are handed out, and a step without misses skips the victim pass and
     reads no slot rows. Same inputs, outputs and state changes."""
-    if USE_PDL:  # the copy kernel may start now: it waits (gdc_wait) for our plan
+    if USE_PDL and not DEPENDENTS_READ_LOOKUPS:  # the copy may start: it waits for our plan
         gdc_launch_dependents()
     b = tl.program_id(0)
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
@@ -396,6 +401,8 @@ def _plan_direct_kernel(
             # Launched early behind it. Everything read above was written before the classify
             # kernel began; nothing is stored before this point (classify reads `resident`).
             gdc_wait()
+            if DEPENDENTS_READ_LOOKUPS:  # the prefetching copy reads `miss_row` before its
+                gdc_launch_dependents()  # own wait: the classify grid must be done by then
         in_k = k_offsets < K
         row = tl.load(miss_row_ptr + b * K + k_offsets, mask=in_k, other=-1)
         miss = row >= 0
@@ -519,6 +526,58 @@ def _copy_kernel(
         tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
 
 
+@triton.jit
+def _load_miss_rows(miss_row_ptr, host_ptr, entry, num_entries, words, in_row,
+                    ROW_WORDS: tl.constexpr):
+    """Host rows of the misses among `entry` (top-k entries, flattened), -1 source elsewhere."""
+    # .cg: read at L2, where the finished classify grid left its output.
+    src = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1, cache_modifier=".cg")
+    miss = src >= 0
+    mask = miss[:, None] & in_row[None, :]
+    data = tl.load(host_ptr + src.to(tl.int64)[:, None] * ROW_WORDS + words[None, :], mask=mask)
+    return data, miss, mask
+
+
+@triton.jit
+def _store_miss_rows(out_ptr, device_ptr, entry, data, miss, mask, words,
+                     ROW_WORDS: tl.constexpr):
+    """Store fetched rows into the slots the plan gave their entries (out = base + victim)."""
+    dst = tl.load(out_ptr + entry, mask=miss, other=0).to(tl.int64)
+    tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
+
+
+@triton.jit
+def _copy_prefetched_kernel(
+    miss_row_ptr,  # [Bcap * K] int32 host row of each missing entry, -1 otherwise (classify)
+    out_ptr,  # [Bcap * K] int32 device row of each entry; the plan writes the misses' victims
+    host_ptr,  # [N, ROW_WORDS] int32 this layer's host rows
+    device_ptr,  # [R*S, ROW_WORDS] int32 this layer's device rows
+    num_entries,  # Bcap * K
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The copy by top-k entry instead of by plan: a miss's host row depends on the lookups
+    alone, so each program fetches its first rows over the link while the plan still chooses
+    victims, and waits for the plan only to learn where they go. Launched behind a plan kernel
+    that lets it start once the classify grid is done (DEPENDENTS_READ_LOOKUPS)."""
+    words = tl.arange(0, BLOCK_WORDS)
+    in_row = words < ROW_WORDS
+    first = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    data, miss, mask = _load_miss_rows(miss_row_ptr, host_ptr, first, num_entries, words,
+                                       in_row, ROW_WORDS)
+    if USE_PDL:
+        gdc_wait()
+    _store_miss_rows(out_ptr, device_ptr, first, data, miss, mask, words, ROW_WORDS)
+    stride = tl.num_programs(0) * ROWS
+    for start in range(tl.program_id(0) * ROWS + stride, num_entries, stride):
+        entry = start + tl.arange(0, ROWS)
+        data, miss, mask = _load_miss_rows(miss_row_ptr, host_ptr, entry, num_entries, words,
+                                           in_row, ROW_WORDS)
+        _store_miss_rows(out_ptr, device_ptr, entry, data, miss, mask, words, ROW_WORDS)
+
+
 @dataclass(frozen=True)
 class Tuning:
     """Launch parameters, as measured on an H200 with SW-1 (benchmarks/NOTES.md; the A/B
@@ -583,6 +642,12 @@ class Tuning:
     pdl: bool | None = None
     # The copy is launched that way only up to this batch capacity (None: always; 0: never).
     pdl_copy_max_batch: int | None = 16
+    # Up to this batch capacity (None: always; 0: never) the copy walks the top-k entries
+    # instead of the plan, with the lookups split: a miss's host row is known once the
+    # classify kernel is done, so with PDL each copy program fetches its first rows over the
+    # link while the plan still chooses victims. One pass over the entries needs
+    # Bcap x K <= copy programs x copy_rows; past that the later passes overlap nothing.
+    prefetch_copy_max_batch: int | None = 0
     interpreter_copy_programs: int = 2  # each program costs ~1 ms under TRITON_INTERPRET=1
 
 
@@ -730,6 +795,39 @@ def _pdl_supported(device: torch.device) -> bool:
     return hasattr(options, "launch_pdl") and isinstance(target.arch, int) and target.arch >= 90
 
 
+def _copy_programs(host: torch.Tensor, device: torch.device, num_rows: int,
+                   num_entries: int) -> int:
+    t = _tuning
+    if host.device.type == "cpu" and device.type == "cpu":
+        max_programs = t.interpreter_copy_programs
+    else:
+        threshold = t.large_batch_copy_min_batch
+        large = threshold is not None and num_rows >= threshold
+        per_unit = t.large_batch_copy_programs_per_unit if large else t.copy_programs_per_unit
+        max_programs = _compute_units(device) * per_unit
+    return max(1, min(triton.cdiv(num_entries, t.copy_rows), max_programs))
+
+
+def _launch_prefetched_copy(tables: CacheTables, layer: int, miss_row: torch.Tensor,
+                            out: torch.Tensor, pdl: bool) -> None:
+    """The copy of `_copy_prefetched_kernel`; `pdl`: launched behind a plan kernel compiled
+    with DEPENDENTS_READ_LOOKUPS."""
+    host, device = _layer_rows(tables, layer)
+    row_words = tables.row_bytes // 4
+    t = _tuning
+    num_rows, top_k = out.shape
+    programs = _copy_programs(host, device.device, num_rows, num_rows * top_k)
+    _copy_prefetched_kernel[(programs,)](
+        miss_row, out, host, device, num_rows * top_k,
+        ROW_WORDS=row_words,
+        BLOCK_WORDS=triton.next_power_of_2(row_words),
+        ROWS=t.copy_rows,
+        USE_PDL=pdl,
+        num_warps=t.copy_warps,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+
+
 def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
                  total: torch.Tensor | None = None, pdl: bool = False) -> None:
     """`total`: the scratch the plan kernel just published its miss total in, or None (a
@@ -739,14 +837,7 @@ def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
     row_words = tables.row_bytes // 4
     t = _tuning
     top_k = plan.src.shape[1]
-    if host.device.type == "cpu" and device.device.type == "cpu":
-        max_programs = t.interpreter_copy_programs
-    else:
-        threshold = t.large_batch_copy_min_batch
-        large = threshold is not None and num_rows >= threshold
-        per_unit = t.large_batch_copy_programs_per_unit if large else t.copy_programs_per_unit
-        max_programs = _compute_units(device.device) * per_unit
-    programs = max(1, min(triton.cdiv(num_rows * top_k, t.copy_rows), max_programs))
+    programs = _copy_programs(host, device.device, num_rows, num_rows * top_k)
     gate = total is not None
     _copy_kernel[(programs,)](
         plan.src, plan.dst, plan.count, plan.src.stride(0), total if gate else plan.count,
@@ -760,6 +851,10 @@ def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
         num_warps=t.copy_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
+
+
+def _within(batch_cap: int, limit: int | None) -> bool:
+    return limit is None or batch_cap <= limit
 
 
 def swap_in_triton(
@@ -813,6 +908,9 @@ def swap_in_triton(
     # The counters order nothing (they are read after the kernels end), so they need no
     # acquire/release fence around each atomic, which is the default memory order.
     counter_sem = "relaxed" if tune.relaxed_counters else "acq_rel"
+    pdl_copy = pdl and _within(batch_cap, tune.pdl_copy_max_batch)
+    prefetch = (not skip_io and not lookup_in_plan
+                and _within(batch_cap, tune.prefetch_copy_max_batch))
     if not lookup_in_plan:
         chunk = min(triton.next_power_of_2(k), tune.classify_chunk_k)
         _classify_kernel[(batch_cap, triton.cdiv(k, chunk))](
@@ -832,7 +930,8 @@ def swap_in_triton(
     )
     flags = {"LOOKUP_IN_PLAN": lookup_in_plan, "EARLY_LOADS": tune.early_loads,
              "WRITE_TOTAL": tune.copy_total_gate, "USE_PDL": pdl,
-             "COUNTER_SEM": counter_sem, "num_warps": tune.plan_warps}
+             "COUNTER_SEM": counter_sem, "DEPENDENTS_READ_LOOKUPS": prefetch and pdl_copy,
+             "num_warps": tune.plan_warps}
     if pdl and not lookup_in_plan:  # behind the classify kernel (which reads no plan output)
         flags["launch_pdl"] = True
     if direct:
@@ -847,13 +946,13 @@ def swap_in_triton(
             *plan_args, CHUNK_K=min(block_k, tune.plan_chunk_k),
             CHUNK_H=min(block_h, tune.plan_chunk_h), **flags,
         )
-    if not skip_io:
+    if prefetch:
+        _launch_prefetched_copy(t, layer, scratch.miss_row, out, pdl=pdl_copy)
+    elif not skip_io:
         # A shared-index replay (copy_planned_triton) follows an event wait or foreign work
         # and is never launched this way.
-        pdl_limit = tune.pdl_copy_max_batch
         _launch_copy(t, layer, used_plan, batch_cap,
-                     scratch.total if tune.copy_total_gate else None,
-                     pdl=pdl and (pdl_limit is None or batch_cap <= pdl_limit))
+                     scratch.total if tune.copy_total_gate else None, pdl=pdl_copy)
 
 
 def copy_planned_triton(tables: CacheTables, layer: int, plan: MissPlan) -> None:

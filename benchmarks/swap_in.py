@@ -46,7 +46,8 @@ _THREE_PASS = {"plan_direct": False, "early_loads": False, "lookup_in_plan": Tru
                "copy_rows": 2, "copy_warps": 2, "slot_row_reads": "all",
                "contiguous_flag_clear": False, "skip_unmoved_lru_writes": False,
                "on_chip_gathers": False, "relaxed_counters": False,
-               "prefetch_copy_max_batch": 0, "classify_chunk_k": 256}
+               "prefetch_copy_max_batch": 0, "classify_chunk_k": 256,
+               "small_batch_classify_chunk_k": None}
 _DIRECT = {**_THREE_PASS, "plan_direct": True, "early_loads": True}
 _PLANNING_WINNER = {**_DIRECT, "lookup_in_plan": None, "copy_programs_per_unit": 8}
 _PDL = {**_PLANNING_WINNER, "pdl": True}

@@ -248,6 +248,8 @@ VARIANTS = {  # every flag spelled out, so that a name means the same whatever t
     "prefetched-copy-three-pass": {**_OLD, "prefetch_copy_max_batch": None,
                                    "lookup_in_plan": False},
     "prefetched-copy-fused-lookups": {"prefetch_copy_max_batch": None, "lookup_in_plan": True},
+    # Small batches classify in their own chunk size (two chunks of a K=16 row).
+    "small-batch-chunk": {"small_batch_classify_chunk_k": 8, "small_batch_max": 64},
 }
 
 
@@ -258,7 +260,8 @@ def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, rng: torch.G
     want = make_tables(sizes, gen)
     got = clone_tables(want)
     previous: dict[int, list[int]] = {}
-    overrides: dict[str, object] = {"classify_chunk_k": 16, **VARIANTS[variant]}
+    overrides: dict[str, object] = {"classify_chunk_k": 16, "small_batch_classify_chunk_k": None,
+                                    **VARIANTS[variant]}
     if sizes in SMALL and not overrides.get("plan_direct"):
         overrides.update(plan_chunk_k=16, plan_chunk_h=32, copy_rows=4)
     with triton_kernels.tuning(**overrides):

@@ -619,6 +619,12 @@ class Tuning:
     plan_chunk_h: int = 4096
     plan_warps: int = 8  # 4 warps: +7 us per step at B=1; 16 warps: no gain (H200)
     classify_chunk_k: int = 256
+    # Up to Bcap `small_batch_max` the classify grid uses this chunk instead (None: the one
+    # above): at B=1, 32 programs spread the lookups over more SMs than 8. H200: -0.5..-1 us
+    # on every B=1 cell, B=16 within 0.3 us; at B=128 (4096 programs) the warm miss-free step
+    # took 2.6 us longer, hence small batches only.
+    small_batch_classify_chunk_k: int | None = 64
+    small_batch_max: int = 16
     classify_warps: int = 4
     # 2 rows x 2 warps per iteration. 8 programs per SM rather than 32 (the copy_limits.py
     # sweep's pick): H200, miss-free B=128 step 17.7 -> 15.9 us, extents c=0.2 at B=128
@@ -647,7 +653,9 @@ class Tuning:
     # classify kernel is done, so with PDL each copy program fetches its first rows over the
     # link while the plan still chooses victims. One pass over the entries needs
     # Bcap x K <= copy programs x copy_rows; past that the later passes overlap nothing.
-    prefetch_copy_max_batch: int | None = 0
+    # H200, B=1: churn 0.05 / 0.2 / 1.0 18.4 / 23.7 / 48.9 -> 15.8 / 16.6 / 38.0 us; at
+    # B=16 (16 passes) miss-free +3 us, with misses -2..-3%: B=1 only.
+    prefetch_copy_max_batch: int | None = 1
     interpreter_copy_programs: int = 2  # each program costs ~1 ms under TRITON_INTERPRET=1
 
 
@@ -912,7 +920,10 @@ def swap_in_triton(
     prefetch = (not skip_io and not lookup_in_plan
                 and _within(batch_cap, tune.prefetch_copy_max_batch))
     if not lookup_in_plan:
-        chunk = min(triton.next_power_of_2(k), tune.classify_chunk_k)
+        chunk = tune.classify_chunk_k
+        if tune.small_batch_classify_chunk_k is not None and batch_cap <= tune.small_batch_max:
+            chunk = tune.small_batch_classify_chunk_k
+        chunk = min(triton.next_power_of_2(k), chunk)
         _classify_kernel[(batch_cap, triton.cdiv(k, chunk))](
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
             scratch.hit_flag, scratch.miss_row, counters, *sizes,

@@ -1,0 +1,174 @@
+"""What a per-request position -> hot slot map would save on SW-1's miss-free step.
+
+The library resolves a top-k position through the page table to a host row, then reads the
+persistent `resident` map (host row -> hot slot): two dependent random reads per entry. A map
+indexed by (request, position) answers with one, and the page table is then read for misses
+alone. Changing the library's tables for that touches the engine, the reference, PD and every
+kernel (benchmarks/NOTES.md, fourth pass), so this probe measures the gain first: it swaps the
+classify kernel for a prototype that reads such a map, built once from `resident` before the
+first step, and times SW-1's churn-0 cells (no misses, so the map never needs updating), byte
+checks included, against the library as it is.
+
+    PYTHONPATH=src python benchmarks/position_map_probe.py --out-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from hisparse import benchmarking
+from hisparse.backends.registry import get_backend
+from hisparse.kernels import swap_in_triton as kernels
+from hisparse.kernels.swap_in_triton import _add_counters, _row_context, gdc_launch_dependents
+
+
+@triton.jit
+def _classify_by_position_kernel(
+    position_map_ptr,  # [R, max_positions] int16 / int32: hot slot per position, -1 = none
+    max_positions,
+    num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
+    resident_ptr, hit_flag_ptr, miss_row_ptr, counters_ptr,
+    R, S, K, H, E, P, N,
+    EARLY_LOADS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    COUNTER_SEM: tl.constexpr,
+    CHUNK_K: tl.constexpr,
+):
+    """Same outputs as the library's classify kernel; the slot comes from the position map."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    b = tl.program_id(0)
+    real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
+                                    EARLY_LOADS)
+    k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
+    in_k = k_offsets < K
+    pos = tl.load(top_k_ptr + b * K + k_offsets, mask=in_k, other=-1)
+    pos = tl.where(real, pos, -1)
+    valid = (pos >= 0) & (pos < n)
+    invalid = (pos < -1) | (pos >= n)
+    newest = valid & (pos == n - 1)
+    result = tl.where(n > H, tl.where(newest, base + H, -1), tl.where(valid, base + pos, -1))
+    candidate = tl.where(n > H, valid & (pos != n - 1), False)
+    slot = tl.load(position_map_ptr + r.to(tl.int64) * max_positions + pos,
+                   mask=candidate & (pos < max_positions), other=-1).to(tl.int32)
+    hit = candidate & (slot >= 0) & (slot < H)
+    miss = candidate & (slot < 0)
+    page_index = pos // E
+    page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,
+                   mask=miss & (page_index < P), other=-1)
+    row = page * E + pos % E
+    lost = miss & ((page < 0) | (row >= N))
+    miss = miss & ~lost
+    result = tl.where(hit, base + slot, result)
+    tl.store(out_ptr + b * K + k_offsets, result, mask=in_k)
+    tl.store(hit_flag_ptr + b * H + slot, tl.full(slot.shape, 1, tl.int8), mask=hit)
+    tl.store(miss_row_ptr + b * K + k_offsets, tl.where(miss, row, -1), mask=in_k)
+    n_hit = tl.sum((valid & ~miss & ~lost).to(tl.int32), axis=0)
+    n_miss = tl.sum(miss.to(tl.int32), axis=0)
+    n_invalid = tl.sum((invalid | lost).to(tl.int32), axis=0)
+    _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
+
+
+class ClassifyByPosition:
+    """Stands in for `kernels._classify_kernel` (`kernel[grid](*args, **options)`); builds its
+    position map from the tables on the first, uncaptured call."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.position_map: torch.Tensor | None = None
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(*args: object, **options: object) -> None:
+            page_table, resident = args[5], args[6]
+            extent, pages, host_rows = args[14], args[15], args[16]
+            if self.position_map is None:
+                self.position_map = self._build(page_table, resident, extent, pages, host_rows)
+            _classify_by_position_kernel[grid](self.position_map, self.position_map.shape[1],
+                                               *args, **options)
+
+        return launch
+
+    def _build(self, page_table: torch.Tensor, resident: torch.Tensor, extent: int,
+               pages: int, host_rows: int) -> torch.Tensor:
+        positions = torch.arange(pages * extent, device=page_table.device)
+        page = page_table[:, positions // extent].long()
+        row = page * extent + positions % extent
+        known = (page >= 0) & (row < host_rows)
+        slot = resident[row.clamp(0, host_rows - 1)]
+        return torch.where(known, slot, -1).to(self.dtype).contiguous()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
+    parser.add_argument("--rounds", type=int, default=2, help="each variant this many times")
+    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("position_map_probe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    backend = get_backend("cuda")
+    sizes = benchmarking.SW1Sizes()
+    rows = max(args.batches) * sizes.seq_len
+    raw = backend.alloc_host(rows * sizes.row_bytes)
+    pool = raw.view(rows, sizes.row_bytes)
+    benchmarking.fill_pool(pool)
+    mirror = pool.to("cuda")
+    library = kernels._classify_kernel
+    variants: dict[str, Callable[[], object]] = {
+        "library": lambda: library,
+        "position-map-int16": lambda: ClassifyByPosition(torch.int16),
+        "position-map-int32": lambda: ClassifyByPosition(torch.int32),
+    }
+    records = []
+    try:
+        for round_index in range(args.rounds):
+            for name, make in variants.items():
+                for layout in benchmarking.LAYOUTS:
+                    for batch in args.batches:
+                        kernels._classify_kernel = make()
+                        try:
+                            cell = benchmarking.sw1_cell(backend, pool, layout, batch, 0.0, sizes,
+                                                         mirror=mirror)
+                        finally:
+                            kernels._classify_kernel = library
+                        record = {"variant": name, "round": round_index, **cell.to_dict()}
+                        records.append(record)
+                        print(json.dumps(record), flush=True)
+    finally:
+        backend.synchronize()
+        backend.free_host(raw)
+    results = {
+        "card": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "command": "python " + " ".join(sys.argv),
+        "workload": "SW-1 churn 0 (benchmarking.sw1_cell), classify kernel swapped per variant",
+        "all_correct": all(r["verified"] for r in records),
+        "records": records,
+    }
+    out = Path(args.out_dir) / "position-map-probe-cuda.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+    table: dict[tuple[str, str, int], list[float]] = {}
+    for r in records:
+        table.setdefault((r["variant"], r["layout"], r["batch"]), []).append(
+            round(r["step_seconds"] * 1e6, 1))
+    for key, values in sorted(table.items()):
+        print(key, values)
+    return 0 if results["all_correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

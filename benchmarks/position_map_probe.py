@@ -1,15 +1,18 @@
-"""What a per-request position -> hot slot map would save on SW-1's miss-free step.
+"""What a per-request position -> hot slot map would save on SW-1's miss-free step, and what
+the width of the library's own `resident` entries costs.
 
 The library resolves a top-k position through the page table to a host row, then reads the
 persistent `resident` map (host row -> hot slot): two dependent random reads per entry. A map
 indexed by (request, position) answers with one, and the page table is then read for misses
 alone. Changing the library's tables for that touches the engine, the reference, PD and every
-kernel (benchmarks/NOTES.md, fourth pass), so this probe measures the gain first: it swaps the
-classify kernel for a prototype that reads such a map, built once from `resident` before the
-first step, and times SW-1's churn-0 cells (no misses, so the map never needs updating), byte
-checks included, against the library as it is.
+kernel (benchmarks/NOTES.md, sixth pass), so this probe measures the gain first: it swaps the
+classify kernel for a prototype that reads such a map, built from `resident` once the first
+step's plan has run, and times SW-1's churn-0 cells (no misses after the first step, so the map
+never needs updating), byte checks included, against the library as it is. The library also
+runs with `resident` in int32 (`library-int32-resident`) against the engine's choice (int16
+while slot ids fit), at `--churns` as well.
 
-    PYTHONPATH=src python benchmarks/position_map_probe.py --out-dir DIR
+    PYTHONPATH=src python benchmarks/position_map_probe.py --out-dir DIR [--churns 0 0.2 1]
 """
 
 from __future__ import annotations
@@ -145,11 +148,25 @@ def classify_by_position(dtype: torch.dtype) -> Iterator[None]:
             setattr(kernels, name, launcher)
 
 
+@contextlib.contextmanager
+def resident_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """SW-1's tables with `resident` in `dtype` instead of the engine's choice."""
+    chosen = benchmarking.residency_dtype
+    benchmarking.residency_dtype = lambda hot_slots: dtype
+    try:
+        yield
+    finally:
+        benchmarking.residency_dtype = chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
+    parser.add_argument("--churns", type=float, nargs="+", default=[0.0],
+                        help="churns for the library variants (the maps run churn 0 only)")
     parser.add_argument("--rounds", type=int, default=2, help="each variant this many times")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--output", default="position-map-probe-cuda.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("position_map_probe: needs a CUDA GPU", file=sys.stderr)
@@ -162,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     benchmarking.fill_pool(pool)
     mirror = pool.to("cuda")
     variants: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
-        "library": contextlib.nullcontext,
+        "library": contextlib.nullcontext,  # `resident` as the engine allocates it (int16)
+        "library-int32-resident": lambda: resident_dtype(torch.int32),
         "position-map-int16": lambda: classify_by_position(torch.int16),
         "position-map-int32": lambda: classify_by_position(torch.int32),
     }
@@ -170,14 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for round_index in range(args.rounds):
             for name, variant in variants.items():
+                # The position maps are built once: valid only while no step misses.
+                churns = args.churns if name.startswith("library") else [0.0]
                 for layout in benchmarking.LAYOUTS:
                     for batch in args.batches:
-                        with variant():
-                            cell = benchmarking.sw1_cell(backend, pool, layout, batch, 0.0, sizes,
-                                                         mirror=mirror)
-                        record = {"variant": name, "round": round_index, **cell.to_dict()}
-                        records.append(record)
-                        print(json.dumps(record), flush=True)
+                        for churn in churns:
+                            with variant():
+                                cell = benchmarking.sw1_cell(backend, pool, layout, batch, churn,
+                                                             sizes, mirror=mirror)
+                            record = {"variant": name, "round": round_index, **cell.to_dict()}
+                            records.append(record)
+                            print(json.dumps(record), flush=True)
     finally:
         backend.synchronize()
         backend.free_host(raw)
@@ -191,13 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         "all_correct": all(r["verified"] for r in records),
         "records": records,
     }
-    out = Path(args.out_dir) / "position-map-probe-cuda.json"
+    out = Path(args.out_dir) / args.output
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"wrote {out}")
     table: dict[tuple[str, str, int], list[float]] = {}
     for r in records:
-        table.setdefault((r["variant"], r["layout"], r["batch"]), []).append(
+        table.setdefault((r["variant"], r["layout"], r["batch"], r["churn"]), []).append(
             (round(r["step_seconds"] * 1e6, 1), r["misses_per_step"]))
     for key, values in sorted(table.items()):
         print(key, values)

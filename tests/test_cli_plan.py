@@ -31,17 +31,17 @@ def test_deepseek_v32_fp8_at_32k_matches_the_hand_calculation() -> None:
     assert f.indexer_keys == 263_847_936  # 32768 x 61 x 132
     assert f.lru_tables == 1_998_848  # 2 tables x 61 groups x 4096 x 4 B
     assert f.page_table == 260  # 64 extents x 4 B + seq_len
-    assert f.resident_map == 7_995_392  # 61 groups x 32768 host rows x 4 B
-    assert p.hisparse_request_bytes == 437_787_988
-    assert p.hisparse_max_requests == 122  # 53,687,091,200 / 437,787,988 = 122.6
+    assert f.resident_map == 3_997_696  # 61 groups x 32768 host rows x 2 B (int16 slot ids)
+    assert p.hisparse_request_bytes == 433_790_292
+    assert p.hisparse_max_requests == 123  # 53,687,091,200 / 433,790,292 = 123.8
     assert p.limited_by == "device"
     assert p.host_request_bytes == 1_311_244_288  # 32768 x 61 x 656
-    assert p.host_pool_bytes == 122 * 1_311_244_288
-    # 122 requests x 61 layers x 204.8 misses x 656 B, over 52 GB/s.
-    assert p.h2d_bytes_per_step == pytest.approx(999_823_769.6)
-    assert p.h2d_seconds_per_step == pytest.approx(0.019227380, rel=1e-6)
-    assert p.d2h_bytes_per_step == 122 * 61 * 656
-    assert p.gain == pytest.approx(122 / 34)
+    assert p.host_pool_bytes == 123 * 1_311_244_288
+    # 123 requests x 61 layers x 204.8 misses x 656 B, over 52 GB/s.
+    assert p.h2d_bytes_per_step == pytest.approx(1_008_019_046.4)
+    assert p.h2d_seconds_per_step == pytest.approx(0.019384982, rel=1e-6)
+    assert p.d2h_bytes_per_step == 123 * 61 * 656
+    assert p.gain == pytest.approx(123 / 34)
 
 
 def test_short_contexts_need_no_copies_and_host_memory_caps_concurrency() -> None:
@@ -59,7 +59,7 @@ def test_index_groups_shrink_only_the_tables() -> None:
     [p] = planning.plan(glm_shared, ONE_H200, [1000])
     assert glm_shared.num_groups == 20  # ceil(78 / 4)
     assert p.hisparse_footprint.lru_tables == 2 * 20 * 4096 * 4
-    assert p.hisparse_footprint.resident_map == 20 * 1024 * 4  # 1000 tokens -> 2 extents
+    assert p.hisparse_footprint.resident_map == 20 * 1024 * 2  # 1000 tokens -> 2 extents
     assert p.hisparse_footprint.hot_rows == 4097 * 78 * 656
 
 
@@ -68,7 +68,9 @@ def test_random_shapes_against_an_independent_formula() -> None:
     for _ in range(50):
         layers, row, indexer = rng.randint(1, 100), rng.randint(1, 2048), rng.randint(0, 256)
         group, top_k = rng.randint(1, 8), rng.randint(1, 4096)
-        hot, extent = top_k + rng.randint(0, 4096), rng.randint(1, 1024)
+        # Hot buffers past 32767 slots need int32 residency entries instead of int16.
+        hot = top_k + rng.choice([rng.randint(0, 4096), rng.randint(29000, 40000)])
+        extent = rng.randint(1, 1024)
         context = rng.randint(1, 10**6)
         shape = ModelShape("m", layers, row, indexer, group)
         settings = PlanSettings(
@@ -80,7 +82,8 @@ def test_random_shapes_against_an_independent_formula() -> None:
         groups = -(-layers // group)
         extents = -(-context // extent)
         per_request = ((hot + 1) * layers * row + context * layers * indexer
-                       + 8 * groups * hot + 4 * extents + 4 + 4 * groups * extents * extent)
+                       + 8 * groups * hot + 4 * extents + 4
+                       + (2 if hot < 32768 else 4) * groups * extents * extent)
         assert p.hisparse_request_bytes == per_request
         assert p.hisparse_max_requests == settings.available_bytes // per_request
         baseline = context * layers * (row + indexer)
@@ -121,8 +124,8 @@ def test_plan_json_for_the_deepseek_preset(capsys: pytest.CaptureFixture[str]) -
     first, second = doc["contexts"]
     assert first["context_tokens"] == 32768 and second["context_tokens"] == 8192
     assert first["baseline_max_requests"] == 34
-    assert first["hisparse_max_requests"] == 122
-    assert first["hisparse_footprint"]["total"] == 437_787_988
+    assert first["hisparse_max_requests"] == 123
+    assert first["hisparse_footprint"]["total"] == 433_790_292
     assert set(first) >= {"host_pool_bytes", "h2d_bytes_per_step", "h2d_seconds_per_step",
                           "d2h_bytes_per_step", "limited_by", "gain"}
 
@@ -140,7 +143,7 @@ def test_plan_table_names_the_columns(capsys: pytest.CaptureFixture[str]) -> Non
     assert "deepseek-v3.2 fp8: 61 layers, 656 B rows" in text
     assert "HiSparse" in text and "H2D time/step" in text
     row = next(line for line in text.splitlines() if line.startswith("32768"))
-    assert row.split()[1:3] == ["34", "122"]
+    assert row.split()[1:3] == ["34", "123"]
 
 
 @pytest.mark.parametrize(
@@ -179,3 +182,11 @@ def test_help_shows_an_example_and_the_formulas(capsys: pytest.CaptureFixture[st
     text = capsys.readouterr().out
     assert "hisparse plan --preset deepseek-v3.2" in text
     assert "C * L * (W + I)" in text
+
+
+def test_resident_entry_bytes_match_the_engines_table_dtype() -> None:
+    """planning spells the dtype rule out without torch; it must agree with the engine's."""
+    from hisparse.core.tables import residency_dtype
+
+    for hot in (1, 4096, 32766, 32767, 32768, 65536):
+        assert planning.resident_entry_bytes(hot) == residency_dtype(hot).itemsize, hot

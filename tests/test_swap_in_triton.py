@@ -48,16 +48,21 @@ class Sizes:
     extent: int
     batch_cap: int
     num_requests: int
+    # The engine's choice (core.tables.residency_dtype) is int16; int32 is what hot buffers of
+    # more than 32767 slots get, exercised here on small ones.
+    resident_dtype: torch.dtype = torch.int16
 
 
 SMALL = [
     Sizes(top_k=16, hot=32, row_bytes=16, extent=8, batch_cap=3, num_requests=4),
-    Sizes(top_k=48, hot=48, row_bytes=24, extent=1, batch_cap=4, num_requests=5),
+    Sizes(top_k=48, hot=48, row_bytes=24, extent=1, batch_cap=4, num_requests=5,
+          resident_dtype=torch.int32),
     Sizes(top_k=64, hot=128, row_bytes=64, extent=16, batch_cap=4, num_requests=4),
 ]
 LARGE = [
     Sizes(top_k=2048, hot=4096, row_bytes=656, extent=64, batch_cap=8, num_requests=10),
-    Sizes(top_k=128, hot=200, row_bytes=1152, extent=1, batch_cap=16, num_requests=16),
+    Sizes(top_k=128, hot=200, row_bytes=1152, extent=1, batch_cap=16, num_requests=16,
+          resident_dtype=torch.int32),
 ]
 # HISPARSE_TRITON_TEST_SIZES=small keeps the small sizes on a GPU (for compute-sanitizer runs).
 SIZES = LARGE if ON_GPU and os.environ.get("HISPARSE_TRITON_TEST_SIZES") != "small" else SMALL
@@ -99,7 +104,7 @@ def make_tables(sizes: Sizes, gen: torch.Generator) -> CacheTables:
         0, 256, (num_layers, num_req * slots, sizes.row_bytes), dtype=torch.uint8, generator=gen
     )
     slot_row = torch.full((num_groups, num_req, hot), -1, dtype=torch.int32)
-    resident = torch.full((num_groups, num_host_rows), -1, dtype=torch.int32)
+    resident = torch.full((num_groups, num_host_rows), -1, dtype=sizes.resident_dtype)
 
     def host_row(r: int, pos: int) -> int:
         return int(page_table[r, pos // ext]) * ext + pos % ext
@@ -356,6 +361,7 @@ def _bad_call(t: CacheTables, sizes: Sizes, **change: object) -> None:
         ({"layer": 7}, "layer must be in"),
         ({"group": 5}, "group must be in"),
         ({"plan": "small"}, "plan.src must hold at least"),
+        ({"tables": "int64-resident"}, "tables.resident must be int16"),
     ],
 )
 def test_bad_input_raises_and_changes_nothing(
@@ -375,6 +381,10 @@ def test_bad_input_raises_and_changes_nothing(
         value = torch.ones(1)
     elif kind == "small":
         value = MissPlan.empty(sizes.batch_cap, sizes.top_k // 2, DEVICE)
+    elif kind == "int64-resident":
+        tables.resident = tables.resident.long()
+        before.resident = before.resident.long()
+        value = tables
     with pytest.raises(InvalidInputError, match=message):
         _bad_call(tables, sizes, **{key: value})
     assert_same_state(tables, before)

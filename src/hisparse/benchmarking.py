@@ -26,7 +26,7 @@ import torch
 from hisparse.backends.base import Backend
 from hisparse.backends.features import Feature
 from hisparse.core.host_pool import ExtentAllocator
-from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.core.tables import CacheTables, MissPlan, residency_dtype
 from hisparse.errors import InvalidInputError
 
 LAYOUTS = ("scattered", "extents")
@@ -187,9 +187,9 @@ def build_tables(
     source = host if mirror is None else mirror
     seeded_rows = torch.from_numpy(seeded.reshape(-1)).to(source.device)
     device_kv[0].view(batch, slots, -1).copy_(source[seeded_rows].view(batch, slots, -1))
-    resident = torch.full((1, num_rows), -1, **i32)
+    resident = torch.full((1, num_rows), -1, dtype=residency_dtype(hot), device=device)
     lru_rows = torch.from_numpy(seeded[:, :hot].reshape(-1)).to(device)
-    resident[0, lru_rows] = torch.arange(hot, **i32).repeat(batch)
+    resident[0, lru_rows] = torch.arange(hot, dtype=resident.dtype, device=device).repeat(batch)
     tables = CacheTables(
         device_kv=device_kv,
         host_kv=[host],

@@ -28,7 +28,8 @@ C_E = C rounded up to whole extents, K = top-k, m = miss rate):
                            + C * L * I                         (indexer keys, full context)
                            + 2 * G * H * 4                     (lru + slot_row, int32)
                            + ceil(C/E) * 4 + 4                 (page table + seq_len)
-                           + G * C_E * 4                       (resident map, 4 B per host row)
+                           + G * C_E * 2                       (resident map, 2 B per host row;
+                                                                4 B when H > 32767)
   concurrent requests      = floor(available / per-request bytes)   [then capped by --host-mem-gib]
   host pool                = requests * C_E * L * W
   H2D bytes per step       = requests * L * m * K * W          (0 while C <= H: no copies)
@@ -125,6 +126,12 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def resident_entry_bytes(hot_slots: int) -> int:
+    """Bytes per host row of the engine's residency map: `core.tables.residency_dtype`'s
+    size (int16 while slot ids fit), spelled out here to keep this module free of torch."""
+    return 2 if hot_slots <= 32767 else 4
+
+
 def baseline_request_bytes(shape: ModelShape, context_tokens: int) -> int:
     return context_tokens * shape.num_layers * (shape.row_bytes + shape.indexer_key_bytes)
 
@@ -138,7 +145,8 @@ def hisparse_footprint(
         indexer_keys=context_tokens * shape.num_layers * shape.indexer_key_bytes,
         lru_tables=2 * groups * settings.hot_slots * INT32_BYTES,
         page_table=(math.ceil(context_tokens / settings.extent_tokens) + 1) * INT32_BYTES,
-        resident_map=groups * round_up(context_tokens, settings.extent_tokens) * INT32_BYTES,
+        resident_map=groups * round_up(context_tokens, settings.extent_tokens)
+        * resident_entry_bytes(settings.hot_slots),
     )
 
 

@@ -26,7 +26,7 @@ from hisparse.core.requests import (
     SlotAllocator,
 )
 from hisparse.core.stats import CacheStats, Occupancy, TrafficCounters
-from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.core.tables import CacheTables, MissPlan, residency_dtype
 from hisparse.core.validation import (
     as_rows,
     check_batch_rows,
@@ -137,7 +137,8 @@ class HiSparseCache:
                 seq_lens=torch.zeros(R, **i32),
                 slot_row=torch.full((G, R, H), -1, **i32),
                 lru=torch.arange(H, **i32).repeat(G, R, 1),
-                resident=torch.full((G, self._pool.num_rows), -1, **i32),
+                resident=torch.full((G, self._pool.num_rows), -1, dtype=residency_dtype(H),
+                                    device=dev),
                 counters=torch.zeros(L, 3, dtype=torch.int64, device=dev),
                 hot_slots=H,
                 extent_tokens=E,
@@ -394,7 +395,7 @@ class HiSparseCache:
         if short_updates:
             slot_index, hot_slot, row = (x.long() for x in rest[:3])
             t.slot_row[:, slot_index, hot_slot] = row.to(torch.int32)
-            t.resident[:, row] = hot_slot.to(torch.int32)
+            t.resident[:, row] = hot_slot.to(t.resident.dtype)
         self._step = DecodeStep(tuple(ids), tuple(positions), self._req_slots, self._num_real,
                                 self._newest_rows)
         self._step_records = records
@@ -606,7 +607,7 @@ class HiSparseCache:
         lru_rows = torch.from_numpy(token_rows(record.extents, E, *lru_tokens)).to(self.device)
         t.slot_row[:, r].fill_(-1)
         t.slot_row[:, r, : lru_rows.numel()] = lru_rows.to(torch.int32)
-        t.resident[:, lru_rows] = torch.arange(lru_rows.numel(), dtype=torch.int32,
+        t.resident[:, lru_rows] = torch.arange(lru_rows.numel(), dtype=t.resident.dtype,
                                                device=self.device)
         t.lru[:, r] = torch.arange(H, dtype=torch.int32, device=self.device)
         for first, count, slot in pieces:

@@ -6,6 +6,17 @@ from dataclasses import dataclass
 
 import torch
 
+# Hot-slot ids and -1 fit in int16 while the hot buffer holds at most this many slots.
+INT16_MAX_HOT_SLOTS = 32767
+
+
+def residency_dtype(hot_slots: int) -> torch.dtype:
+    """dtype of `CacheTables.resident`: int16 while every slot id fits, else int32.
+
+    On a cold L2 a swap-in's lookups are bound by the bytes of these random reads, not by
+    their number (benchmarks/NOTES.md, sixth pass): int16 halves them, and the table."""
+    return torch.int16 if hot_slots <= INT16_MAX_HOT_SLOTS else torch.int32
+
 
 @dataclass(eq=False)
 class CacheTables:
@@ -22,7 +33,8 @@ class CacheTables:
     seq_lens: torch.Tensor  # [R] int32
     slot_row: torch.Tensor  # [G, R, H] int32: host row per hot slot, -1 = empty
     lru: torch.Tensor  # [G, R, H] int32: slot ids, index 0 = least recently used
-    resident: torch.Tensor  # [G, N] int32: hot slot holding host row n, -1 = none
+    resident: torch.Tensor  # [G, N] int16 or int32 (residency_dtype): hot slot holding host
+    # row n, -1 = none
     counters: torch.Tensor  # [L, 3] int64: hits, misses, invalid entries
     hot_slots: int  # H
     extent_tokens: int  # E

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.core.tables import INT16_MAX_HOT_SLOTS, CacheTables, MissPlan
 from hisparse.errors import InvalidInputError
 
 try:  # grid dependency control (programmatic dependent launch): NVIDIA sm_90+, triton >= 3.3
@@ -93,7 +93,7 @@ def _lookup_chunk(
     base,
     top_k_ptr,  # [Bcap, K] int32 positions, -1 = none
     page_table_ptr,  # [R, P] int32 extent ids
-    resident_ptr,  # [N] int32 hot slot per host row (this group)
+    resident_ptr,  # [N] int16 / int32 hot slot per host row (this group)
     K,
     H,
     E,
@@ -133,7 +133,7 @@ def _lookup_chunk(
     # kernel in bounds instead of copying from a wild address.
     lost = candidate & ((page < 0) | (row >= N))
     candidate = candidate & ~lost
-    slot = tl.load(resident_ptr + row, mask=candidate, other=-1)
+    slot = tl.load(resident_ptr + row, mask=candidate, other=-1).to(tl.int32)
     hit = candidate & (slot >= 0) & (slot < H)
     miss = candidate & (slot < 0)
     result = tl.where(hit, base + slot, result)
@@ -224,7 +224,7 @@ def _classify_kernel(
 @triton.jit
 def _plan_kernel(
     num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
-    resident_ptr,  # [N] int32 this group's residency map
+    resident_ptr,  # [N] int16 / int32 this group's residency map
     slot_row_ptr,  # [R, H] int32 this group's host row per hot slot
     lru_ptr,  # [R, H] int32 this group's LRU order, index 0 = least recent
     hit_flag_ptr, miss_row_ptr,
@@ -307,9 +307,10 @@ def _plan_kernel(
             old_row = tl.load(slot_row_addr, mask=miss, other=-1)
             # An evictable slot's old row is not in this step's top-k, so these stores never
             # touch a row another lane is installing.
-            tl.store(resident_ptr + old_row, tl.full(old_row.shape, -1, tl.int32),
+            tl.store(resident_ptr + old_row,
+                     tl.full(old_row.shape, -1, resident_ptr.dtype.element_ty),
                      mask=miss & (old_row >= 0) & (old_row < N))
-            tl.store(resident_ptr + row, victim, mask=miss)
+            tl.store(resident_ptr + row, victim.to(resident_ptr.dtype.element_ty), mask=miss)
             tl.store(slot_row_addr, row, mask=miss)
             tl.store(out_ptr + b * K + k_offsets, base + victim, mask=miss)
             tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
@@ -452,7 +453,8 @@ def _plan_direct_kernel(
             slot_rows = slot_rows_all
         # A victim's old row is not in this step's top-k (it was not hit, and a miss row is
         # held by no slot), so this never touches a row a miss is installing below.
-        tl.store(resident_ptr + slot_rows, tl.full(slot_rows.shape, -1, tl.int32),
+        tl.store(resident_ptr + slot_rows,
+                 tl.full(slot_rows.shape, -1, resident_ptr.dtype.element_ty),
                  mask=victim_slot & (slot_rows >= 0) & (slot_rows < N))
         # Every thread read its LRU entries before the barrier above (or before its first use
         # of them), so this in-place permutation reads nothing it overwrites.
@@ -463,7 +465,7 @@ def _plan_direct_kernel(
             rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
             miss = miss & (rank < num_evictable)
             victim = tl.load(order_ptr + b * H + rank, mask=miss, other=0)
-            tl.store(resident_ptr + row, victim, mask=miss)
+            tl.store(resident_ptr + row, victim.to(resident_ptr.dtype.element_ty), mask=miss)
             tl.store(slot_row_ptr + r.to(tl.int64) * H + victim, row, mask=miss)
             tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
             tl.store(plan_dst_ptr + b * plan_stride + rank, base + victim, mask=miss)
@@ -895,6 +897,12 @@ def swap_in_triton(
     if hot < k:
         raise _fail("the hot buffer must hold at least top_k slots", f"H={hot} < K={k}",
                     "raise device_buffer_size to at least top_k")
+    if t.resident.dtype not in (torch.int16, torch.int32) or (
+        t.resident.dtype == torch.int16 and hot > INT16_MAX_HOT_SLOTS
+    ):
+        raise _fail("tables.resident must be int16 (while H <= 32767) or int32",
+                    f"{t.resident.dtype} with H={hot}",
+                    "allocate it with core.tables.residency_dtype(hot_slots)")
     num_groups = t.lru.shape[0]
     if not 0 <= group < num_groups:
         raise _fail(f"group must be in [0, {num_groups})", group, "pass the layer's index group")

@@ -12,6 +12,7 @@ the host pool.
     PYTHONPATH=src python benchmarks/swap_in.py              # full SW-1 + extent sweep
     PYTHONPATH=src python benchmarks/swap_in.py --quick      # smoke run, a few cells
     PYTHONPATH=src python benchmarks/swap_in.py --ab launch  # a round of variants (AB_ROUNDS)
+    PYTHONPATH=src python benchmarks/swap_in.py --padding  # small batches padded to capacities
 """
 
 from __future__ import annotations
@@ -241,16 +242,18 @@ def count_wrong_rows(pool: Pool, cell: Cell, top_k: torch.Tensor,
 
 
 def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, args,
-             seed: int) -> dict[str, object]:
+             seed: int, batch_capacity: int | None = None) -> dict[str, object]:
     """hisparse.benchmarking's SW-1 cell (graph replays, every step checked against the
-    mirror, then the skip-IO probe) as one JSON record."""
+    mirror, then the skip-IO probe) as one JSON record; `batch_capacity`: padded to it."""
     sizes = dataclasses.replace(SIZES, extent_tokens=extent, warmup_steps=args.warmup,
                                 timed_steps=args.steps)
     cell = benchmarking.sw1_cell(get_backend("cuda"), pool.host, layout, batch, churn, sizes,
-                                 seed, mirror=pool.mirror, skip_io=True)
+                                 seed, mirror=pool.mirror, skip_io=True,
+                                 batch_capacity=batch_capacity)
     median = cell.step_seconds * 1e6
     record: dict[str, object] = {
         "B": batch, "churn": churn, "layout": layout, "extent_tokens": cell.extent_tokens,
+        **({"batch_capacity": batch_capacity} if batch_capacity is not None else {}),
         "median_us": round(median, 1),
         "p90_us": round(cell.p90_seconds * 1e6, 1),
         "misses_per_step": cell.misses_per_step,
@@ -409,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ab", choices=sorted(AB_ROUNDS),
                         help="only the variants of this round (AB_ROUNDS) on its reduced grid "
                         "(AB_GRIDS), both layouts, plus the miss-free step per variant")
+    parser.add_argument("--padding", action="store_true",
+                        help="only B=1 and 16 (extents) padded to larger batch capacities: what "
+                        "a graph captured at max_batch costs a small batch")
     parser.add_argument("--tune-copy", action="store_true",
                         help="run with the copy launch parameters the limits sweep liked best")
     parser.add_argument("--warmup", type=int, default=8)
@@ -431,13 +437,15 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup, args.steps = 2, 5
     if args.ab:
         batches, churns = AB_GRIDS[args.ab]
+    if args.padding:
+        batches, churns = [1, 16], [0.0, 0.2, 1.0]
     max_batch = 128 if (not args.quick or args.extent_sweep) else max(batches)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)  # the pool's bytes
     rng = np.random.default_rng(args.seed)  # layouts and top-k traces
     rows = max_batch * SIZES.seq_len
     began = time.perf_counter()
     host = alloc_registered(rows * SIZES.row_bytes).view(rows, SIZES.row_bytes)
-    limits = measure(host) if not (args.quick or args.ab) else {}
+    limits = measure(host) if not (args.quick or args.ab or args.padding) else {}
     from hisparse.kernels import swap_in_triton as kernels
 
     chosen = limits.get("copy_tuning_choice", {}) if args.tune_copy else {}
@@ -466,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = "-quick" if args.quick else f"-ab-{args.ab}" if args.ab else ""
+    suffix = ("-quick" if args.quick else f"-ab-{args.ab}" if args.ab
+              else "-padding" if args.padding else "")
     path = out_dir / f"sw1-cuda{suffix}.json"
 
     def save() -> None:  # after every cell, so a run cut short still leaves its numbers
@@ -478,6 +487,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.ab:
         return run_ab(pool, batches, churns, args, rng, results, save, path)
+    if args.padding:
+        for batch in batches:
+            for capacity in sorted({batch, 16, 64, 128} - set(range(batch))):
+                for churn in churns:
+                    results["records"].append(
+                        run_cell(pool, batch, churn, "extents", SIZES.extent_tokens, args,
+                                 args.seed, batch_capacity=capacity))
+                    save()
+        save()
+        print(f"wrote {path}")
+        return 0 if results["all_correct"] else 1
     if not args.extent_sweep:
         for layout in ("scattered", "extents"):
             extent = 1 if layout == "scattered" else SIZES.extent_tokens

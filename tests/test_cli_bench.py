@@ -14,6 +14,7 @@ from hisparse import benchmarking
 from hisparse.backends.base import Backend
 from hisparse.backends.registry import get_backend
 from hisparse.cli.main import main
+from hisparse.errors import InvalidInputError
 
 TINY = ["--device", "cpu", "--no-progress", "--batches", "1", "2", "--churns", "0", "1",
         "--seq-len", "1024", "--top-k", "64", "--hot-buffer", "128", "--warmup", "2",
@@ -188,3 +189,19 @@ def test_a_cell_checked_every_step_against_a_mirror_and_planned_without_io() -> 
     poisoned = benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed,
                                      mirror=mirror)
     assert poisoned.misses_per_step == 2 * 32 and not poisoned.verified
+
+
+def test_a_cell_padded_to_a_larger_batch_capacity() -> None:
+    """Padding rows (-1 top-k) cost nothing but time: same misses, rows checked, -1 returned."""
+    backend = get_backend("cpu")
+    sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128, warmup_steps=1,
+                                  timed_steps=3)
+    pool = filled_pool(backend, 2)
+    seed = int(np.random.default_rng().integers(2**31))
+    capacity = int(np.random.default_rng().integers(3, 9))
+    cell = benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed,
+                                 mirror=pool.clone(), batch_capacity=capacity)
+    assert cell.verified and cell.misses_per_step == 2 * 32
+    assert cell.batch_capacity == capacity and cell.to_dict()["batch_capacity"] == capacity
+    with pytest.raises(InvalidInputError, match="batch_capacity 1 is smaller than the batch 2"):
+        benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed, batch_capacity=1)

@@ -88,6 +88,52 @@ def test_follower_with_another_top_k_is_rejected_in_validate_mode() -> None:
         cache.swap_in(1, top_k([0, 2], [2]))
 
 
+def test_follower_with_another_batch_size_is_rejected() -> None:
+    cache = running_cache(validate=False)
+    cache.begin_decode_step(["a", "b"])
+    cache.swap_in(0, top_k([0, 1], [2]))
+    before = snapshot(cache)
+    with pytest.raises(InvalidInputError, match="anchor layer 0 swapped in 2"):
+        cache.swap_in(1, top_k([0, 1], [2], [-1]))
+    assert_unchanged(before, cache)
+
+
+@pytest.mark.parametrize("padded", [2, 3])
+def test_a_batch_passed_unpadded_matches_the_padded_one(padded: int) -> None:
+    """swap_in runs its kernels over the rows it is given; padding rows change nothing."""
+    seed = int(torch.randint(0, 1 << 31, ()))
+    caches = []
+    for _ in range(2):  # two caches with the same fresh prefill bytes
+        torch.manual_seed(seed)
+        caches.append(running_cache())
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(6):
+        picks = [torch.randperm(20, generator=gen)[:4].tolist(),
+                 torch.randperm(5, generator=gen)[:2].tolist()]
+        returned = []
+        for cache, rows in zip(caches, (2, padded), strict=True):
+            cache.begin_decode_step(["a", "b"])
+            batch = top_k(*picks, *([[]] * (rows - 2)))
+            for layer in range(4):
+                cache.write_newest(layer, torch.full((rows, W), step, dtype=torch.uint8))
+                out = cache.swap_in(layer, batch)
+                assert out.shape == (rows, 4)
+                assert (out[2:] == -1).all(), "padding rows return no rows"
+                returned.append((out[:2].clone(), cache.device_kv(layer)[out[:2].clamp(min=0)]))
+            cache.end_decode_step()
+        for (rows_a, kv_a), (rows_b, kv_b) in zip(returned[:4], returned[4:], strict=True):
+            assert torch.equal(rows_a, rows_b) and torch.equal(kv_a, kv_b), step
+    plain, padded_run = (snapshot(cache) for cache in caches)
+    for name, tensor in plain["tensors"].items():
+        if name != "host_kv":  # rows no request owns hold whatever the allocation held
+            assert torch.equal(tensor, padded_run["tensors"][name]), name
+    for request_id in ("a", "b"):
+        rows = torch.from_numpy(caches[0].host_rows(request_id))
+        for layer in range(4):
+            assert torch.equal(caches[0].tables.host_kv[layer][rows],
+                               caches[1].tables.host_kv[layer][rows]), (request_id, layer)
+
+
 def test_double_finish_and_prefill_past_the_admitted_length() -> None:
     cache = running_cache()
     cache.finish("b")

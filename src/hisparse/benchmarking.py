@@ -83,6 +83,7 @@ class SW1Cell:
     timing: str  # "graph replay" or "eager"
     extent_tokens: int
     skip_io_step_seconds: float | None = None  # median with skip_io=True (plan only)
+    batch_capacity: int | None = None  # rows the kernel ran over (None: `batch`, no padding)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -244,7 +245,7 @@ class ChurnTrace:
 def sw1_cell(
     backend: Backend, pool: torch.Tensor, layout: str, batch: int, churn: float,
     sizes: SW1Sizes, seed: int = 0, mirror: torch.Tensor | None = None,
-    skip_io: bool = False,
+    skip_io: bool = False, batch_capacity: int | None = None,
 ) -> SW1Cell:
     """One SW-1 cell: an untimed first step, `warmup_steps`, then `timed_steps` timed ones.
 
@@ -252,17 +253,25 @@ def sw1_cell(
     a serving loop avoids the same way), else each step is launched eagerly. `mirror` (the
     pool on the device) checks every step's rows on the device; without it the last step's
     rows are checked on the host. `skip_io` then times as many steps planned without moving
-    bytes (the skip-IO probe)."""
+    bytes (the skip-IO probe). `batch_capacity`: run the kernel over that many rows, those
+    past `batch` padding (-1 top-k, as a graph captured at a larger batch runs it)."""
     rng = np.random.default_rng([seed, batch, round(churn * 1000),
                                  (*LAYOUTS, SWEEP_LAYOUT).index(layout)])
     device = backend.device()
+    capacity = batch if batch_capacity is None else batch_capacity
+    if capacity < batch:
+        raise InvalidInputError(f"batch_capacity {capacity} is smaller than the batch {batch}; "
+                                "pass at least the batch size")
     tables, host_rows = build_tables(backend, pool, layout, batch, sizes, rng, mirror=mirror)
     kernel, _ = swap_in_kernel(backend)
     trace = ChurnTrace(batch, sizes, churn, rng)
-    req_slots = torch.arange(batch, dtype=torch.int32, device=device)
+    req_slots = torch.zeros(capacity, dtype=torch.int32, device=device)  # padding: slot 0
+    req_slots[:batch] = torch.arange(batch, dtype=torch.int32, device=device)
     num_real = torch.tensor([batch], dtype=torch.int32, device=device)
-    top_k = torch.empty(batch, sizes.top_k, dtype=torch.int32, device=device)
-    out = torch.full((batch, sizes.top_k), -1, dtype=torch.int32, device=device)
+    padded_top_k = torch.full((capacity, sizes.top_k), -1, dtype=torch.int32, device=device)
+    top_k = padded_top_k[:batch]  # the real rows, rewritten every step
+    padded_out = torch.full((capacity, sizes.top_k), -1, dtype=torch.int32, device=device)
+    out = padded_out[:batch]
     host_rows_on_device = None if mirror is None else torch.from_numpy(host_rows).to(device)
     wrong = torch.zeros((), dtype=torch.int64, device=device)
     graphs = backend.supports(Feature.GRAPH_CAPTURE)
@@ -271,7 +280,7 @@ def sw1_cell(
 
     def step_for(io_kernel: Callable[..., None], **options: object) -> Callable[[], None]:
         def call() -> None:
-            io_kernel(tables, 0, 0, req_slots, top_k, num_real, out, **options)
+            io_kernel(tables, 0, 0, req_slots, padded_top_k, num_real, padded_out, **options)
 
         if not graphs:
             return call
@@ -300,7 +309,7 @@ def sw1_cell(
         top_k.copy_(staged[index])  # ...and the indexer writes the top-k last
 
     next_top_k(0)
-    kernel(tables, 0, 0, req_slots, top_k, num_real, out)  # compiles, allocates scratch
+    kernel(tables, 0, 0, req_slots, padded_top_k, num_real, padded_out)  # compiles, allocates
     check()
     misses_after[0] = tables.counters[0, 1]
     run = step_for(kernel)
@@ -327,6 +336,7 @@ def sw1_cell(
     times.sort()
     step_seconds = statistics.median(times)
     misses_per_step = statistics.mean(misses)
+    verified = verified and bool((padded_out[batch:] == -1).all())  # padding returns nothing
     return SW1Cell(
         layout=layout,
         batch=batch,
@@ -340,6 +350,7 @@ def sw1_cell(
         timing="graph replay" if graphs else "eager",
         extent_tokens=1 if layout == "scattered" else sizes.extent_tokens,
         skip_io_step_seconds=skip_io_seconds,
+        batch_capacity=batch_capacity,
     )
 
 

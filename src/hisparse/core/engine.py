@@ -189,7 +189,8 @@ class HiSparseCache:
             self._traffic = TrafficCounters(L)
             self._step: DecodeStep | None = None
             self._step_records: list[RequestRecord] = []
-            self._anchored: set[int] = set()  # groups whose anchor planned in the open step
+            # group -> batch rows its anchor swapped in during the open step (followers match)
+            self._anchored: dict[int, int] = {}
             self._pending_replay: dict[int, set[int]] = {}  # group -> followers not yet copied
             self._written_layers: set[int] = set()  # layers given write_newest this step
             self._closed = False
@@ -454,9 +455,14 @@ class HiSparseCache:
             self._flush_replays(group)
             self.backend.wait_event(self._replay_done[group])  # the side stream reads the plan
             counts_before = self.tables.counters[layer].clone()
-        self._swap_in(self.tables, layer, group, self._req_slots, self._top_k, self._num_real,
-                      self._out[group], plan=plan, skip_io=self.config.skip_io)
-        self._anchored.add(group)
+            plan = plan.first_rows(rows)
+        # The kernels run over the B rows the caller passed, not over `max_batch`: a caller
+        # that captures one graph per batch size gets small grids (and the kernels' small-batch
+        # paths) for small batches.
+        self._swap_in(self.tables, layer, group, self._req_slots[:rows], self._top_k[:rows],
+                      self._num_real, self._out[group][:rows], plan=plan,
+                      skip_io=self.config.skip_io)
+        self._anchored[group] = rows
         if plan is not None:
             torch.sub(self.tables.counters[layer], counts_before, out=self._anchor_delta[group])
             self._issue_replays(group)
@@ -658,6 +664,12 @@ class HiSparseCache:
                 f"swapped in during this step; call swap_in({anchor}, top_k) first"
             )
         rows = top_k.shape[0]
+        if rows != self._anchored[group]:
+            raise InvalidInputError(
+                f"layer {layer}'s top_k has {rows} rows, its anchor layer {anchor} swapped in "
+                f"{self._anchored[group]}; layers {anchor}..{anchor + self.index_group_size - 1} "
+                "share one indexer, so pass the anchor's top-k tensor"
+            )
         if self.config.validate and not torch.equal(top_k, self._top_k[:rows]):
             raise InvalidInputError(
                 f"layer {layer} got a top-k that differs from its anchor layer {anchor}'s; "
@@ -695,7 +707,7 @@ class HiSparseCache:
         plan = self._plans[group]
         assert plan is not None
         if not self.config.skip_io:
-            self._copy_planned(self.tables, layer, plan)
+            self._copy_planned(self.tables, layer, plan.first_rows(self._anchored[group]))
         self.tables.counters[layer] += self._anchor_delta[group]
 
     def _upload(self, columns: Sequence[Sequence[int]]) -> list[torch.Tensor]:

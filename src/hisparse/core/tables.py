@@ -59,6 +59,11 @@ class MissPlan:
     dst: torch.Tensor  # [Bcap, K] int32 device rows
     count: torch.Tensor  # [Bcap] int32
 
+    def first_rows(self, rows: int) -> MissPlan:
+        """The plan of a call over the first `rows` batch rows: views of the same storage, so
+        a graph captured with them keeps its addresses."""
+        return MissPlan(src=self.src[:rows], dst=self.dst[:rows], count=self.count[:rows])
+
     @classmethod
     def empty(cls, batch_capacity: int, top_k: int, device: torch.device) -> MissPlan:
         return cls(

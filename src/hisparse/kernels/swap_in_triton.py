@@ -530,10 +530,10 @@ def _copy_kernel(
 
 @triton.jit
 def _load_miss_rows(miss_row_ptr, host_ptr, entry, num_entries, words, in_row,
-                    ROW_WORDS: tl.constexpr):
+                    ROW_WORDS: tl.constexpr, MISS_ROW_CACHE: tl.constexpr):
     """Host rows of the misses among `entry` (top-k entries, flattened), -1 source elsewhere."""
-    # .cg: read at L2, where the finished classify grid left its output.
-    src = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1, cache_modifier=".cg")
+    src = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1,
+                  cache_modifier=MISS_ROW_CACHE)
     miss = src >= 0
     mask = miss[:, None] & in_row[None, :]
     data = tl.load(host_ptr + src.to(tl.int64)[:, None] * ROW_WORDS + words[None, :], mask=mask)
@@ -559,6 +559,8 @@ def _copy_prefetched_kernel(
     BLOCK_WORDS: tl.constexpr,
     ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    MISS_ROW_CACHE: tl.constexpr,  # ".cg" when launched early: read at L2, as the classify
+    # grid left it
 ):
     """The copy by top-k entry instead of by plan: a miss's host row depends on the lookups
     alone, so each program fetches its first rows over the link while the plan still chooses
@@ -568,7 +570,7 @@ def _copy_prefetched_kernel(
     in_row = words < ROW_WORDS
     first = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     data, miss, mask = _load_miss_rows(miss_row_ptr, host_ptr, first, num_entries, words,
-                                       in_row, ROW_WORDS)
+                                       in_row, ROW_WORDS, MISS_ROW_CACHE)
     if USE_PDL:
         gdc_wait()
     _store_miss_rows(out_ptr, device_ptr, first, data, miss, mask, words, ROW_WORDS)
@@ -576,7 +578,7 @@ def _copy_prefetched_kernel(
     for start in range(tl.program_id(0) * ROWS + stride, num_entries, stride):
         entry = start + tl.arange(0, ROWS)
         data, miss, mask = _load_miss_rows(miss_row_ptr, host_ptr, entry, num_entries, words,
-                                           in_row, ROW_WORDS)
+                                           in_row, ROW_WORDS, MISS_ROW_CACHE)
         _store_miss_rows(out_ptr, device_ptr, entry, data, miss, mask, words, ROW_WORDS)
 
 
@@ -833,6 +835,9 @@ def _launch_prefetched_copy(tables: CacheTables, layer: int, miss_row: torch.Ten
         BLOCK_WORDS=triton.next_power_of_2(row_words),
         ROWS=t.copy_rows,
         USE_PDL=pdl,
+        # Only a launch behind a running plan needs the L2 read; after an ordinary kernel
+        # boundary a plain load is right on every vendor's backend.
+        MISS_ROW_CACHE=".cg" if pdl else "",
         num_warps=t.copy_warps,
         **({"launch_pdl": True} if pdl else {}),
     )

@@ -32,7 +32,12 @@ import triton.language as tl
 from hisparse import benchmarking
 from hisparse.backends.registry import get_backend
 from hisparse.kernels import swap_in_triton as kernels
-from hisparse.kernels.swap_in_triton import _add_counters, _row_context, gdc_launch_dependents
+from hisparse.kernels.swap_in_triton import (
+    _add_counters,
+    _entry_regime,
+    _row_context,
+    gdc_launch_dependents,
+)
 
 
 @triton.jit
@@ -57,11 +62,7 @@ def _classify_by_position_kernel(
     in_k = k_offsets < K
     pos = tl.load(top_k_ptr + b * K + k_offsets, mask=in_k, other=-1)
     pos = tl.where(real, pos, -1)
-    valid = (pos >= 0) & (pos < n)
-    invalid = (pos < -1) | (pos >= n)
-    newest = valid & (pos == n - 1)
-    result = tl.where(n > H, tl.where(newest, base + H, -1), tl.where(valid, base + pos, -1))
-    candidate = tl.where(n > H, valid & (pos != n - 1), False)
+    valid, invalid, result, candidate = _entry_regime(pos, n, base, H)
     slot = tl.load(position_map_ptr + r.to(tl.int64) * max_positions + pos,
                    mask=candidate & (pos < max_positions), other=-1).to(tl.int32)
     hit = candidate & (slot >= 0) & (slot < H)

@@ -84,6 +84,20 @@ def _row_context(
 
 
 @triton.jit
+def _entry_regime(pos, n, base, H):
+    """What a top-k position needs before any lookup: (valid, invalid, the device row of a
+    short-regime entry or of the newest token (-1 elsewhere), and whether the hot buffer's
+    map must be asked: a long-regime position other than the newest)."""
+    valid = (pos >= 0) & (pos < n)  # padding rows read -1 and have n = 0: neither flag is set
+    invalid = (pos < -1) | (pos >= n)
+    long_seq = n > H
+    newest = valid & (pos == n - 1)
+    result = tl.where(long_seq, tl.where(newest, base + H, -1), tl.where(valid, base + pos, -1))
+    candidate = tl.where(long_seq, valid & (pos != n - 1), False)
+    return valid, invalid, result, candidate
+
+
+@triton.jit
 def _lookup_chunk(
     b,
     k_offsets,
@@ -117,13 +131,7 @@ def _lookup_chunk(
         # mask under TRITON_INTERPRET=1 (triton 3.9), which tl.load rejects.
         pos = tl.load(top_k_ptr + b * K + k_offsets, mask=tl.where(real, in_k, False),
                       other=-1)
-    valid = (pos >= 0) & (pos < n)  # padding rows read -1 and have n = 0: neither flag is set
-    invalid = (pos < -1) | (pos >= n)
-    long_seq = n > H
-    newest = valid & (pos == n - 1)
-    result = tl.where(long_seq, tl.where(newest, base + H, -1), tl.where(valid, base + pos, -1))
-    candidate = tl.where(long_seq, valid & (pos != n - 1), False)
-
+    valid, invalid, result, candidate = _entry_regime(pos, n, base, H)
     if not EARLY_LOADS:
         page_index = pos // E
         page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,

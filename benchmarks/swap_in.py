@@ -48,7 +48,8 @@ _THREE_PASS = {"plan_direct": False, "early_loads": False, "lookup_in_plan": Tru
                "contiguous_flag_clear": False, "skip_unmoved_lru_writes": False,
                "on_chip_gathers": False, "relaxed_counters": False,
                "prefetch_copy_max_batch": 0, "classify_chunk_k": 256,
-               "small_batch_classify_chunk_k": None}
+               "small_batch_classify_chunk_k": None, "small_batch_max": 16,
+               "large_batch_copy_warps": None}
 _DIRECT = {**_THREE_PASS, "plan_direct": True, "early_loads": True}
 _PLANNING_WINNER = {**_DIRECT, "lookup_in_plan": None, "copy_programs_per_unit": 8}
 _PDL = {**_PLANNING_WINNER, "pdl": True}
@@ -59,6 +60,8 @@ _COLD_BASE = {**_CHOSEN, "lookup_in_plan": False, "large_batch_copy_min_batch": 
               "large_batch_copy_programs_per_unit": 2}  # round "cold-step"
 _COLD_CHOSEN = {**_COLD_BASE, "relaxed_counters": True,
                 "large_batch_copy_programs_per_unit": 1}  # round "cold-step-2"
+_PREFETCH_CHOSEN = {**_COLD_CHOSEN, "prefetch_copy_max_batch": 1,
+                    "small_batch_classify_chunk_k": 64}  # round "prefetch"
 AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
     "planning": {
         "three-pass": _THREE_PASS,
@@ -178,6 +181,18 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "chunk64": {**_COLD_CHOSEN, "classify_chunk_k": 64},
         "chosen-again": _COLD_CHOSEN,
     },
+    # The copy launched early (PDL) at large batches too, with programs too wide to crowd onto
+    # the SMs the plan leaves idle (NOTES.md, eighth pass).
+    "copy-pdl-wide": {
+        "chosen": _PREFETCH_CHOSEN,
+        "pdl-copy-all": {**_PREFETCH_CHOSEN, "pdl_copy_max_batch": None},
+        "pdl-copy-all-warps32": {**_PREFETCH_CHOSEN, "pdl_copy_max_batch": None,
+                                 "large_batch_copy_warps": 32},
+        "pdl-copy-all-warps16": {**_PREFETCH_CHOSEN, "pdl_copy_max_batch": None,
+                                 "large_batch_copy_warps": 16},
+        "warps32": {**_PREFETCH_CHOSEN, "large_batch_copy_warps": 32},
+        "chosen-again": _PREFETCH_CHOSEN,
+    },
 }
 AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "launch": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
@@ -188,7 +203,8 @@ AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "cold-step": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "cold-step-2": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "cold-step-3": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "prefetch": ([1, 16], [0.0, 0.05, 0.2, 1.0])}
+            "prefetch": ([1, 16], [0.0, 0.05, 0.2, 1.0]),
+            "copy-pdl-wide": ([64, 128], [0.0, 0.2, 1.0])}
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,

@@ -653,6 +653,10 @@ class Tuning:
     # 16-32 per SM gave scattered B=128 +1-2% but cost extents. Below B=64 no change.
     large_batch_copy_min_batch: int | None = 64
     large_batch_copy_programs_per_unit: int = 1
+    # Warps of a large-batch copy program (None: copy_warps). A wide program cannot share an SM
+    # with many others: a copy launched early (PDL) beside the plan then cannot crowd onto
+    # the few SMs the plan leaves idle.
+    large_batch_copy_warps: int | None = None
     # Programmatic dependent launch between our kernels (NVIDIA sm_90+): each kernel lets the
     # next one launch at its start, and the next waits on the device (griddepcontrol) before
     # it reads what the previous wrote, so launch latency and the copy prologue overlap the
@@ -815,17 +819,19 @@ def _pdl_supported(device: torch.device) -> bool:
     return hasattr(options, "launch_pdl") and isinstance(target.arch, int) and target.arch >= 90
 
 
-def _copy_programs(host: torch.Tensor, device: torch.device, num_rows: int,
-                   num_entries: int) -> int:
+def _copy_grid(host: torch.Tensor, device: torch.device, num_rows: int,
+               num_entries: int) -> tuple[int, int]:
+    """(programs, warps per program) of a copy over `num_rows` batch rows."""
     t = _tuning
+    threshold = t.large_batch_copy_min_batch
+    large = threshold is not None and num_rows >= threshold
     if host.device.type == "cpu" and device.type == "cpu":
         max_programs = t.interpreter_copy_programs
     else:
-        threshold = t.large_batch_copy_min_batch
-        large = threshold is not None and num_rows >= threshold
         per_unit = t.large_batch_copy_programs_per_unit if large else t.copy_programs_per_unit
         max_programs = _compute_units(device) * per_unit
-    return max(1, min(triton.cdiv(num_entries, t.copy_rows), max_programs))
+    warps = t.large_batch_copy_warps if large and t.large_batch_copy_warps else t.copy_warps
+    return max(1, min(triton.cdiv(num_entries, t.copy_rows), max_programs)), warps
 
 
 def _launch_prefetched_copy(tables: CacheTables, layer: int, miss_row: torch.Tensor,
@@ -836,7 +842,7 @@ def _launch_prefetched_copy(tables: CacheTables, layer: int, miss_row: torch.Ten
     row_words = tables.row_bytes // 4
     t = _tuning
     num_rows, top_k = out.shape
-    programs = _copy_programs(host, device.device, num_rows, num_rows * top_k)
+    programs, warps = _copy_grid(host, device.device, num_rows, num_rows * top_k)
     _copy_prefetched_kernel[(programs,)](
         miss_row, out, host, device, num_rows * top_k,
         ROW_WORDS=row_words,
@@ -846,7 +852,7 @@ def _launch_prefetched_copy(tables: CacheTables, layer: int, miss_row: torch.Ten
         # Only a launch behind a running plan needs the L2 read; after an ordinary kernel
         # boundary a plain load is right on every vendor's backend.
         MISS_ROW_CACHE=".cg" if pdl else "",
-        num_warps=t.copy_warps,
+        num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -860,7 +866,7 @@ def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
     row_words = tables.row_bytes // 4
     t = _tuning
     top_k = plan.src.shape[1]
-    programs = _copy_programs(host, device.device, num_rows, num_rows * top_k)
+    programs, warps = _copy_grid(host, device.device, num_rows, num_rows * top_k)
     gate = total is not None
     _copy_kernel[(programs,)](
         plan.src, plan.dst, plan.count, plan.src.stride(0), total if gate else plan.count,
@@ -871,7 +877,7 @@ def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
         ROWS=t.copy_rows,
         TOTAL_GATE=gate,
         USE_PDL=pdl,
-        num_warps=t.copy_warps,
+        num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
 

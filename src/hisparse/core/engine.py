@@ -191,6 +191,8 @@ class HiSparseCache:
             self._step_records: list[RequestRecord] = []
             # group -> batch rows its anchor swapped in during the open step (followers match)
             self._anchored: dict[int, int] = {}
+            # group -> the anchor's miss plan over those rows, which its followers replay
+            self._anchor_plans: dict[int, MissPlan] = {}
             self._pending_replay: dict[int, set[int]] = {}  # group -> followers not yet copied
             self._written_layers: set[int] = set()  # layers given write_newest this step
             self._closed = False
@@ -455,7 +457,7 @@ class HiSparseCache:
             self._flush_replays(group)
             self.backend.wait_event(self._replay_done[group])  # the side stream reads the plan
             counts_before = self.tables.counters[layer].clone()
-            plan = plan.first_rows(rows)
+            plan = self._anchor_plans[group] = plan.first_rows(rows)
         # The kernels run over the B rows the caller passed, not over `max_batch`: a caller
         # that captures one graph per batch size gets small grids (and the kernels' small-batch
         # paths) for small batches.
@@ -704,10 +706,8 @@ class HiSparseCache:
             self._replay(group, follower)
 
     def _replay(self, group: int, layer: int) -> None:
-        plan = self._plans[group]
-        assert plan is not None
         if not self.config.skip_io:
-            self._copy_planned(self.tables, layer, plan.first_rows(self._anchored[group]))
+            self._copy_planned(self.tables, layer, self._anchor_plans[group])
         self.tables.counters[layer] += self._anchor_delta[group]
 
     def _upload(self, columns: Sequence[Sequence[int]]) -> list[torch.Tensor]:

@@ -34,6 +34,8 @@ from hisparse.backends.registry import get_backend
 from hisparse.kernels import swap_in_triton as kernels
 from hisparse.kernels.swap_in_triton import (
     _add_counters,
+    _count_codes,
+    _entry_codes,
     _entry_regime,
     _row_context,
     gdc_launch_dependents,
@@ -50,6 +52,7 @@ def _classify_by_position_kernel(
     EARLY_LOADS: tl.constexpr,
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,
+    COUNTS_IN_PLAN: tl.constexpr,
     CHUNK_K: tl.constexpr,
 ):
     """Same outputs as the library's classify kernel; the slot comes from the position map."""
@@ -76,11 +79,11 @@ def _classify_by_position_kernel(
     result = tl.where(hit, base + slot, result)
     tl.store(out_ptr + b * K + k_offsets, result, mask=in_k)
     tl.store(hit_flag_ptr + b * H + slot, tl.full(slot.shape, 1, tl.int8), mask=hit)
-    tl.store(miss_row_ptr + b * K + k_offsets, tl.where(miss, row, -1), mask=in_k)
-    n_hit = tl.sum((valid & ~miss & ~lost).to(tl.int32), axis=0)
-    n_miss = tl.sum(miss.to(tl.int32), axis=0)
-    n_invalid = tl.sum((invalid | lost).to(tl.int32), axis=0)
-    _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
+    code = _entry_codes(miss, row, valid & ~miss & ~lost, invalid | lost)
+    tl.store(miss_row_ptr + b * K + k_offsets, code, mask=in_k)
+    if not COUNTS_IN_PLAN:
+        n_hit, n_miss, n_invalid = _count_codes(code)
+        _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
 
 
 class ClassifyByPosition:

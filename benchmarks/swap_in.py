@@ -193,6 +193,13 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "warps32": {**_PREFETCH_CHOSEN, "large_batch_copy_warps": 32},
         "chosen-again": _PREFETCH_CHOSEN,
     },
+    # Hit/miss/invalid counts added once per batch row by the plan, from the classify
+    # kernel's entry codes, instead of by every classify program (NOTES.md, ninth pass).
+    "counts-in-plan": {
+        "chosen": {**_PREFETCH_CHOSEN, "counts_in_plan": False},
+        "counts-in-plan": {**_PREFETCH_CHOSEN, "counts_in_plan": True},
+        "chosen-again": {**_PREFETCH_CHOSEN, "counts_in_plan": False},
+    },
 }
 AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "launch": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
@@ -204,7 +211,8 @@ AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "cold-step-2": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "cold-step-3": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "prefetch": ([1, 16], [0.0, 0.05, 0.2, 1.0]),
-            "copy-pdl-wide": ([64, 128], [0.0, 0.2, 1.0])}
+            "copy-pdl-wide": ([64, 128], [0.0, 0.2, 1.0]),
+            "counts-in-plan": ([1, 16, 64, 128], [0.0, 0.2, 1.0])}
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,
@@ -265,7 +273,7 @@ def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, arg
                                 timed_steps=args.steps)
     cell = benchmarking.sw1_cell(get_backend("cuda"), pool.host, layout, batch, churn, sizes,
                                  seed, mirror=pool.mirror, skip_io=True,
-                                 batch_capacity=batch_capacity)
+                                 batch_capacity=batch_capacity, flush=args.flush)
     median = cell.step_seconds * 1e6
     record: dict[str, object] = {
         "B": batch, "churn": churn, "layout": layout, "extent_tokens": cell.extent_tokens,
@@ -433,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
                         "a graph captured at max_batch costs a small batch")
     parser.add_argument("--tune-copy", action="store_true",
                         help="run with the copy launch parameters the limits sweep liked best")
+    parser.add_argument("--flush", choices=benchmarking.FLUSH_MODES, default="write",
+                        help="how the caches are evicted before each step: written over (every "
+                        "line dirty, SW-1's default) or read over (clean lines)")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
@@ -477,8 +488,9 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {"seq_len": SIZES.seq_len, "top_k": SIZES.top_k, "hot": SIZES.hot_slots,
                      "row_bytes": SIZES.row_bytes, "warmup": args.warmup, "steps": args.steps,
                      "timing": "CUDA graph replay queued behind a GPU sleep: device time",
-                     "caches": "flushed before every step (2 x L2 written), then the top-k "
-                               "copied in: tables cold, top-k warm, as between two layers",
+                     "caches": f"flushed before every step (2 x L2 {args.flush} over), then "
+                               "the top-k copied in: tables cold, top-k warm, as between two "
+                               "layers",
                      "new_positions": "hisparse.benchmarking.ChurnTrace: positions older than "
                                       "the seeded hot buffer, not selected recently",
                      "layouts": {"scattered": "every token at a random row of a pool of B*32768",
@@ -492,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = ("-quick" if args.quick else f"-ab-{args.ab}" if args.ab
               else "-padding" if args.padding else "")
+    if args.flush != "write":
+        suffix += f"-{args.flush}-flush"
     path = out_dir / f"sw1-cuda{suffix}.json"
 
     def save() -> None:  # after every cell, so a run cut short still leaves its numbers

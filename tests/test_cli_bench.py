@@ -170,15 +170,20 @@ def test_every_fresh_position_misses_also_after_the_trace_wraps(churn: float) ->
         assert int(wrong) == 0, f"step {step}"
 
 
+def small_cpu_cell_inputs(timed_steps: int) -> tuple[Backend, benchmarking.SW1Sizes,
+                                                      torch.Tensor, int]:
+    """A two-request SW-1 cell small enough for the CPU backend, with a fresh seed."""
+    backend = get_backend("cpu")
+    sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128, warmup_steps=1,
+                                  timed_steps=timed_steps)
+    return backend, sizes, filled_pool(backend, 2), int(np.random.default_rng().integers(2**31))
+
+
 def test_a_cell_checked_every_step_against_a_mirror_and_planned_without_io() -> None:
     """The path benchmarks/swap_in.py takes: the pool's copy checks each step's rows, and the
     skip-IO probe times planning alone."""
-    backend = get_backend("cpu")
-    sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128, warmup_steps=1,
-                                  timed_steps=3)
-    pool = filled_pool(backend, 2)
+    backend, sizes, pool, seed = small_cpu_cell_inputs(timed_steps=3)
     mirror = pool.clone()
-    seed = int(np.random.default_rng().integers(2**31))
     cell = benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed, mirror=mirror,
                                  skip_io=True)
     assert cell.verified and cell.misses_per_step == 2 * 32
@@ -193,11 +198,7 @@ def test_a_cell_checked_every_step_against_a_mirror_and_planned_without_io() -> 
 
 def test_a_cell_padded_to_a_larger_batch_capacity() -> None:
     """Padding rows (-1 top-k) cost nothing but time: same misses, rows checked, -1 returned."""
-    backend = get_backend("cpu")
-    sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128, warmup_steps=1,
-                                  timed_steps=3)
-    pool = filled_pool(backend, 2)
-    seed = int(np.random.default_rng().integers(2**31))
+    backend, sizes, pool, seed = small_cpu_cell_inputs(timed_steps=3)
     capacity = int(np.random.default_rng().integers(3, 9))
     cell = benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed,
                                  mirror=pool.clone(), batch_capacity=capacity)
@@ -205,3 +206,13 @@ def test_a_cell_padded_to_a_larger_batch_capacity() -> None:
     assert cell.batch_capacity == capacity and cell.to_dict()["batch_capacity"] == capacity
     with pytest.raises(InvalidInputError, match="batch_capacity 1 is smaller than the batch 2"):
         benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed, batch_capacity=1)
+
+
+def test_a_cell_with_clean_cache_lines_and_an_unknown_flush_mode() -> None:
+    """The read-over flush runs the same cell; an unknown mode is refused before any work."""
+    backend, sizes, pool, seed = small_cpu_cell_inputs(timed_steps=2)
+    cell = benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed,
+                                 mirror=pool.clone(), flush="read")
+    assert cell.verified and cell.misses_per_step == 2 * 32
+    with pytest.raises(InvalidInputError, match="unknown cache flush mode 'evict'"):
+        benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed, flush="evict")

@@ -255,6 +255,9 @@ VARIANTS = {  # every flag spelled out, so that a name means the same whatever t
     "prefetched-copy-fused-lookups": {"prefetch_copy_max_batch": None, "lookup_in_plan": True},
     # Small batches classify in their own chunk size (two chunks of a K=16 row).
     "small-batch-chunk": {"small_batch_classify_chunk_k": 8, "small_batch_max": 64},
+    # The plan counts hits, misses and invalid entries from the classify kernel's codes.
+    "counts-in-plan": {"counts_in_plan": True, "lookup_in_plan": False},
+    "counts-in-plan-three-pass": {**_OLD, "counts_in_plan": True, "lookup_in_plan": False},
     # The copy launched early at every batch size, its programs 32 warps wide.
     "pdl-copy-wide": {"pdl_copy_max_batch": None, "large_batch_copy_min_batch": 1,
                       "large_batch_copy_warps": 32},

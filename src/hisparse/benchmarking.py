@@ -245,7 +245,7 @@ class ChurnTrace:
 def sw1_cell(
     backend: Backend, pool: torch.Tensor, layout: str, batch: int, churn: float,
     sizes: SW1Sizes, seed: int = 0, mirror: torch.Tensor | None = None,
-    skip_io: bool = False, batch_capacity: int | None = None,
+    skip_io: bool = False, batch_capacity: int | None = None, flush: str = "write",
 ) -> SW1Cell:
     """One SW-1 cell: an untimed first step, `warmup_steps`, then `timed_steps` timed ones.
 
@@ -254,7 +254,8 @@ def sw1_cell(
     pool on the device) checks every step's rows on the device; without it the last step's
     rows are checked on the host. `skip_io` then times as many steps planned without moving
     bytes (the skip-IO probe). `batch_capacity`: run the kernel over that many rows, those
-    past `batch` padding (-1 top-k, as a graph captured at a larger batch runs it)."""
+    past `batch` padding (-1 top-k, as a graph captured at a larger batch runs it). `flush`:
+    how the caches are evicted before each step (`CacheFlusher`)."""
     rng = np.random.default_rng([seed, batch, round(churn * 1000),
                                  (*LAYOUTS, SWEEP_LAYOUT).index(layout)])
     device = backend.device()
@@ -276,7 +277,7 @@ def sw1_cell(
     wrong = torch.zeros((), dtype=torch.int64, device=device)
     graphs = backend.supports(Feature.GRAPH_CAPTURE)
     timer = StepTimer(backend, device, queued=graphs)
-    flusher = CacheFlusher(device)
+    flusher = CacheFlusher(device, flush)
 
     def step_for(io_kernel: Callable[..., None], **options: object) -> Callable[[], None]:
         def call() -> None:
@@ -377,13 +378,22 @@ def rows_match(tables: CacheTables, host_rows: np.ndarray, positions: np.ndarray
     return int(wrong) == 0
 
 
+FLUSH_MODES = ("write", "read")
+
+
 class CacheFlusher:
     """Evicts the device's caches before a timed step, as a model's other layers would.
 
-    Writes a buffer of twice the last-level cache (CUDA and ROCm report its size; elsewhere
-    256 MiB); nothing to do on a CPU, whose timings are host wall time anyway."""
+    Goes over a buffer of twice the last-level cache (CUDA and ROCm report its size; elsewhere
+    256 MiB); nothing to do on a CPU, whose timings are host wall time anyway. "write" (SW-1's
+    default) leaves every cached line dirty, so the step's own misses first write back what
+    they evict: the worst case. "read" leaves clean lines, as streaming weights and keys do."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, mode: str = "write") -> None:
+        if mode not in FLUSH_MODES:
+            raise InvalidInputError(f"unknown cache flush mode {mode!r}; use one of "
+                                    f"{', '.join(FLUSH_MODES)}")
+        self.mode = mode
         self.scratch: torch.Tensor | None = None
         if device.type == "cpu":
             return
@@ -393,8 +403,12 @@ class CacheFlusher:
         self.scratch = torch.empty(size, dtype=torch.uint8, device=device)
 
     def flush(self) -> None:
-        if self.scratch is not None:
+        if self.scratch is None:
+            return
+        if self.mode == "write":
             self.scratch.fill_(1)
+        else:
+            self.scratch.amax()  # a reduction reads every byte and writes one
 
 
 def run_sw1(

@@ -115,8 +115,8 @@ def _lookup_chunk(
     N,
     EARLY_LOADS: tl.constexpr,
 ):
-    """Resolve top-k entries: the device row of every non-miss (-1 for none/invalid), and the
-    hit slot / host row of long-regime entries, plus this chunk's hit/miss/invalid counts."""
+    """Resolve top-k entries: the device row of every non-miss (-1 for none/invalid), the hit
+    slot / host row of long-regime entries, and each entry's code (`_entry_codes`)."""
     in_k = k_offsets < K
     if EARLY_LOADS:
         # Neither load waits for num_real or seq_len: the top-k row is read unconditionally
@@ -145,10 +145,25 @@ def _lookup_chunk(
     hit = candidate & (slot >= 0) & (slot < H)
     miss = candidate & (slot < 0)
     result = tl.where(hit, base + slot, result)
-    n_hit = tl.sum((valid & ~miss & ~lost).to(tl.int32), axis=0)
-    n_miss = tl.sum(miss.to(tl.int32), axis=0)
-    n_invalid = tl.sum((invalid | lost).to(tl.int32), axis=0)
-    return in_k, result, hit, slot, miss, row, n_hit, n_miss, n_invalid
+    code = _entry_codes(miss, row, valid & ~miss & ~lost, invalid | lost)
+    return in_k, result, hit, slot, miss, row, code
+
+
+@triton.jit
+def _entry_codes(miss, row, served, invalid):
+    """What `miss_row` holds per top-k entry: a miss's host row (>= 0); else -3 served (hit,
+    short regime or newest token), -2 invalid, -1 no entry. The plan reads the misses from it
+    and, with COUNTS_IN_PLAN, the statistics too (`_count_codes`)."""
+    return tl.where(miss, row, tl.where(served, -3, tl.where(invalid, -2, -1)))
+
+
+@triton.jit
+def _count_codes(code):
+    """(hits, misses, invalid) among entry codes; hits count every served entry."""
+    n_hit = tl.sum((code == -3).to(tl.int32), axis=0)
+    n_miss = tl.sum((code >= 0).to(tl.int32), axis=0)
+    n_invalid = tl.sum((code == -2).to(tl.int32), axis=0)
+    return n_hit, n_miss, n_invalid
 
 
 @triton.jit
@@ -164,7 +179,7 @@ def _classify_chunk(
     page_table_ptr,
     resident_ptr,
     hit_flag_ptr,  # [Bcap, H] int8 scratch: 1 = slot hit this step (cleared by the plan)
-    miss_row_ptr,  # [Bcap, K] int32 scratch: host row of a miss, -1 otherwise
+    miss_row_ptr,  # [Bcap, K] int32 scratch: each entry's code (_entry_codes)
     K,
     H,
     E,
@@ -172,14 +187,14 @@ def _classify_chunk(
     N,
     EARLY_LOADS: tl.constexpr,
 ):
-    in_k, result, hit, slot, miss, row, n_hit, n_miss, n_invalid = _lookup_chunk(
+    in_k, result, hit, slot, _, _, code = _lookup_chunk(
         b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
         K, H, E, P, N, EARLY_LOADS,
     )
     tl.store(out_ptr + b * K + k_offsets, result, mask=in_k)
     tl.store(hit_flag_ptr + b * H + slot, tl.full(slot.shape, 1, tl.int8), mask=hit)
-    tl.store(miss_row_ptr + b * K + k_offsets, tl.where(miss, row, -1), mask=in_k)
-    return n_hit, n_miss, n_invalid
+    tl.store(miss_row_ptr + b * K + k_offsets, code, mask=in_k)
+    return code
 
 
 @triton.jit
@@ -214,6 +229,7 @@ def _classify_kernel(
     EARLY_LOADS: tl.constexpr,
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,  # atomics' memory order
+    COUNTS_IN_PLAN: tl.constexpr,  # the plan counts the codes; no atomics here
     CHUNK_K: tl.constexpr,
 ):
     if USE_PDL:  # the plan kernel may start now: it waits (gdc_wait) before reading our output
@@ -222,11 +238,13 @@ def _classify_kernel(
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
                                     EARLY_LOADS)
     k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
-    n_hit, n_miss, n_invalid = _classify_chunk(
+    code = _classify_chunk(
         b, k_offsets, real, r, n, base, top_k_ptr, out_ptr, page_table_ptr, resident_ptr,
         hit_flag_ptr, miss_row_ptr, K, H, E, P, N, EARLY_LOADS,
     )
-    _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
+    if not COUNTS_IN_PLAN:
+        n_hit, n_miss, n_invalid = _count_codes(code)
+        _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
 
 
 @triton.jit
@@ -248,6 +266,7 @@ def _plan_kernel(
     WRITE_TOTAL: tl.constexpr,
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,  # atomics' memory order
+    COUNTS_IN_PLAN: tl.constexpr,  # the split classify left the counting to us
     DEPENDENTS_READ_LOOKUPS: tl.constexpr,  # the next kernel reads the classify output
     CHUNK_K: tl.constexpr,
     CHUNK_H: tl.constexpr,
@@ -267,17 +286,29 @@ def _plan_kernel(
         total_miss = 0
         total_invalid = 0
         for k0 in range(0, K, CHUNK_K):
-            n_hit, n_miss, n_invalid = _classify_chunk(
+            n_hit, n_miss, n_invalid = _count_codes(_classify_chunk(
                 b, k0 + tl.arange(0, CHUNK_K), real, r, n, base, top_k_ptr, out_ptr,
                 page_table_ptr, resident_ptr, hit_flag_ptr, miss_row_ptr, K, H, E, P, N,
                 EARLY_LOADS,
-            )
+            ))
             total_hit += n_hit
             total_miss += n_miss
             total_invalid += n_invalid
         _add_counters(counters_ptr, total_hit, total_miss, total_invalid, COUNTER_SEM)
         # Hit flags and miss rows written by other threads of this program must be visible.
         tl.debug_barrier()
+    elif COUNTS_IN_PLAN:
+        total_hit = 0
+        total_miss = 0
+        total_invalid = 0
+        for k0 in range(0, K, CHUNK_K):
+            k_offsets = k0 + tl.arange(0, CHUNK_K)
+            code = tl.load(miss_row_ptr + b * K + k_offsets, mask=k_offsets < K, other=-1)
+            n_hit, n_miss, n_invalid = _count_codes(code)
+            total_hit += n_hit
+            total_miss += n_miss
+            total_invalid += n_invalid
+        _add_counters(counters_ptr, total_hit, total_miss, total_invalid, COUNTER_SEM)
 
     num_misses = 0
     if real & (n > H):
@@ -369,6 +400,7 @@ def _plan_direct_kernel(
     WRITE_TOTAL: tl.constexpr,
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,  # atomics' memory order
+    COUNTS_IN_PLAN: tl.constexpr,  # the split classify left the counting to us
     DEPENDENTS_READ_LOOKUPS: tl.constexpr,  # the next kernel reads the classify output
     SLOT_ROW_READS: tl.constexpr,  # 0 all up front, 1 all for rows with misses, 2 victims
     ON_CHIP_GATHERS: tl.constexpr,  # flag and slot rows read whole, permuted by tl.gather
@@ -399,11 +431,12 @@ def _plan_direct_kernel(
                                            h_offsets, tl.where(real & (n > H), in_h, False),
                                            ON_CHIP_GATHERS)
     if LOOKUP_IN_PLAN:
-        in_k, result, hit, slot, miss, row, n_hit, n_miss, n_invalid = _lookup_chunk(
+        in_k, result, hit, slot, miss, row, code = _lookup_chunk(
             b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
             K, H, E, P, N, EARLY_LOADS,
         )
         tl.store(hit_flag_ptr + b * H + slot, tl.full(slot.shape, 1, tl.int8), mask=hit)
+        n_hit, n_miss, n_invalid = _count_codes(code)
         _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
     else:  # the classify kernel resolved the entries and set the hit flags
         if USE_PDL:
@@ -414,6 +447,9 @@ def _plan_direct_kernel(
                 gdc_launch_dependents()  # own wait: the classify grid must be done by then
         in_k = k_offsets < K
         row = tl.load(miss_row_ptr + b * K + k_offsets, mask=in_k, other=-1)
+        if COUNTS_IN_PLAN:
+            n_hit, n_miss, n_invalid = _count_codes(row)
+            _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
         miss = row >= 0
         result = tl.full(row.shape, -1, tl.int32)
     victim = tl.zeros(row.shape, tl.int32)
@@ -619,6 +655,11 @@ class Tuning:
     # Hit/miss/invalid counters added without acquire/release fences: -1 us on every step
     # from B=16 on, -0.3..-0.6 at B=1 (H200; the split classify grid is Bcap x 8 programs).
     relaxed_counters: bool = True
+    # With the lookups split, the plan counts hits, misses and invalid entries from the codes
+    # the classify kernel left in `miss_row` (one set of atomics per batch row), instead of
+    # every classify program adding its chunk's counts (Bcap x K / chunk programs, all on the
+    # same three addresses).
+    counts_in_plan: bool = False
     # Hit flags and all slots' host rows read as whole rows and put into LRU order on chip
     # (tl.gather through shared memory) instead of gathered from global memory. Off: +0.7 us
     # on the cold and the warm miss-free B=128 step (the plan waits on latency, not sectors).
@@ -943,6 +984,7 @@ def swap_in_triton(
     # acquire/release fence around each atomic, which is the default memory order.
     counter_sem = "relaxed" if tune.relaxed_counters else "acq_rel"
     pdl_copy = pdl and _within(batch_cap, tune.pdl_copy_max_batch)
+    counts_in_plan = tune.counts_in_plan and not lookup_in_plan
     prefetch = (not skip_io and not lookup_in_plan
                 and _within(batch_cap, tune.prefetch_copy_max_batch))
     if not lookup_in_plan:
@@ -954,7 +996,7 @@ def swap_in_triton(
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
             scratch.hit_flag, scratch.miss_row, counters, *sizes,
             EARLY_LOADS=tune.early_loads, USE_PDL=pdl,
-            COUNTER_SEM=counter_sem, CHUNK_K=chunk,
+            COUNTER_SEM=counter_sem, COUNTS_IN_PLAN=counts_in_plan, CHUNK_K=chunk,
             num_warps=tune.classify_warps,
         )
     block_k, block_h = triton.next_power_of_2(k), triton.next_power_of_2(hot)
@@ -967,7 +1009,8 @@ def swap_in_triton(
     )
     flags = {"LOOKUP_IN_PLAN": lookup_in_plan, "EARLY_LOADS": tune.early_loads,
              "WRITE_TOTAL": tune.copy_total_gate, "USE_PDL": pdl,
-             "COUNTER_SEM": counter_sem, "DEPENDENTS_READ_LOOKUPS": prefetch and pdl_copy,
+             "COUNTER_SEM": counter_sem, "COUNTS_IN_PLAN": counts_in_plan,
+             "DEPENDENTS_READ_LOOKUPS": prefetch and pdl_copy,
              "num_warps": tune.plan_warps}
     if pdl and not lookup_in_plan:  # behind the classify kernel (which reads no plan output)
         flags["launch_pdl"] = True

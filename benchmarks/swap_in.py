@@ -200,6 +200,14 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "counts-in-plan": {**_PREFETCH_CHOSEN, "counts_in_plan": True},
         "chosen-again": {**_PREFETCH_CHOSEN, "counts_in_plan": False},
     },
+    # The direct plan's positions lane-major, so its prefix sums scan each thread's own run
+    # (NOTES.md, ninth pass).
+    "lane-major": {
+        "chosen": {**_PREFETCH_CHOSEN, "counts_in_plan": False, "lane_major_plan": False},
+        "lane-major": {**_PREFETCH_CHOSEN, "counts_in_plan": False, "lane_major_plan": True},
+        "chosen-again": {**_PREFETCH_CHOSEN, "counts_in_plan": False,
+                         "lane_major_plan": False},
+    },
 }
 AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "launch": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
@@ -212,7 +220,8 @@ AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "cold-step-3": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "prefetch": ([1, 16], [0.0, 0.05, 0.2, 1.0]),
             "copy-pdl-wide": ([64, 128], [0.0, 0.2, 1.0]),
-            "counts-in-plan": ([1, 16, 64, 128], [0.0, 0.2, 1.0])}
+            "counts-in-plan": ([1, 16, 64, 128], [0.0, 0.2, 1.0]),
+            "lane-major": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,

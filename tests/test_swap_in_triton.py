@@ -224,6 +224,8 @@ def assert_rows_match_host(
 # run with small chunks so that every loop of the kernels runs several times at small sizes;
 # the direct ones need K and H in one block each, which the default chunk sizes give.
 _OLD = {"plan_direct": False, "early_loads": False, "copy_total_gate": False}
+_LANE_MAJOR = {"lane_major_plan": True, "plan_direct": True,
+               **({} if ON_GPU else {"plan_warps": 1})}
 VARIANTS = {  # every flag spelled out, so that a name means the same whatever the defaults
     "three-pass": {**_OLD, "lookup_in_plan": True},
     "split": {**_OLD, "lookup_in_plan": False},
@@ -258,6 +260,13 @@ VARIANTS = {  # every flag spelled out, so that a name means the same whatever t
     # The plan counts hits, misses and invalid entries from the classify kernel's codes.
     "counts-in-plan": {"counts_in_plan": True, "lookup_in_plan": False},
     "counts-in-plan-three-pass": {**_OLD, "counts_in_plan": True, "lookup_in_plan": False},
+    # Lane-major positions in the direct plan. Under the interpreter with one warp, so that
+    # the small rows give every thread a run of several positions (both levels of the scans);
+    # on a GPU with the default warps (a single warp would hold a 4096-slot row alone).
+    "lane-major-plan": _LANE_MAJOR,
+    "lane-major-plan-on-chip": {**_LANE_MAJOR, "on_chip_gathers": True,
+                                "slot_row_reads": "rows-with-misses"},
+    "lane-major-plan-fused": {**_LANE_MAJOR, "lookup_in_plan": True},
     # The copy launched early at every batch size, its programs 32 warps wide.
     "pdl-copy-wide": {"pdl_copy_max_batch": None, "large_batch_copy_min_batch": 1,
                       "large_batch_copy_warps": 32},

@@ -375,7 +375,48 @@ def _plan_kernel(
 
 
 @triton.jit
-def _rows_in_lru_order(row_ptr, lru_slots, h_offsets, mask, ON_CHIP: tl.constexpr):
+def _positions(BLOCK: tl.constexpr, LANES: tl.constexpr):
+    """0..BLOCK-1 as the plan's tensors hold them. LANES = 0: in order. Else lane-major:
+    element j is position (j % LANES) * (BLOCK / LANES) + j // LANES. A 1-D tensor gives
+    element j to thread j % LANES, so each thread then owns a run of consecutive positions
+    and a prefix sum over positions needs no per-register warp scans (`_prefix_sum`)."""
+    j = tl.arange(0, BLOCK)
+    if LANES == 0:
+        return j
+    else:
+        return (j % LANES) * (BLOCK // LANES) + j // LANES
+
+
+@triton.jit
+def _element_of(position, BLOCK: tl.constexpr, LANES: tl.constexpr):
+    """The tensor index that holds `position` under `_positions` (its inverse)."""
+    if LANES == 0:
+        return position
+    else:
+        per_lane: tl.constexpr = BLOCK // LANES
+        return (position % per_lane) * LANES + position // per_lane
+
+
+@triton.jit
+def _prefix_sum(x, LANES: tl.constexpr):
+    """Inclusive prefix sum of x over the positions `_positions(x.shape[0], LANES)` gave it.
+
+    Lane-major, it is a scan down each thread's own run, plus one scan over the per-thread
+    totals: Triton scans a 1-D tensor with one warp-level scan per register of each thread,
+    16 for an LRU row of 4096 slots over 256 threads."""
+    if LANES == 0:
+        return tl.cumsum(x, axis=0)
+    else:
+        per_lane: tl.constexpr = x.shape[0] // LANES
+        runs = tl.reshape(x, [per_lane, LANES])
+        totals = tl.sum(runs, axis=0)
+        before = tl.cumsum(totals, axis=0) - totals
+        return tl.reshape(tl.cumsum(runs, axis=0) + before[None, :], [per_lane * LANES])
+
+
+@triton.jit
+def _rows_in_lru_order(row_ptr, lru_slots, h_offsets, mask, ON_CHIP: tl.constexpr,
+                       LANES: tl.constexpr):
     """`row_ptr[lru_slots]` where `mask` holds, else -1 (a per-slot row read in LRU order).
 
     ON_CHIP reads the row in slot order (H / 32 coalesced sectors) and permutes it in shared
@@ -383,7 +424,8 @@ def _rows_in_lru_order(row_ptr, lru_slots, h_offsets, mask, ON_CHIP: tl.constexp
     separate DRAM sector requests on the plan's critical path."""
     if ON_CHIP:
         in_slot_order = tl.load(row_ptr + h_offsets, mask=mask, other=-1)
-        return tl.where(mask, tl.gather(in_slot_order, lru_slots, 0), -1)
+        index = _element_of(lru_slots, h_offsets.shape[0], LANES)
+        return tl.where(mask, tl.gather(in_slot_order, index, 0), -1)
     else:
         return tl.load(row_ptr + lru_slots, mask=mask, other=-1)
 
@@ -394,7 +436,10 @@ def _plan_direct_kernel(
     resident_ptr, slot_row_ptr, lru_ptr, hit_flag_ptr, miss_row_ptr,
     order_ptr,  # [Bcap, H] int32 scratch: the victims, in LRU order (first M entries)
     plan_src_ptr, plan_dst_ptr, plan_count_ptr, plan_stride, counters_ptr, total_ptr,
-    R, S, K, H, E, P, N,
+    R, S,
+    K: tl.constexpr,  # compile-time sizes: masks fold away, loads vectorize
+    H: tl.constexpr,
+    E, P, N,
     LOOKUP_IN_PLAN: tl.constexpr,
     EARLY_LOADS: tl.constexpr,
     WRITE_TOTAL: tl.constexpr,
@@ -406,6 +451,8 @@ def _plan_direct_kernel(
     ON_CHIP_GATHERS: tl.constexpr,  # flag and slot rows read whole, permuted by tl.gather
     CONTIGUOUS_FLAG_CLEAR: tl.constexpr,
     SKIP_UNMOVED_LRU: tl.constexpr,
+    LANES_K: tl.constexpr,  # lane-major top-k / LRU positions (`_positions`), 0 in order
+    LANES_H: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= K: the whole top-k row lives in registers
     BLOCK_H: tl.constexpr,  # >= H: the whole LRU row lives in registers
 ):
@@ -419,8 +466,8 @@ def _plan_direct_kernel(
     b = tl.program_id(0)
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
                                     EARLY_LOADS)
-    k_offsets = tl.arange(0, BLOCK_K)
-    h_offsets = tl.arange(0, BLOCK_H)
+    k_offsets = _positions(BLOCK_K, LANES_K)
+    h_offsets = _positions(BLOCK_H, LANES_H)
     in_h = h_offsets < H
     lru_row = lru_ptr + r.to(tl.int64) * H
     # Issued before the lookups: it depends on the request slot alone. A short row's LRU is
@@ -429,7 +476,7 @@ def _plan_direct_kernel(
     if SLOT_ROW_READS == 0:  # every slot's host row, in flight together with the lookups
         slot_rows_all = _rows_in_lru_order(slot_row_ptr + r.to(tl.int64) * H, lru_slots,
                                            h_offsets, tl.where(real & (n > H), in_h, False),
-                                           ON_CHIP_GATHERS)
+                                           ON_CHIP_GATHERS, LANES_H)
     if LOOKUP_IN_PLAN:
         in_k, result, hit, slot, miss, row, code = _lookup_chunk(
             b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
@@ -461,11 +508,11 @@ def _plan_direct_kernel(
             has_miss = tl.sum(miss.to(tl.int32), axis=0) > 0
             slot_rows_all = _rows_in_lru_order(slot_row_ptr + r.to(tl.int64) * H, lru_slots,
                                                h_offsets, tl.where(has_miss, in_h, False),
-                                               ON_CHIP_GATHERS)
+                                               ON_CHIP_GATHERS, LANES_H)
         if LOOKUP_IN_PLAN:
             tl.debug_barrier()  # hit flags set by other threads of this program are visible
         flagged = _rows_in_lru_order(hit_flag_ptr + b * H, lru_slots, h_offsets, in_h,
-                                     ON_CHIP_GATHERS) > 0
+                                     ON_CHIP_GATHERS, LANES_H) > 0
         if CONTIGUOUS_FLAG_CLEAR:
             # The whole flag row in slot order: H / 128 coalesced stores instead of one
             # scattered store per hit, once every thread has read its flags.
@@ -476,37 +523,34 @@ def _plan_direct_kernel(
             tl.store(hit_flag_ptr + b * H + lru_slots, tl.zeros(lru_slots.shape, tl.int8),
                      mask=in_h & flagged)
         evictable = in_h & ~flagged
-        evict_rank = tl.cumsum(evictable.to(tl.int32), axis=0) - 1
+        evict_rank = _prefix_sum(evictable.to(tl.int32), LANES_H) - 1
         hit_rank = h_offsets - 1 - evict_rank  # hit slots before h = h - evictables before h
         num_evictable = tl.sum(evictable.to(tl.int32), axis=0)
         # M <= num_evictable always holds when H >= K; the minimum only keeps us in bounds.
         installed = tl.minimum(tl.sum(miss.to(tl.int32), axis=0), num_evictable)
-        # New LRU = untouched evictables, then the victims in miss order, then the hits.
-        new_position = tl.where(
-            evictable,
-            tl.where(evict_rank >= installed, evict_rank - installed,
-                     num_evictable - installed + evict_rank),
-            num_evictable + hit_rank,
-        )
-        victim_slot = evictable & (evict_rank < installed)
-        tl.store(order_ptr + b * H + evict_rank, lru_slots, mask=victim_slot)
-        if SLOT_ROW_READS == 2:  # the victims' old rows alone, one dependent round trip later
-            slot_rows = tl.load(slot_row_ptr + r.to(tl.int64) * H + lru_slots,
-                                mask=victim_slot, other=-1)
-        else:
-            slot_rows = slot_rows_all
-        # A victim's old row is not in this step's top-k (it was not hit, and a miss row is
-        # held by no slot), so this never touches a row a miss is installing below.
-        tl.store(resident_ptr + slot_rows,
-                 tl.full(slot_rows.shape, -1, resident_ptr.dtype.element_ty),
-                 mask=victim_slot & (slot_rows >= 0) & (slot_rows < N))
-        # Every thread read its LRU entries before the barrier above (or before its first use
-        # of them), so this in-place permutation reads nothing it overwrites.
-        moved = (new_position != h_offsets) if SKIP_UNMOVED_LRU else True
-        tl.store(lru_row + new_position, lru_slots, mask=in_h & moved)
+        # A step without misses issues none of the victim work below: the branch is uniform.
         if installed > 0:
+            # New LRU = untouched evictables, then the victims in miss order, then the hits.
+            new_position = tl.where(
+                evictable,
+                tl.where(evict_rank >= installed, evict_rank - installed,
+                         num_evictable - installed + evict_rank),
+                num_evictable + hit_rank,
+            )
+            victim_slot = evictable & (evict_rank < installed)
+            tl.store(order_ptr + b * H + evict_rank, lru_slots, mask=victim_slot)
+            if SLOT_ROW_READS == 2:  # the victims' old rows alone, one round trip later
+                slot_rows = tl.load(slot_row_ptr + r.to(tl.int64) * H + lru_slots,
+                                    mask=victim_slot, other=-1)
+            else:
+                slot_rows = slot_rows_all
+            # A victim's old row is not in this step's top-k (it was not hit, and a miss row
+            # is held by no slot), so this never touches a row a miss is installing below.
+            tl.store(resident_ptr + slot_rows,
+                     tl.full(slot_rows.shape, -1, resident_ptr.dtype.element_ty),
+                     mask=victim_slot & (slot_rows >= 0) & (slot_rows < N))
             tl.debug_barrier()  # the victims in `order` are visible to every thread
-            rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+            rank = _prefix_sum(miss.to(tl.int32), LANES_K) - 1
             miss = miss & (rank < num_evictable)
             victim = tl.load(order_ptr + b * H + rank, mask=miss, other=0)
             tl.store(resident_ptr + row, victim.to(resident_ptr.dtype.element_ty), mask=miss)
@@ -514,8 +558,13 @@ def _plan_direct_kernel(
             tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
             tl.store(plan_dst_ptr + b * plan_stride + rank, base + victim, mask=miss)
             num_misses += installed
-        else:
-            miss = tl.zeros(row.shape, tl.int1)  # (only when no slot is evictable: H < K)
+        else:  # no misses (or, were H < K possible, no evictable slot)
+            new_position = tl.where(evictable, evict_rank, num_evictable + hit_rank)
+            miss = tl.zeros(row.shape, tl.int1)
+        # Every thread read its LRU entries before the scans' barriers above, so this in-place
+        # permutation reads nothing it overwrites.
+        moved = (new_position != h_offsets) if SKIP_UNMOVED_LRU else True
+        tl.store(lru_row + new_position, lru_slots, mask=in_h & moved)
     else:
         miss = tl.zeros(row.shape, tl.int1)  # short and padding rows have no misses
     if LOOKUP_IN_PLAN:
@@ -668,6 +717,9 @@ class Tuning:
     contiguous_flag_clear: bool = True
     # LRU entries whose position does not change are not rewritten.
     skip_unmoved_lru_writes: bool = True
+    # Direct plan: LRU and top-k positions laid out lane-major (`_positions`), so its prefix
+    # sums scan each thread's own run instead of one warp scan per register.
+    lane_major_plan: bool = False
     plan_chunk_k: int = 2048
     plan_chunk_h: int = 4096
     plan_warps: int = 8  # 4 warps: +7 us per step at B=1; 16 warps: no gain (H200)
@@ -1015,10 +1067,14 @@ def swap_in_triton(
     if pdl and not lookup_in_plan:  # behind the classify kernel (which reads no plan output)
         flags["launch_pdl"] = True
     if direct:
+        lanes = 32 * tune.plan_warps  # one position of each lane-major slice per thread
         _plan_direct_kernel[(batch_cap,)](
             *plan_args, SLOT_ROW_READS=_SLOT_ROW_READS.index(tune.slot_row_reads),
             ON_CHIP_GATHERS=tune.on_chip_gathers, CONTIGUOUS_FLAG_CLEAR=tune.contiguous_flag_clear,
-            SKIP_UNMOVED_LRU=tune.skip_unmoved_lru_writes, BLOCK_K=block_k, BLOCK_H=block_h,
+            SKIP_UNMOVED_LRU=tune.skip_unmoved_lru_writes,
+            LANES_K=min(block_k, lanes) if tune.lane_major_plan else 0,
+            LANES_H=min(block_h, lanes) if tune.lane_major_plan else 0,
+            BLOCK_K=block_k, BLOCK_H=block_h,
             **flags,
         )
     else:

@@ -62,6 +62,8 @@ _COLD_CHOSEN = {**_COLD_BASE, "relaxed_counters": True,
                 "large_batch_copy_programs_per_unit": 1}  # round "cold-step-2"
 _PREFETCH_CHOSEN = {**_COLD_CHOSEN, "prefetch_copy_max_batch": 1,
                     "small_batch_classify_chunk_k": 64}  # round "prefetch"
+_NINTH_CHOSEN = {**_PREFETCH_CHOSEN, "counts_in_plan": False, "lane_major_plan": False,
+                 "plan_warps": 8, "slot_row_reads": "all"}  # rounds counts-in-plan, lane-major
 AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
     "planning": {
         "three-pass": _THREE_PASS,
@@ -208,6 +210,13 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "chosen-again": {**_PREFETCH_CHOSEN, "counts_in_plan": False,
                          "lane_major_plan": False},
     },
+    # The direct plan over 16 warps, now that its miss-free path is shorter (ninth pass).
+    "plan-warps": {
+        "chosen": _NINTH_CHOSEN,
+        "warps16": {**_NINTH_CHOSEN, "plan_warps": 16},
+        "warps16-victims": {**_NINTH_CHOSEN, "plan_warps": 16, "slot_row_reads": "victims"},
+        "chosen-again": _NINTH_CHOSEN,
+    },
 }
 AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "launch": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
@@ -221,7 +230,8 @@ AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "prefetch": ([1, 16], [0.0, 0.05, 0.2, 1.0]),
             "copy-pdl-wide": ([64, 128], [0.0, 0.2, 1.0]),
             "counts-in-plan": ([1, 16, 64, 128], [0.0, 0.2, 1.0]),
-            "lane-major": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
+            "lane-major": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "plan-warps": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,

@@ -177,11 +177,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     backend = get_backend("cuda")
     sizes = benchmarking.SW1Sizes()
-    rows = max(args.batches) * sizes.seq_len
-    raw = backend.alloc_host(rows * sizes.row_bytes)
-    pool = raw.view(rows, sizes.row_bytes)
-    benchmarking.fill_pool(pool)
-    mirror = pool.to("cuda")
     variants: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
         "library": contextlib.nullcontext,  # `resident` as the engine allocates it (int16)
         "library-int32-resident": lambda: resident_dtype(torch.int32),
@@ -189,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         "position-map-int32": lambda: classify_by_position(torch.int32),
     }
     records = []
-    try:
+    with benchmarking.sw1_pool(backend, max(args.batches), sizes) as pool:
+        mirror = pool.to("cuda")
         for round_index in range(args.rounds):
             for name, variant in variants.items():
                 # The position maps are built once: valid only while no step misses.
@@ -203,9 +199,6 @@ def main(argv: list[str] | None = None) -> int:
                             record = {"variant": name, "round": round_index, **cell.to_dict()}
                             records.append(record)
                             print(json.dumps(record), flush=True)
-    finally:
-        backend.synchronize()
-        backend.free_host(raw)
     results = {
         "card": torch.cuda.get_device_name(),
         "torch": torch.__version__,

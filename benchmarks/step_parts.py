@@ -134,20 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     backend = get_backend("cuda")
     sizes = benchmarking.SW1Sizes()
-    rows = max(args.batches) * sizes.seq_len
-    raw = backend.alloc_host(rows * sizes.row_bytes)
-    pool = raw.view(rows, sizes.row_bytes)
-    benchmarking.fill_pool(pool)
-    mirror = pool.to("cuda")
     records = []
-    try:
+    with benchmarking.sw1_pool(backend, max(args.batches), sizes) as pool:
+        mirror = pool.to("cuda")
         for layout in benchmarking.LAYOUTS:
             for batch in args.batches:
                 records += time_parts(backend, pool, mirror, layout, batch, sizes, args.steps,
                                       args.flush, args.seed)
-    finally:
-        backend.synchronize()
-        backend.free_host(raw)
     checked = [r["correct"] for r in records if r["correct"] is not None]
     results = {
         "card": torch.cuda.get_device_name(), "torch": torch.__version__,

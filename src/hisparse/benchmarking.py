@@ -14,10 +14,11 @@ rows it returned against the host pool, byte for byte.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -426,12 +427,8 @@ def run_sw1(
     bad = [layout for layout in layouts if layout not in LAYOUTS]
     if bad:
         raise InvalidInputError(f"unknown host layouts {bad}; use {', '.join(LAYOUTS)}")
-    rows = max(batches) * sizes.seq_len
-    raw = backend.alloc_host(rows * sizes.row_bytes)
-    try:
-        pool = raw.view(rows, sizes.row_bytes)
-        fill_pool(pool)
-        cells = []
+    cells = []
+    with sw1_pool(backend, max(batches), sizes) as pool:
         for layout in layouts:
             for batch in batches:
                 for churn in churns:
@@ -439,7 +436,19 @@ def run_sw1(
                     cells.append(cell)
                     if on_cell is not None:
                         on_cell(cell)
-        return cells
+    return cells
+
+
+@contextlib.contextmanager
+def sw1_pool(backend: Backend, max_batch: int, sizes: SW1Sizes) -> Iterator[torch.Tensor]:
+    """SW-1's host pool for up to `max_batch` requests: registered rows filled by `fill_pool`,
+    freed when the block ends (after the device has finished with them)."""
+    rows = max_batch * sizes.seq_len
+    raw = backend.alloc_host(rows * sizes.row_bytes)
+    try:
+        pool = raw.view(rows, sizes.row_bytes)
+        fill_pool(pool)
+        yield pool
     finally:
         backend.synchronize()
         backend.free_host(raw)

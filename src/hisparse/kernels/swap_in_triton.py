@@ -437,7 +437,7 @@ def _plan_direct_kernel(
     order_ptr,  # [Bcap, H] int32 scratch: the victims, in LRU order (first M entries)
     plan_src_ptr, plan_dst_ptr, plan_count_ptr, plan_stride, counters_ptr, total_ptr,
     R, S,
-    K: tl.constexpr,  # compile-time sizes: masks fold away, loads vectorize
+    K: tl.constexpr,  # compile-time sizes: masks and address arithmetic fold away
     H: tl.constexpr,
     E, P, N,
     LOOKUP_IN_PLAN: tl.constexpr,
@@ -459,8 +459,8 @@ def _plan_direct_kernel(
     """The plan of `_plan_kernel` with K and H in one block each, so that each slot's final
     LRU position comes straight from its ranks and the miss count M (no third pass), miss
     rows stay in registers (no scratch round trip), the victims' old rows leave `resident`
-    before the victims are handed out, and a step without misses skips the victim pass and
-    reads no slot rows. Same inputs, outputs and state changes."""
+    before the victims are handed out, and a row without misses issues none of the victim
+    work. Same inputs, outputs and state changes."""
     if USE_PDL and not DEPENDENTS_READ_LOOKUPS:  # the copy may start: it waits for our plan
         gdc_launch_dependents()
     b = tl.program_id(0)
@@ -707,7 +707,9 @@ class Tuning:
     # With the lookups split, the plan counts hits, misses and invalid entries from the codes
     # the classify kernel left in `miss_row` (one set of atomics per batch row), instead of
     # every classify program adding its chunk's counts (Bcap x K / chunk programs, all on the
-    # same three addresses).
+    # same three addresses). H200 (round counts-in-plan): +0.5..+0.9 us at B=128, +0.8..+1.7
+    # at B=1: the classify programs' atomics were off the critical path, the plan's three
+    # reductions are on it. Off.
     counts_in_plan: bool = False
     # Hit flags and all slots' host rows read as whole rows and put into LRU order on chip
     # (tl.gather through shared memory) instead of gathered from global memory. Off: +0.7 us
@@ -725,7 +727,9 @@ class Tuning:
     lane_major_plan: bool = False
     plan_chunk_k: int = 2048
     plan_chunk_h: int = 4096
-    plan_warps: int = 8  # 4 warps: +7 us per step at B=1; 16 warps: no gain (H200)
+    # 4 warps: +7 us per step at B=1; 16 warps: no spill on triton 3.6, no gain (H200, round
+    # plan-warps: fewer instructions per warp, more in all).
+    plan_warps: int = 8
     classify_chunk_k: int = 256
     # Up to Bcap `small_batch_max` the classify grid uses this chunk instead (None: the one
     # above): at B=1, 32 programs spread the lookups over more SMs than 8. H200: -0.5..-1 us

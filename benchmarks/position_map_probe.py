@@ -33,8 +33,7 @@ from hisparse import benchmarking
 from hisparse.backends.registry import get_backend
 from hisparse.kernels import swap_in_triton as kernels
 from hisparse.kernels.swap_in_triton import (
-    _add_counters,
-    _count_codes,
+    _add_code_counts,
     _entry_codes,
     _entry_regime,
     _row_context,
@@ -82,8 +81,7 @@ def _classify_by_position_kernel(
     code = _entry_codes(miss, row, valid & ~miss & ~lost, invalid | lost)
     tl.store(miss_row_ptr + b * K + k_offsets, code, mask=in_k)
     if not COUNTS_IN_PLAN:
-        n_hit, n_miss, n_invalid = _count_codes(code)
-        _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
+        _add_code_counts(counters_ptr, code, COUNTER_SEM)
 
 
 class ClassifyByPosition:

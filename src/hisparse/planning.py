@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from hisparse.core.widths import resident_entry_bytes
 from hisparse.errors import InvalidInputError
 
 GIB = 1 << 30
@@ -124,12 +125,6 @@ class ContextPlan:
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def resident_entry_bytes(hot_slots: int) -> int:
-    """Bytes per host row of the engine's residency map: `core.tables.residency_dtype`'s
-    size (int16 while slot ids fit), spelled out here to keep this module free of torch."""
-    return 2 if hot_slots <= 32767 else 4
 
 
 def baseline_request_bytes(shape: ModelShape, context_tokens: int) -> int:

@@ -6,16 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-# Hot-slot ids and -1 fit in int16 while the hot buffer holds at most this many slots.
-INT16_MAX_HOT_SLOTS = 32767
+from hisparse.core.widths import resident_entry_bytes
 
 
 def residency_dtype(hot_slots: int) -> torch.dtype:
-    """dtype of `CacheTables.resident`: int16 while every slot id fits, else int32.
-
-    On a cold L2 a swap-in's lookups are bound by the bytes of these random reads, not by
-    their number (benchmarks/NOTES.md, sixth pass): int16 halves them, and the table."""
-    return torch.int16 if hot_slots <= INT16_MAX_HOT_SLOTS else torch.int32
+    """dtype of `CacheTables.resident` (`core.widths.resident_entry_bytes`)."""
+    return torch.int16 if resident_entry_bytes(hot_slots) == 2 else torch.int32
 
 
 @dataclass(eq=False)

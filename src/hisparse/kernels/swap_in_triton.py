@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from hisparse.core.tables import CacheTables, MissPlan, residency_dtype
+from hisparse.core.widths import INT16_MAX_HOT_SLOTS
 from hisparse.errors import InvalidInputError
 
 try:  # grid dependency control (programmatic dependent launch): NVIDIA sm_90+, triton >= 3.3
@@ -205,6 +206,13 @@ def _add_counters(counters_ptr, n_hit, n_miss, n_invalid, SEM: tl.constexpr):
 
 
 @triton.jit
+def _add_code_counts(counters_ptr, code, SEM: tl.constexpr):
+    """Add the hits, misses and invalid entries among `code` to this layer's counters."""
+    n_hit, n_miss, n_invalid = _count_codes(code)
+    _add_counters(counters_ptr, n_hit, n_miss, n_invalid, SEM)
+
+
+@triton.jit
 def _publish_total(total_ptr, num_misses):
     """Sum the misses of all plan programs into total[2] for the copy kernel's early exit.
 
@@ -243,8 +251,7 @@ def _classify_kernel(
         hit_flag_ptr, miss_row_ptr, K, H, E, P, N, EARLY_LOADS,
     )
     if not COUNTS_IN_PLAN:
-        n_hit, n_miss, n_invalid = _count_codes(code)
-        _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
+        _add_code_counts(counters_ptr, code, COUNTER_SEM)
 
 
 @triton.jit
@@ -281,34 +288,27 @@ def _plan_kernel(
     b = tl.program_id(0)
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
                                     EARLY_LOADS)
-    if LOOKUP_IN_PLAN:
-        total_hit = 0
-        total_miss = 0
-        total_invalid = 0
-        for k0 in range(0, K, CHUNK_K):
-            n_hit, n_miss, n_invalid = _count_codes(_classify_chunk(
-                b, k0 + tl.arange(0, CHUNK_K), real, r, n, base, top_k_ptr, out_ptr,
-                page_table_ptr, resident_ptr, hit_flag_ptr, miss_row_ptr, K, H, E, P, N,
-                EARLY_LOADS,
-            ))
-            total_hit += n_hit
-            total_miss += n_miss
-            total_invalid += n_invalid
-        _add_counters(counters_ptr, total_hit, total_miss, total_invalid, COUNTER_SEM)
-        # Hit flags and miss rows written by other threads of this program must be visible.
-        tl.debug_barrier()
-    elif COUNTS_IN_PLAN:
+    if LOOKUP_IN_PLAN or COUNTS_IN_PLAN:
         total_hit = 0
         total_miss = 0
         total_invalid = 0
         for k0 in range(0, K, CHUNK_K):
             k_offsets = k0 + tl.arange(0, CHUNK_K)
-            code = tl.load(miss_row_ptr + b * K + k_offsets, mask=k_offsets < K, other=-1)
+            if LOOKUP_IN_PLAN:
+                code = _classify_chunk(
+                    b, k_offsets, real, r, n, base, top_k_ptr, out_ptr, page_table_ptr,
+                    resident_ptr, hit_flag_ptr, miss_row_ptr, K, H, E, P, N, EARLY_LOADS,
+                )
+            else:  # the split classify kernel left its codes
+                code = tl.load(miss_row_ptr + b * K + k_offsets, mask=k_offsets < K, other=-1)
             n_hit, n_miss, n_invalid = _count_codes(code)
             total_hit += n_hit
             total_miss += n_miss
             total_invalid += n_invalid
         _add_counters(counters_ptr, total_hit, total_miss, total_invalid, COUNTER_SEM)
+    if LOOKUP_IN_PLAN:
+        # Hit flags and miss rows written by other threads of this program must be visible.
+        tl.debug_barrier()
 
     num_misses = 0
     if real & (n > H):
@@ -483,8 +483,7 @@ def _plan_direct_kernel(
             K, H, E, P, N, EARLY_LOADS,
         )
         tl.store(hit_flag_ptr + b * H + slot, tl.full(slot.shape, 1, tl.int8), mask=hit)
-        n_hit, n_miss, n_invalid = _count_codes(code)
-        _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
+        _add_code_counts(counters_ptr, code, COUNTER_SEM)
     else:  # the classify kernel resolved the entries and set the hit flags
         if USE_PDL:
             # Launched early behind it. Everything read above was written before the classify
@@ -495,8 +494,7 @@ def _plan_direct_kernel(
         in_k = k_offsets < K
         row = tl.load(miss_row_ptr + b * K + k_offsets, mask=in_k, other=-1)
         if COUNTS_IN_PLAN:
-            n_hit, n_miss, n_invalid = _count_codes(row)
-            _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
+            _add_code_counts(counters_ptr, row, COUNTER_SEM)
         miss = row >= 0
         result = tl.full(row.shape, -1, tl.int32)
     victim = tl.zeros(row.shape, tl.int32)
@@ -935,27 +933,32 @@ def _copy_grid(host: torch.Tensor, device: torch.device, num_rows: int,
     return max(1, min(triton.cdiv(num_entries, t.copy_rows), max_programs)), warps
 
 
+def _copy_launch(tables: CacheTables, layer: int, num_rows: int, num_entries: int, pdl: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int], dict[str, object]]:
+    """What both copy kernels launch with: this layer's host and device rows, the grid, and
+    the options they share. `pdl`: a programmatic dependent launch behind our plan kernel on
+    the same stream."""
+    host, device = _layer_rows(tables, layer)
+    row_words = tables.row_bytes // 4
+    programs, warps = _copy_grid(host, device.device, num_rows, num_entries)
+    options: dict[str, object] = {
+        "ROW_WORDS": row_words, "BLOCK_WORDS": triton.next_power_of_2(row_words),
+        "ROWS": _tuning.copy_rows, "USE_PDL": pdl, "num_warps": warps,
+        **({"launch_pdl": True} if pdl else {}),
+    }
+    return host, device, (programs,), options
+
+
 def _launch_prefetched_copy(tables: CacheTables, layer: int, miss_row: torch.Tensor,
                             out: torch.Tensor, pdl: bool) -> None:
     """The copy of `_copy_prefetched_kernel`; `pdl`: launched behind a plan kernel compiled
     with DEPENDENTS_READ_LOOKUPS."""
-    host, device = _layer_rows(tables, layer)
-    row_words = tables.row_bytes // 4
-    t = _tuning
     num_rows, top_k = out.shape
-    programs, warps = _copy_grid(host, device.device, num_rows, num_rows * top_k)
-    _copy_prefetched_kernel[(programs,)](
-        miss_row, out, host, device, num_rows * top_k,
-        ROW_WORDS=row_words,
-        BLOCK_WORDS=triton.next_power_of_2(row_words),
-        ROWS=t.copy_rows,
-        USE_PDL=pdl,
-        # Only a launch behind a running plan needs the L2 read; after an ordinary kernel
-        # boundary a plain load is right on every vendor's backend.
-        MISS_ROW_CACHE=".cg" if pdl else "",
-        num_warps=warps,
-        **({"launch_pdl": True} if pdl else {}),
-    )
+    host, device, grid, options = _copy_launch(tables, layer, num_rows, num_rows * top_k, pdl)
+    # Only a launch behind a running plan needs the L2 read; after an ordinary kernel boundary
+    # a plain load is right on every vendor's backend.
+    _copy_prefetched_kernel[grid](miss_row, out, host, device, num_rows * top_k,
+                                  MISS_ROW_CACHE=".cg" if pdl else "", **options)
 
 
 def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
@@ -963,23 +966,13 @@ def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
     """`total`: the scratch the plan kernel just published its miss total in, or None (a
     replayed plan: its counts are all there is). `pdl`: launch as a programmatic dependent
     of the kernel just before it, which must be our plan kernel on the same stream."""
-    host, device = _layer_rows(tables, layer)
-    row_words = tables.row_bytes // 4
-    t = _tuning
     top_k = plan.src.shape[1]
-    programs, warps = _copy_grid(host, device.device, num_rows, num_rows * top_k)
+    host, device, grid, options = _copy_launch(tables, layer, num_rows, num_rows * top_k, pdl)
     gate = total is not None
-    _copy_kernel[(programs,)](
+    _copy_kernel[grid](
         plan.src, plan.dst, plan.count, plan.src.stride(0), total if gate else plan.count,
         host, device, num_rows, top_k,
-        ROW_WORDS=row_words,
-        BLOCK_WORDS=triton.next_power_of_2(row_words),
-        BLOCK_BATCH=triton.next_power_of_2(num_rows),
-        ROWS=t.copy_rows,
-        TOTAL_GATE=gate,
-        USE_PDL=pdl,
-        num_warps=warps,
-        **({"launch_pdl": True} if pdl else {}),
+        BLOCK_BATCH=triton.next_power_of_2(num_rows), TOTAL_GATE=gate, **options,
     )
 
 
@@ -1018,7 +1011,7 @@ def swap_in_triton(
         raise _fail("the hot buffer must hold at least top_k slots", f"H={hot} < K={k}",
                     "raise device_buffer_size to at least top_k")
     if t.resident.dtype not in (residency_dtype(hot), torch.int32):
-        raise _fail("tables.resident must be int16 (while H <= 32767) or int32",
+        raise _fail(f"tables.resident must be int16 (while H <= {INT16_MAX_HOT_SLOTS}) or int32",
                     f"{t.resident.dtype} with H={hot}",
                     "allocate it with core.tables.residency_dtype(hot_slots)")
     num_groups = t.lru.shape[0]

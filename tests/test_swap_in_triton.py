@@ -267,6 +267,11 @@ VARIANTS = {  # every flag spelled out, so that a name means the same whatever t
     "lane-major-plan-on-chip": {**_LANE_MAJOR, "on_chip_gathers": True,
                                 "slot_row_reads": "rows-with-misses"},
     "lane-major-plan-fused": {**_LANE_MAJOR, "lookup_in_plan": True},
+    # The direct plan copies its misses through the shared queue at every batch size, with
+    # claims smaller than a row's misses so that programs take each other's entries.
+    "copy-in-plan": {"copy_in_plan_min_batch": 1, "copy_in_plan_claim": 4,
+                     "copy_in_plan_rows": 2, "plan_direct": True, "lookup_in_plan": False,
+                     "prefetch_copy_max_batch": 0},
     # The copy launched early at every batch size, its programs 32 warps wide.
     "pdl-copy-wide": {"pdl_copy_max_batch": None, "large_batch_copy_min_batch": 1,
                       "large_batch_copy_warps": 32},
@@ -301,9 +306,15 @@ def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, rng: torch.G
                     assert torch.equal(getattr(plan_got, name), getattr(plan_want, name)), name
                 if step == 3:
                     assert int(plan_got.count.sum()) == 0, "a repeated batch must all hit"
-                total = triton_kernels._get_scratch(got, sizes.batch_cap, sizes.top_k).total
+                scratch = triton_kernels._get_scratch(got, sizes.batch_cap, sizes.top_k)
                 if overrides.get("copy_total_gate"):  # published, and reset for the next call
-                    assert total.tolist() == [0, 0, int(plan_want.count.sum())]
+                    assert scratch.total.tolist() == [0, 0, int(plan_want.count.sum())]
+                if overrides.get("copy_in_plan_min_batch") is not None:
+                    # Every miss was queued and claimed once, and its entry reset for the
+                    # next call (a stale entry would be copied again there).
+                    misses = int(plan_want.count.sum())
+                    assert scratch.queue.tolist() == [misses, misses]
+                    assert bool((scratch.work == -1).all()), "queue entries left behind"
                 if layer == 0:  # follower layer 1 of group 0 replays the anchor's plan
                     copy_planned_reference(want, 1, plan_want)
                     triton_kernels.copy_planned_triton(got, 1, plan_got)

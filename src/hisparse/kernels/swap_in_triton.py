@@ -230,19 +230,71 @@ def _publish_total(total_ptr, num_misses):
 
 
 @triton.jit
+def _publish_misses(queue_ptr, work_ptr, installed, rank, row, dst, miss):
+    """Append this row's misses to the step's shared work queue: reserve `installed` entries,
+    then write each as (host row << 32) | device row. Entries are -1 until written, so a
+    claimer that races ahead of the write waits on the entry itself."""
+    start = tl.atomic_add(queue_ptr + 0, installed, sem="relaxed")
+    item = (row.to(tl.int64) << 32) | dst.to(tl.int64)
+    tl.store(work_ptr + start + rank, item, mask=miss)
+
+
+@triton.jit
+def _drain_queue(queue_ptr, work_ptr, host_ptr, device_ptr, ROW_WORDS: tl.constexpr,
+                 BLOCK_WORDS: tl.constexpr, ROWS: tl.constexpr, CLAIM: tl.constexpr):
+    """Copy queued misses, CLAIM entries per claim, until every entry published so far is
+    claimed. Never waits for a program that has not published: the last program to publish
+    drains what is left, so every entry is copied, in any schedule and under the interpreter.
+    Each copied entry is reset to -1 for the next call."""
+    words = tl.arange(0, BLOCK_WORDS)
+    in_row = words < ROW_WORDS
+    claimed = tl.atomic_add(queue_ptr + 1, 0, sem="relaxed")
+    reserved = tl.atomic_add(queue_ptr + 0, 0, sem="relaxed")
+    while claimed < reserved:
+        end = tl.minimum(claimed + CLAIM, reserved)
+        seen = tl.atomic_cas(queue_ptr + 1, claimed, end, sem="relaxed")
+        if seen == claimed:
+            for first in range(claimed, end, ROWS):
+                entry = first + tl.arange(0, ROWS)
+                mine = entry < end
+                item = tl.load(work_ptr + entry, mask=mine, other=0, volatile=True)
+                while tl.min(item, axis=0) < 0:  # reserved by a program still writing it
+                    item = tl.load(work_ptr + entry, mask=mine, other=0, volatile=True)
+                tl.store(work_ptr + entry, tl.full(item.shape, -1, tl.int64), mask=mine)
+                src = item >> 32
+                dst = item & 0x7FFFFFFF  # a device row is a non-negative int32
+                mask = mine[:, None] & in_row[None, :]
+                data = tl.load(host_ptr + src[:, None] * ROW_WORDS + words[None, :], mask=mask)
+                tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data,
+                         mask=mask)
+            claimed = end
+        else:  # another program claimed first: retry from where it left the queue
+            claimed = seen
+        reserved = tl.atomic_add(queue_ptr + 0, 0, sem="relaxed")
+
+
+@triton.jit
 def _classify_kernel(
     num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
     resident_ptr, hit_flag_ptr, miss_row_ptr, counters_ptr,  # counters: [3] int64 this layer
+    queue_ptr,  # [2] int32 work queue of a plan that copies (RESET_QUEUE)
     R, S, K, H, E, P, N,
     EARLY_LOADS: tl.constexpr,
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,  # atomics' memory order
     COUNTS_IN_PLAN: tl.constexpr,  # the plan counts the codes; no atomics here
+    RESET_QUEUE: tl.constexpr,  # the plan kernel behind us copies its own misses
     CHUNK_K: tl.constexpr,
 ):
     if USE_PDL:  # the plan kernel may start now: it waits (gdc_wait) before reading our output
         gdc_launch_dependents()
     b = tl.program_id(0)
+    if RESET_QUEUE:
+        # The plan kernel touches the queue only after its gdc_wait (or kernel boundary), so
+        # this reset is complete before it starts; the previous call's plan is long done.
+        first = (b == 0) & (tl.program_id(1) == 0)
+        tl.store(queue_ptr + tl.arange(0, 2), tl.zeros([2], tl.int32),
+                 mask=tl.where(first, tl.full([2], 1, tl.int1), False))
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
                                     EARLY_LOADS)
     k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
@@ -440,6 +492,10 @@ def _plan_direct_kernel(
     K: tl.constexpr,  # compile-time sizes: masks and address arithmetic fold away
     H: tl.constexpr,
     E, P, N,
+    queue_ptr,  # [2] int32 (COPY_IN_PLAN): entries reserved, entries claimed; reset by classify
+    work_ptr,  # [Bcap * K] int64 (COPY_IN_PLAN): the step's misses, -1 between calls
+    host_ptr,  # [N, ROW_WORDS] int32 this layer's host rows (COPY_IN_PLAN)
+    device_ptr,  # [R*S, ROW_WORDS] int32 this layer's device rows (COPY_IN_PLAN)
     LOOKUP_IN_PLAN: tl.constexpr,
     EARLY_LOADS: tl.constexpr,
     WRITE_TOTAL: tl.constexpr,
@@ -455,6 +511,11 @@ def _plan_direct_kernel(
     LANES_H: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= K: the whole top-k row lives in registers
     BLOCK_H: tl.constexpr,  # >= H: the whole LRU row lives in registers
+    COPY_IN_PLAN: tl.constexpr,  # copy the misses here, shared through the work queue
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    COPY_ROWS: tl.constexpr,  # rows per copy iteration
+    COPY_CLAIM: tl.constexpr,  # entries per claim
 ):
     """The plan of `_plan_kernel` with K and H in one block each, so that each slot's final
     LRU position comes straight from its ranks and the miss count M (no third pass), miss
@@ -556,6 +617,8 @@ def _plan_direct_kernel(
             tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
             tl.store(plan_dst_ptr + b * plan_stride + rank, base + victim, mask=miss)
             num_misses += installed
+            if COPY_IN_PLAN:
+                _publish_misses(queue_ptr, work_ptr, installed, rank, row, base + victim, miss)
         else:  # no misses (or, were H < K possible, no evictable slot)
             new_position = tl.where(evictable, evict_rank, num_evictable + hit_rank)
             miss = tl.zeros(row.shape, tl.int1)
@@ -572,6 +635,12 @@ def _plan_direct_kernel(
     tl.store(plan_count_ptr + b, num_misses)
     if WRITE_TOTAL:
         _publish_total(total_ptr, num_misses)
+    # A row without misses leaves at once: a miss-free step pays for no copy at all. A row
+    # that published drains the queue, its own entries and whatever others published.
+    if COPY_IN_PLAN:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if num_misses > 0:
+            _drain_queue(queue_ptr, work_ptr, host_ptr, device_ptr, ROW_WORDS, BLOCK_WORDS,
+                         COPY_ROWS, COPY_CLAIM)
 
 
 @triton.jit
@@ -772,6 +841,15 @@ class Tuning:
     # B=16 (16 passes) miss-free +3 us, with misses -2..-3%: B=1 only.
     prefetch_copy_max_batch: int | None = 1
     interpreter_copy_programs: int = 2  # each program costs ~1 ms under TRITON_INTERPRET=1
+    # From this batch capacity on (None: never), the direct plan copies the misses itself
+    # instead of a copy kernel behind it: each row appends its misses to a queue shared by
+    # the step and then copies queued rows, its own and others', until the queue is drained,
+    # so a request's misses still spread over every program with work, no row waits for the
+    # whole plan grid, and a miss-free step launches no copy. Needs the lookups split and the
+    # direct plan; below it the copy kernel's wider grid wins (few plan programs).
+    copy_in_plan_min_batch: int | None = None
+    copy_in_plan_rows: int = 4  # rows per copy iteration of a plan program (8 warps)
+    copy_in_plan_claim: int = 32  # queue entries taken per claim (one compare-and-swap)
 
 
 _tuning = Tuning()
@@ -798,6 +876,8 @@ class _Scratch:
     total: torch.Tensor  # [3] int32 for _publish_total: accumulator, arrivals (0 between
     # calls), the last plan's miss total
     plan: MissPlan  # used when the caller passes none
+    queue: torch.Tensor  # [2] int32 of a copying plan: entries reserved, claimed
+    work: torch.Tensor  # [Bcap * K] int64 of a copying plan: -1 between calls
 
 
 _scratch: weakref.WeakKeyDictionary[CacheTables, dict[tuple[int, int], _Scratch]] = (
@@ -818,6 +898,8 @@ def _get_scratch(tables: CacheTables, batch_cap: int, top_k: int) -> _Scratch:
             miss_row=torch.empty(batch_cap, top_k, dtype=torch.int32, device=device),
             total=torch.zeros(3, dtype=torch.int32, device=device),
             plan=MissPlan.empty(batch_cap, top_k, device),
+            queue=torch.zeros(2, dtype=torch.int32, device=device),
+            work=torch.full((batch_cap * top_k,), -1, dtype=torch.int64, device=device),
         )
         per_shape[(batch_cap, top_k)] = scratch
     return scratch
@@ -1039,6 +1121,11 @@ def swap_in_triton(
     counts_in_plan = tune.counts_in_plan and not lookup_in_plan
     prefetch = (not skip_io and not lookup_in_plan
                 and _within(batch_cap, tune.prefetch_copy_max_batch))
+    block_k, block_h = triton.next_power_of_2(k), triton.next_power_of_2(hot)
+    direct = tune.plan_direct and block_k <= tune.plan_chunk_k and block_h <= tune.plan_chunk_h
+    copy_in_plan = (direct and not skip_io and not lookup_in_plan and not prefetch
+                    and tune.copy_in_plan_min_batch is not None
+                    and batch_cap >= tune.copy_in_plan_min_batch)
     if not lookup_in_plan:
         chunk = tune.classify_chunk_k
         if tune.small_batch_classify_chunk_k is not None and batch_cap <= tune.small_batch_max:
@@ -1046,13 +1133,11 @@ def swap_in_triton(
         chunk = min(triton.next_power_of_2(k), chunk)
         _classify_kernel[(batch_cap, triton.cdiv(k, chunk))](
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
-            scratch.hit_flag, scratch.miss_row, counters, *sizes,
+            scratch.hit_flag, scratch.miss_row, counters, scratch.queue, *sizes,
             EARLY_LOADS=tune.early_loads, USE_PDL=pdl,
-            COUNTER_SEM=counter_sem, COUNTS_IN_PLAN=counts_in_plan, CHUNK_K=chunk,
-            num_warps=tune.classify_warps,
+            COUNTER_SEM=counter_sem, COUNTS_IN_PLAN=counts_in_plan,
+            RESET_QUEUE=copy_in_plan, CHUNK_K=chunk, num_warps=tune.classify_warps,
         )
-    block_k, block_h = triton.next_power_of_2(k), triton.next_power_of_2(hot)
-    direct = tune.plan_direct and block_k <= tune.plan_chunk_k and block_h <= tune.plan_chunk_h
     plan_args = (
         num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
         t.slot_row[group], t.lru[group], scratch.hit_flag, scratch.miss_row, scratch.order,
@@ -1068,8 +1153,18 @@ def swap_in_triton(
         flags["launch_pdl"] = True
     if direct:
         lanes = 32 * tune.plan_warps  # one position of each lane-major slice per thread
+        if copy_in_plan:
+            host_rows, device_rows = _layer_rows(t, layer)
+            row_words = t.row_bytes // 4
+        else:  # never dereferenced; one compiled plan for every row size
+            host_rows = device_rows = scratch.miss_row
+            row_words = 1
         _plan_direct_kernel[(batch_cap,)](
-            *plan_args, SLOT_ROW_READS=_SLOT_ROW_READS.index(tune.slot_row_reads),
+            *plan_args, scratch.queue, scratch.work, host_rows, device_rows,
+            COPY_IN_PLAN=copy_in_plan, ROW_WORDS=row_words,
+            BLOCK_WORDS=triton.next_power_of_2(row_words), COPY_ROWS=tune.copy_in_plan_rows,
+            COPY_CLAIM=tune.copy_in_plan_claim,
+            SLOT_ROW_READS=_SLOT_ROW_READS.index(tune.slot_row_reads),
             ON_CHIP_GATHERS=tune.on_chip_gathers, CONTIGUOUS_FLAG_CLEAR=tune.contiguous_flag_clear,
             SKIP_UNMOVED_LRU=tune.skip_unmoved_lru_writes,
             LANES_K=min(block_k, lanes) if tune.lane_major_plan else 0,
@@ -1084,7 +1179,7 @@ def swap_in_triton(
         )
     if prefetch:
         _launch_prefetched_copy(t, layer, scratch.miss_row, out, pdl=pdl_copy)
-    elif not skip_io:
+    elif not skip_io and not copy_in_plan:
         # A shared-index replay (copy_planned_triton) follows an event wait or foreign work
         # and is never launched this way.
         _launch_copy(t, layer, used_plan, batch_cap,

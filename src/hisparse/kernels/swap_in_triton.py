@@ -230,54 +230,69 @@ def _publish_total(total_ptr, num_misses):
 
 
 @triton.jit
-def _publish_misses(queue_ptr, work_ptr, installed, rank, row, dst, miss):
-    """Append this row's misses to the step's shared work queue: reserve `installed` entries,
-    then write each as (host row << 32) | device row. Entries are -1 until written, so a
-    claimer that races ahead of the write waits on the entry itself."""
-    start = tl.atomic_add(queue_ptr + 0, installed, sem="relaxed")
-    item = (row.to(tl.int64) << 32) | dst.to(tl.int64)
-    tl.store(work_ptr + start + rank, item, mask=miss)
+def _copy_entries(src_row_ptr, dst_row_ptr, first, end, host_ptr, device_ptr,
+                  ROW_WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, ROWS: tl.constexpr,
+                  ENTRY_CACHE: tl.constexpr):
+    """Copy the planned rows [first, end) of one batch row's plan, ROWS at a time."""
+    words = tl.arange(0, BLOCK_WORDS)
+    in_row = words < ROW_WORDS
+    for start in range(first, end, ROWS):
+        entry = start + tl.arange(0, ROWS)
+        mine = entry < end
+        src = tl.load(src_row_ptr + entry, mask=mine, other=0, cache_modifier=ENTRY_CACHE)
+        dst = tl.load(dst_row_ptr + entry, mask=mine, other=0, cache_modifier=ENTRY_CACHE)
+        mask = mine[:, None] & in_row[None, :]
+        data = tl.load(host_ptr + src.to(tl.int64)[:, None] * ROW_WORDS + words[None, :],
+                       mask=mask)
+        tl.store(device_ptr + dst.to(tl.int64)[:, None] * ROW_WORDS + words[None, :], data,
+                 mask=mask)
 
 
 @triton.jit
-def _drain_queue(queue_ptr, work_ptr, host_ptr, device_ptr, ROW_WORDS: tl.constexpr,
-                 BLOCK_WORDS: tl.constexpr, ROWS: tl.constexpr, CLAIM: tl.constexpr):
-    """Copy queued misses, CLAIM entries per claim, until every entry published so far is
-    claimed. Never waits for a program that has not published: the last program to publish
-    drains what is left, so every entry is copied, in any schedule and under the interpreter.
-    Each copied entry is reset to -1 for the next call."""
-    words = tl.arange(0, BLOCK_WORDS)
-    in_row = words < ROW_WORDS
-    claimed = tl.atomic_add(queue_ptr + 1, 0, sem="relaxed")
-    reserved = tl.atomic_add(queue_ptr + 0, 0, sem="relaxed")
-    while claimed < reserved:
-        end = tl.minimum(claimed + CLAIM, reserved)
-        seen = tl.atomic_cas(queue_ptr + 1, claimed, end, sem="relaxed")
-        if seen == claimed:
-            for first in range(claimed, end, ROWS):
-                entry = first + tl.arange(0, ROWS)
-                mine = entry < end
-                item = tl.load(work_ptr + entry, mask=mine, other=0, volatile=True)
-                while tl.min(item, axis=0) < 0:  # reserved by a program still writing it
-                    item = tl.load(work_ptr + entry, mask=mine, other=0, volatile=True)
-                tl.store(work_ptr + entry, tl.full(item.shape, -1, tl.int64), mask=mine)
-                src = item >> 32
-                dst = item & 0x7FFFFFFF  # a device row is a non-negative int32
-                mask = mine[:, None] & in_row[None, :]
-                data = tl.load(host_ptr + src[:, None] * ROW_WORDS + words[None, :], mask=mask)
-                tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data,
-                         mask=mask)
-            claimed = end
-        else:  # another program claimed first: retry from where it left the queue
-            claimed = seen
-        reserved = tl.atomic_add(queue_ptr + 0, 0, sem="relaxed")
+def _copy_own_then_others(b, num_misses, queue_ptr, plan_src_ptr, plan_dst_ptr, plan_stride,
+                          host_ptr, device_ptr, num_rows, ROW_WORDS: tl.constexpr,
+                          BLOCK_WORDS: tl.constexpr, ROWS: tl.constexpr,
+                          CLAIM: tl.constexpr, BLOCK_BATCH: tl.constexpr):
+    """Copy this row's planned misses, CLAIM entries per claim, then take claims on the rows
+    other programs have published, the row with most left first, until none is left.
+
+    `queue` holds per batch row its published miss count (-1 until published) and how many
+    entries are claimed. A claim is one atomic add on a published row, so it never waits for
+    anyone: a row not yet published is its owner's to copy, and every owner copies its own row
+    to the end, so every miss is copied in any schedule (and under the interpreter, which runs
+    programs one after another). Every loop condition comes from an atomic's broadcast result
+    or a reduction, so it is the same in every warp of the program."""
+    claim = tl.atomic_add(queue_ptr + 2 * b + 1, CLAIM, sem="relaxed")
+    while claim < num_misses:
+        _copy_entries(plan_src_ptr + b * plan_stride, plan_dst_ptr + b * plan_stride, claim,
+                      tl.minimum(claim + CLAIM, num_misses), host_ptr, device_ptr, ROW_WORDS,
+                      BLOCK_WORDS, ROWS, "")
+        claim = tl.atomic_add(queue_ptr + 2 * b + 1, CLAIM, sem="relaxed")
+    rows = tl.arange(0, BLOCK_BATCH)
+    in_batch = rows < num_rows
+    counts = tl.load(queue_ptr + 2 * rows, mask=in_batch, other=-1, volatile=True)
+    claimed = tl.load(queue_ptr + 2 * rows + 1, mask=in_batch, other=0, volatile=True)
+    left = tl.where(counts > claimed, counts - claimed, 0)
+    while tl.max(left, axis=0) > 0:
+        other = tl.argmax(left, axis=0)
+        # Acquire the published count: the owner released it after its plan's stores.
+        count = tl.atomic_add(queue_ptr + 2 * other, 0, sem="acquire")
+        claim = tl.atomic_add(queue_ptr + 2 * other + 1, CLAIM, sem="relaxed")
+        if claim < count:
+            # ".cg": the entries were written on another SM; read them at L2.
+            _copy_entries(plan_src_ptr + other * plan_stride, plan_dst_ptr + other * plan_stride,
+                          claim, tl.minimum(claim + CLAIM, count), host_ptr, device_ptr,
+                          ROW_WORDS, BLOCK_WORDS, ROWS, ".cg")
+        counts = tl.load(queue_ptr + 2 * rows, mask=in_batch, other=-1, volatile=True)
+        claimed = tl.load(queue_ptr + 2 * rows + 1, mask=in_batch, other=0, volatile=True)
+        left = tl.where(counts > claimed, counts - claimed, 0)
 
 
 @triton.jit
 def _classify_kernel(
     num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
     resident_ptr, hit_flag_ptr, miss_row_ptr, counters_ptr,  # counters: [3] int64 this layer
-    queue_ptr,  # [2] int32 work queue of a plan that copies (RESET_QUEUE)
+    queue_ptr,  # [Bcap, 2] int32 copy queue of a plan that copies (RESET_QUEUE)
     R, S, K, H, E, P, N,
     EARLY_LOADS: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -290,11 +305,11 @@ def _classify_kernel(
         gdc_launch_dependents()
     b = tl.program_id(0)
     if RESET_QUEUE:
-        # The plan kernel touches the queue only after its gdc_wait (or kernel boundary), so
-        # this reset is complete before it starts; the previous call's plan is long done.
-        first = (b == 0) & (tl.program_id(1) == 0)
-        tl.store(queue_ptr + tl.arange(0, 2), tl.zeros([2], tl.int32),
-                 mask=tl.where(first, tl.full([2], 1, tl.int1), False))
+        # Row b's queue entry: nothing published (-1), nothing claimed. The plan kernel
+        # touches it only after its gdc_wait (or the kernel boundary).
+        pair = tl.arange(0, 2)
+        tl.store(queue_ptr + 2 * b + pair, tl.where(pair == 0, -1, 0),
+                 mask=tl.where(tl.program_id(1) == 0, tl.full([2], 1, tl.int1), False))
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
                                     EARLY_LOADS)
     k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
@@ -492,8 +507,8 @@ def _plan_direct_kernel(
     K: tl.constexpr,  # compile-time sizes: masks and address arithmetic fold away
     H: tl.constexpr,
     E, P, N,
-    queue_ptr,  # [2] int32 (COPY_IN_PLAN): entries reserved, entries claimed; reset by classify
-    work_ptr,  # [Bcap * K] int64 (COPY_IN_PLAN): the step's misses, -1 between calls
+    queue_ptr,  # [Bcap, 2] int32 (COPY_IN_PLAN): per row, misses published (-1: not yet)
+    # and entries claimed; reset by the classify kernel
     host_ptr,  # [N, ROW_WORDS] int32 this layer's host rows (COPY_IN_PLAN)
     device_ptr,  # [R*S, ROW_WORDS] int32 this layer's device rows (COPY_IN_PLAN)
     LOOKUP_IN_PLAN: tl.constexpr,
@@ -516,6 +531,7 @@ def _plan_direct_kernel(
     BLOCK_WORDS: tl.constexpr,
     COPY_ROWS: tl.constexpr,  # rows per copy iteration
     COPY_CLAIM: tl.constexpr,  # entries per claim
+    BLOCK_BATCH: tl.constexpr,  # >= Bcap (COPY_IN_PLAN)
 ):
     """The plan of `_plan_kernel` with K and H in one block each, so that each slot's final
     LRU position comes straight from its ranks and the miss count M (no third pass), miss
@@ -618,7 +634,9 @@ def _plan_direct_kernel(
             tl.store(plan_dst_ptr + b * plan_stride + rank, base + victim, mask=miss)
             num_misses += installed
             if COPY_IN_PLAN:
-                _publish_misses(queue_ptr, work_ptr, installed, rank, row, base + victim, miss)
+                # Every thread's plan entries are stored before the count is released.
+                tl.debug_barrier()
+                tl.atomic_xchg(queue_ptr + 2 * b, installed, sem="release")
         else:  # no misses (or, were H < K possible, no evictable slot)
             new_position = tl.where(evictable, evict_rank, num_evictable + hit_rank)
             miss = tl.zeros(row.shape, tl.int1)
@@ -636,11 +654,12 @@ def _plan_direct_kernel(
     if WRITE_TOTAL:
         _publish_total(total_ptr, num_misses)
     # A row without misses leaves at once: a miss-free step pays for no copy at all. A row
-    # that published drains the queue, its own entries and whatever others published.
+    # with misses copies them, then helps the rows still copying.
     if COPY_IN_PLAN:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if num_misses > 0:
-            _drain_queue(queue_ptr, work_ptr, host_ptr, device_ptr, ROW_WORDS, BLOCK_WORDS,
-                         COPY_ROWS, COPY_CLAIM)
+            _copy_own_then_others(b, num_misses, queue_ptr, plan_src_ptr, plan_dst_ptr,
+                                  plan_stride, host_ptr, device_ptr, tl.num_programs(0),
+                                  ROW_WORDS, BLOCK_WORDS, COPY_ROWS, COPY_CLAIM, BLOCK_BATCH)
 
 
 @triton.jit
@@ -876,8 +895,7 @@ class _Scratch:
     total: torch.Tensor  # [3] int32 for _publish_total: accumulator, arrivals (0 between
     # calls), the last plan's miss total
     plan: MissPlan  # used when the caller passes none
-    queue: torch.Tensor  # [2] int32 of a copying plan: entries reserved, claimed
-    work: torch.Tensor  # [Bcap * K] int64 of a copying plan: -1 between calls
+    queue: torch.Tensor  # [Bcap, 2] int32 of a copying plan: misses published, claimed
 
 
 _scratch: weakref.WeakKeyDictionary[CacheTables, dict[tuple[int, int], _Scratch]] = (
@@ -898,8 +916,7 @@ def _get_scratch(tables: CacheTables, batch_cap: int, top_k: int) -> _Scratch:
             miss_row=torch.empty(batch_cap, top_k, dtype=torch.int32, device=device),
             total=torch.zeros(3, dtype=torch.int32, device=device),
             plan=MissPlan.empty(batch_cap, top_k, device),
-            queue=torch.zeros(2, dtype=torch.int32, device=device),
-            work=torch.full((batch_cap * top_k,), -1, dtype=torch.int64, device=device),
+            queue=torch.zeros(batch_cap, 2, dtype=torch.int32, device=device),
         )
         per_shape[(batch_cap, top_k)] = scratch
     return scratch
@@ -1160,10 +1177,11 @@ def swap_in_triton(
             host_rows = device_rows = scratch.miss_row
             row_words = 1
         _plan_direct_kernel[(batch_cap,)](
-            *plan_args, scratch.queue, scratch.work, host_rows, device_rows,
+            *plan_args, scratch.queue, host_rows, device_rows,
             COPY_IN_PLAN=copy_in_plan, ROW_WORDS=row_words,
             BLOCK_WORDS=triton.next_power_of_2(row_words), COPY_ROWS=tune.copy_in_plan_rows,
             COPY_CLAIM=tune.copy_in_plan_claim,
+            BLOCK_BATCH=triton.next_power_of_2(batch_cap) if copy_in_plan else 1,
             SLOT_ROW_READS=_SLOT_ROW_READS.index(tune.slot_row_reads),
             ON_CHIP_GATHERS=tune.on_chip_gathers, CONTIGUOUS_FLAG_CLEAR=tune.contiguous_flag_clear,
             SKIP_UNMOVED_LRU=tune.skip_unmoved_lru_writes,

@@ -318,6 +318,8 @@ def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, rng: torch.G
                             assert published == misses and claimed >= misses
                         else:
                             assert (published, claimed) == (-1, 0)
+                    # A queued entry left behind would be copied again by the next call.
+                    assert bool((scratch.work == -1).all()), "queue entries left behind"
                 if layer == 0:  # follower layer 1 of group 0 replays the anchor's plan
                     copy_planned_reference(want, 1, plan_want)
                     triton_kernels.copy_planned_triton(got, 1, plan_got)

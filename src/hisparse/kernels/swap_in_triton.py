@@ -230,43 +230,50 @@ def _publish_total(total_ptr, num_misses):
 
 
 @triton.jit
-def _copy_entries(src_row_ptr, dst_row_ptr, first, end, host_ptr, device_ptr,
-                  ROW_WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr, ROWS: tl.constexpr,
-                  ENTRY_CACHE: tl.constexpr):
-    """Copy the planned rows [first, end) of one batch row's plan, ROWS at a time."""
+def _copy_entries(work_ptr, first, end, host_ptr, device_ptr, ROW_WORDS: tl.constexpr,
+                  BLOCK_WORDS: tl.constexpr, ROWS: tl.constexpr):
+    """Copy the queued rows [first, end) of one batch row, ROWS at a time, and reset their
+    entries to -1 for the next call.
+
+    An entry is one 8-byte store, (host row << 32) | device row, so a reader sees either -1 or
+    the whole entry, never half of one, and needs no ordering against the writer's other
+    stores. Entries of a published row were stored before it was published; a reader on
+    another SM can still see -1 for a moment and reads again. The retry condition is a
+    reduction over the whole [ROWS, BLOCK_WORDS] tile, so every warp of the program takes the
+    same branch (a per-warp condition would split the warps between barriers)."""
     words = tl.arange(0, BLOCK_WORDS)
     in_row = words < ROW_WORDS
     for start in range(first, end, ROWS):
         entry = start + tl.arange(0, ROWS)
         mine = entry < end
-        src = tl.load(src_row_ptr + entry, mask=mine, other=0, cache_modifier=ENTRY_CACHE)
-        dst = tl.load(dst_row_ptr + entry, mask=mine, other=0, cache_modifier=ENTRY_CACHE)
+        item = tl.load(work_ptr + entry, mask=mine, other=0, volatile=True)
+        while tl.min(tl.where(in_row[None, :], item[:, None], 0)) < 0:
+            item = tl.load(work_ptr + entry, mask=mine, other=0, volatile=True)
+        tl.store(work_ptr + entry, tl.full(item.shape, -1, tl.int64), mask=mine)
+        src = item >> 32
+        dst = item & 0x7FFFFFFF  # a device row is a non-negative int32
         mask = mine[:, None] & in_row[None, :]
-        data = tl.load(host_ptr + src.to(tl.int64)[:, None] * ROW_WORDS + words[None, :],
-                       mask=mask)
-        tl.store(device_ptr + dst.to(tl.int64)[:, None] * ROW_WORDS + words[None, :], data,
-                 mask=mask)
+        data = tl.load(host_ptr + src[:, None] * ROW_WORDS + words[None, :], mask=mask)
+        tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
 
 
 @triton.jit
-def _copy_own_then_others(b, num_misses, queue_ptr, plan_src_ptr, plan_dst_ptr, plan_stride,
-                          host_ptr, device_ptr, num_rows, ROW_WORDS: tl.constexpr,
-                          BLOCK_WORDS: tl.constexpr, ROWS: tl.constexpr,
-                          CLAIM: tl.constexpr, BLOCK_BATCH: tl.constexpr):
-    """Copy this row's planned misses, CLAIM entries per claim, then take claims on the rows
+def _copy_own_then_others(b, num_misses, queue_ptr, work_ptr, stride, host_ptr, device_ptr,
+                          num_rows, ROW_WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
+                          ROWS: tl.constexpr, CLAIM: tl.constexpr, BLOCK_BATCH: tl.constexpr):
+    """Copy this row's queued misses, CLAIM entries per claim, then take claims on the rows
     other programs have published, the row with most left first, until none is left.
 
     `queue` holds per batch row its published miss count (-1 until published) and how many
-    entries are claimed. A claim is one atomic add on a published row, so it never waits for
-    anyone: a row not yet published is its owner's to copy, and every owner copies its own row
-    to the end, so every miss is copied in any schedule (and under the interpreter, which runs
-    programs one after another). Every loop condition comes from an atomic's broadcast result
-    or a reduction, so it is the same in every warp of the program."""
+    entries are claimed. A claim is one atomic add on a published row, so no program waits for
+    one that has not published: such a row is its owner's to copy, and every owner copies its
+    own row to the end, so every miss is copied in any schedule (and under the interpreter,
+    which runs programs one after another). Every loop condition is an atomic's broadcast
+    result or a reduction, the same in every warp of the program."""
     claim = tl.atomic_add(queue_ptr + 2 * b + 1, CLAIM, sem="relaxed")
     while claim < num_misses:
-        _copy_entries(plan_src_ptr + b * plan_stride, plan_dst_ptr + b * plan_stride, claim,
-                      tl.minimum(claim + CLAIM, num_misses), host_ptr, device_ptr, ROW_WORDS,
-                      BLOCK_WORDS, ROWS, "")
+        _copy_entries(work_ptr + b * stride, claim, tl.minimum(claim + CLAIM, num_misses),
+                      host_ptr, device_ptr, ROW_WORDS, BLOCK_WORDS, ROWS)
         claim = tl.atomic_add(queue_ptr + 2 * b + 1, CLAIM, sem="relaxed")
     rows = tl.arange(0, BLOCK_BATCH)
     in_batch = rows < num_rows
@@ -275,14 +282,11 @@ def _copy_own_then_others(b, num_misses, queue_ptr, plan_src_ptr, plan_dst_ptr, 
     left = tl.where(counts > claimed, counts - claimed, 0)
     while tl.max(left, axis=0) > 0:
         other = tl.argmax(left, axis=0)
-        # Acquire the published count: the owner released it after its plan's stores.
-        count = tl.atomic_add(queue_ptr + 2 * other, 0, sem="acquire")
+        count = tl.atomic_add(queue_ptr + 2 * other, 0, sem="relaxed")
         claim = tl.atomic_add(queue_ptr + 2 * other + 1, CLAIM, sem="relaxed")
         if claim < count:
-            # ".cg": the entries were written on another SM; read them at L2.
-            _copy_entries(plan_src_ptr + other * plan_stride, plan_dst_ptr + other * plan_stride,
-                          claim, tl.minimum(claim + CLAIM, count), host_ptr, device_ptr,
-                          ROW_WORDS, BLOCK_WORDS, ROWS, ".cg")
+            _copy_entries(work_ptr + other * stride, claim, tl.minimum(claim + CLAIM, count),
+                          host_ptr, device_ptr, ROW_WORDS, BLOCK_WORDS, ROWS)
         counts = tl.load(queue_ptr + 2 * rows, mask=in_batch, other=-1, volatile=True)
         claimed = tl.load(queue_ptr + 2 * rows + 1, mask=in_batch, other=0, volatile=True)
         left = tl.where(counts > claimed, counts - claimed, 0)
@@ -509,6 +513,7 @@ def _plan_direct_kernel(
     E, P, N,
     queue_ptr,  # [Bcap, 2] int32 (COPY_IN_PLAN): per row, misses published (-1: not yet)
     # and entries claimed; reset by the classify kernel
+    work_ptr,  # [Bcap, K] int64 (COPY_IN_PLAN): queued misses (_copy_entries), -1 otherwise
     host_ptr,  # [N, ROW_WORDS] int32 this layer's host rows (COPY_IN_PLAN)
     device_ptr,  # [R*S, ROW_WORDS] int32 this layer's device rows (COPY_IN_PLAN)
     LOOKUP_IN_PLAN: tl.constexpr,
@@ -634,9 +639,10 @@ def _plan_direct_kernel(
             tl.store(plan_dst_ptr + b * plan_stride + rank, base + victim, mask=miss)
             num_misses += installed
             if COPY_IN_PLAN:
-                # Every thread's plan entries are stored before the count is released.
-                tl.debug_barrier()
-                tl.atomic_xchg(queue_ptr + 2 * b, installed, sem="release")
+                item = (row.to(tl.int64) << 32) | (base + victim).to(tl.int64)
+                tl.store(work_ptr + b * K + rank, item, mask=miss)
+                tl.debug_barrier()  # this program's own reads of them come after the barrier
+                tl.atomic_xchg(queue_ptr + 2 * b, installed, sem="relaxed")
         else:  # no misses (or, were H < K possible, no evictable slot)
             new_position = tl.where(evictable, evict_rank, num_evictable + hit_rank)
             miss = tl.zeros(row.shape, tl.int1)
@@ -657,9 +663,9 @@ def _plan_direct_kernel(
     # with misses copies them, then helps the rows still copying.
     if COPY_IN_PLAN:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if num_misses > 0:
-            _copy_own_then_others(b, num_misses, queue_ptr, plan_src_ptr, plan_dst_ptr,
-                                  plan_stride, host_ptr, device_ptr, tl.num_programs(0),
-                                  ROW_WORDS, BLOCK_WORDS, COPY_ROWS, COPY_CLAIM, BLOCK_BATCH)
+            _copy_own_then_others(b, num_misses, queue_ptr, work_ptr, K, host_ptr,
+                                  device_ptr, tl.num_programs(0), ROW_WORDS, BLOCK_WORDS,
+                                  COPY_ROWS, COPY_CLAIM, BLOCK_BATCH)
 
 
 @triton.jit
@@ -896,6 +902,7 @@ class _Scratch:
     # calls), the last plan's miss total
     plan: MissPlan  # used when the caller passes none
     queue: torch.Tensor  # [Bcap, 2] int32 of a copying plan: misses published, claimed
+    work: torch.Tensor  # [Bcap, K] int64 of a copying plan: queued misses, -1 between calls
 
 
 _scratch: weakref.WeakKeyDictionary[CacheTables, dict[tuple[int, int], _Scratch]] = (
@@ -917,6 +924,7 @@ def _get_scratch(tables: CacheTables, batch_cap: int, top_k: int) -> _Scratch:
             total=torch.zeros(3, dtype=torch.int32, device=device),
             plan=MissPlan.empty(batch_cap, top_k, device),
             queue=torch.zeros(batch_cap, 2, dtype=torch.int32, device=device),
+            work=torch.full((batch_cap, top_k), -1, dtype=torch.int64, device=device),
         )
         per_shape[(batch_cap, top_k)] = scratch
     return scratch
@@ -1177,7 +1185,7 @@ def swap_in_triton(
             host_rows = device_rows = scratch.miss_row
             row_words = 1
         _plan_direct_kernel[(batch_cap,)](
-            *plan_args, scratch.queue, host_rows, device_rows,
+            *plan_args, scratch.queue, scratch.work, host_rows, device_rows,
             COPY_IN_PLAN=copy_in_plan, ROW_WORDS=row_words,
             BLOCK_WORDS=triton.next_power_of_2(row_words), COPY_ROWS=tune.copy_in_plan_rows,
             COPY_CLAIM=tune.copy_in_plan_claim,

@@ -217,21 +217,7 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "warps16-victims": {**_NINTH_CHOSEN, "plan_warps": 16, "slot_row_reads": "victims"},
         "chosen-again": _NINTH_CHOSEN,
     },
-    # The direct plan copies its own misses through a queue the step's rows share, so no
-    # copy kernel follows it (NOTES.md, tenth pass).
-    "copy-in-plan": {
-        "chosen": _NINTH_CHOSEN,
-        "in-plan-64": {**_NINTH_CHOSEN, "copy_in_plan_min_batch": 64},
-        "in-plan-64-rows2": {**_NINTH_CHOSEN, "copy_in_plan_min_batch": 64,
-                             "copy_in_plan_rows": 2, "copy_in_plan_claim": 16},
-        "in-plan-64-rows8": {**_NINTH_CHOSEN, "copy_in_plan_min_batch": 64,
-                             "copy_in_plan_rows": 8, "copy_in_plan_claim": 64},
-        "in-plan-16": {**_NINTH_CHOSEN, "copy_in_plan_min_batch": 16},
-        "chosen-again": _NINTH_CHOSEN,
-    },
 }
-# Rounds that also time small batches padded to a larger capacity (extents): (B, Bcap).
-AB_PADDED = {"copy-in-plan": [(16, 64), (16, 128), (64, 128)]}
 AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "launch": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "launch-edges": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
@@ -245,8 +231,7 @@ AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "copy-pdl-wide": ([64, 128], [0.0, 0.2, 1.0]),
             "counts-in-plan": ([1, 16, 64, 128], [0.0, 0.2, 1.0]),
             "lane-major": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "plan-warps": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "copy-in-plan": ([16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
+            "plan-warps": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,
@@ -435,13 +420,6 @@ def run_ab(pool: Pool, batches: list[int], churns: list[float], args, rng: np.ra
                             record = run_cell(pool, batch, churn, layout, extent, args, args.seed)
                             results["records"].append({"variant": name, **record})
                             save()
-                for batch, capacity in AB_PADDED.get(args.ab, []):
-                    for churn in churns:
-                        record = run_cell(pool, batch, churn, "extents", SIZES.extent_tokens,
-                                          args, args.seed, batch_capacity=capacity)
-                        results["records"].append({"variant": name, **record,
-                                                   "layout": "padded-extents"})
-                        save()
                 results["miss_free_by_variant"][name] = miss_free_warm(pool, rng, args)
                 save()
         except Exception as exc:  # one broken variant must not cost the others' numbers
@@ -462,16 +440,6 @@ def run_ab(pool: Pool, batches: list[int], churns: list[float], args, rng: np.ra
                 for c in cells)
             free = results["miss_free_by_variant"].get(name, {}).get("graph_us", "-")
             print(name.ljust(14) + text + str(free).rjust(11))
-    padded = [(b, cap, c) for b, cap in AB_PADDED.get(args.ab, []) for c in churns]
-    if padded:
-        print("\nmedian us, extents, B padded to Bcap")
-        print("variant".ljust(14) + "".join(f"B{b}/{cap}c{c}".rjust(15) for b, cap, c in padded))
-        for name in variants:
-            row = {(r["B"], r["batch_capacity"], r["churn"]): r for r in results["records"]
-                   if r["variant"] == name and r["layout"] == "padded-extents"}
-            print(name.ljust(14) + "".join(
-                (str(row[p]["median_us"]) + ("" if row[p]["correct"] else "!")).rjust(15)
-                if p in row else "-".rjust(15) for p in padded))
     save()
     print(f"wrote {path}")
     return 0 if results["all_correct"] and not results.get("failed_variants") else 1

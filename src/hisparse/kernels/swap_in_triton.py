@@ -230,90 +230,19 @@ def _publish_total(total_ptr, num_misses):
 
 
 @triton.jit
-def _copy_entries(work_ptr, first, end, host_ptr, device_ptr, ROW_WORDS: tl.constexpr,
-                  BLOCK_WORDS: tl.constexpr, ROWS: tl.constexpr):
-    """Copy the queued rows [first, end) of one batch row, ROWS at a time, and reset their
-    entries to -1 for the next call.
-
-    An entry is one 8-byte store, (host row << 32) | device row, so a reader sees either -1 or
-    the whole entry, never half of one, and needs no ordering against the writer's other
-    stores. Entries of a published row were stored before it was published; a reader on
-    another SM can still see -1 for a moment and reads again. The retry condition is a
-    reduction over the whole [ROWS, BLOCK_WORDS] tile, so every warp of the program takes the
-    same branch (a per-warp condition would split the warps between barriers)."""
-    words = tl.arange(0, BLOCK_WORDS)
-    in_row = words < ROW_WORDS
-    for start in range(first, end, ROWS):
-        entry = start + tl.arange(0, ROWS)
-        mine = entry < end
-        item = tl.load(work_ptr + entry, mask=mine, other=0, volatile=True)
-        while tl.min(tl.where(in_row[None, :], item[:, None], 0)) < 0:
-            item = tl.load(work_ptr + entry, mask=mine, other=0, volatile=True)
-        tl.store(work_ptr + entry, tl.full(item.shape, -1, tl.int64), mask=mine)
-        src = item >> 32
-        dst = item & 0x7FFFFFFF  # a device row is a non-negative int32
-        mask = mine[:, None] & in_row[None, :]
-        data = tl.load(host_ptr + src[:, None] * ROW_WORDS + words[None, :], mask=mask)
-        tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
-
-
-@triton.jit
-def _copy_own_then_others(b, num_misses, queue_ptr, work_ptr, stride, host_ptr, device_ptr,
-                          num_rows, ROW_WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
-                          ROWS: tl.constexpr, CLAIM: tl.constexpr, BLOCK_BATCH: tl.constexpr):
-    """Copy this row's queued misses, CLAIM entries per claim, then take claims on the rows
-    other programs have published, the row with most left first, until none is left.
-
-    `queue` holds per batch row its published miss count (-1 until published) and how many
-    entries are claimed. A claim is one atomic add on a published row, so no program waits for
-    one that has not published: such a row is its owner's to copy, and every owner copies its
-    own row to the end, so every miss is copied in any schedule (and under the interpreter,
-    which runs programs one after another). Every loop condition is an atomic's broadcast
-    result or a reduction, the same in every warp of the program."""
-    claim = tl.atomic_add(queue_ptr + 2 * b + 1, CLAIM, sem="relaxed")
-    while claim < num_misses:
-        _copy_entries(work_ptr + b * stride, claim, tl.minimum(claim + CLAIM, num_misses),
-                      host_ptr, device_ptr, ROW_WORDS, BLOCK_WORDS, ROWS)
-        claim = tl.atomic_add(queue_ptr + 2 * b + 1, CLAIM, sem="relaxed")
-    rows = tl.arange(0, BLOCK_BATCH)
-    in_batch = rows < num_rows
-    counts = tl.load(queue_ptr + 2 * rows, mask=in_batch, other=-1, volatile=True)
-    claimed = tl.load(queue_ptr + 2 * rows + 1, mask=in_batch, other=0, volatile=True)
-    left = tl.where(counts > claimed, counts - claimed, 0)
-    while tl.max(left, axis=0) > 0:
-        other = tl.argmax(left, axis=0)
-        count = tl.atomic_add(queue_ptr + 2 * other, 0, sem="relaxed")
-        claim = tl.atomic_add(queue_ptr + 2 * other + 1, CLAIM, sem="relaxed")
-        if claim < count:
-            _copy_entries(work_ptr + other * stride, claim, tl.minimum(claim + CLAIM, count),
-                          host_ptr, device_ptr, ROW_WORDS, BLOCK_WORDS, ROWS)
-        counts = tl.load(queue_ptr + 2 * rows, mask=in_batch, other=-1, volatile=True)
-        claimed = tl.load(queue_ptr + 2 * rows + 1, mask=in_batch, other=0, volatile=True)
-        left = tl.where(counts > claimed, counts - claimed, 0)
-
-
-@triton.jit
 def _classify_kernel(
     num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
     resident_ptr, hit_flag_ptr, miss_row_ptr, counters_ptr,  # counters: [3] int64 this layer
-    queue_ptr,  # [Bcap, 2] int32 copy queue of a plan that copies (RESET_QUEUE)
     R, S, K, H, E, P, N,
     EARLY_LOADS: tl.constexpr,
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,  # atomics' memory order
     COUNTS_IN_PLAN: tl.constexpr,  # the plan counts the codes; no atomics here
-    RESET_QUEUE: tl.constexpr,  # the plan kernel behind us copies its own misses
     CHUNK_K: tl.constexpr,
 ):
     if USE_PDL:  # the plan kernel may start now: it waits (gdc_wait) before reading our output
         gdc_launch_dependents()
     b = tl.program_id(0)
-    if RESET_QUEUE:
-        # Row b's queue entry: nothing published (-1), nothing claimed. The plan kernel
-        # touches it only after its gdc_wait (or the kernel boundary).
-        pair = tl.arange(0, 2)
-        tl.store(queue_ptr + 2 * b + pair, tl.where(pair == 0, -1, 0),
-                 mask=tl.where(tl.program_id(1) == 0, tl.full([2], 1, tl.int1), False))
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
                                     EARLY_LOADS)
     k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
@@ -511,11 +440,6 @@ def _plan_direct_kernel(
     K: tl.constexpr,  # compile-time sizes: masks and address arithmetic fold away
     H: tl.constexpr,
     E, P, N,
-    queue_ptr,  # [Bcap, 2] int32 (COPY_IN_PLAN): per row, misses published (-1: not yet)
-    # and entries claimed; reset by the classify kernel
-    work_ptr,  # [Bcap, K] int64 (COPY_IN_PLAN): queued misses (_copy_entries), -1 otherwise
-    host_ptr,  # [N, ROW_WORDS] int32 this layer's host rows (COPY_IN_PLAN)
-    device_ptr,  # [R*S, ROW_WORDS] int32 this layer's device rows (COPY_IN_PLAN)
     LOOKUP_IN_PLAN: tl.constexpr,
     EARLY_LOADS: tl.constexpr,
     WRITE_TOTAL: tl.constexpr,
@@ -531,12 +455,6 @@ def _plan_direct_kernel(
     LANES_H: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= K: the whole top-k row lives in registers
     BLOCK_H: tl.constexpr,  # >= H: the whole LRU row lives in registers
-    COPY_IN_PLAN: tl.constexpr,  # copy the misses here, shared through the work queue
-    ROW_WORDS: tl.constexpr,
-    BLOCK_WORDS: tl.constexpr,
-    COPY_ROWS: tl.constexpr,  # rows per copy iteration
-    COPY_CLAIM: tl.constexpr,  # entries per claim
-    BLOCK_BATCH: tl.constexpr,  # >= Bcap (COPY_IN_PLAN)
 ):
     """The plan of `_plan_kernel` with K and H in one block each, so that each slot's final
     LRU position comes straight from its ranks and the miss count M (no third pass), miss
@@ -638,11 +556,6 @@ def _plan_direct_kernel(
             tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
             tl.store(plan_dst_ptr + b * plan_stride + rank, base + victim, mask=miss)
             num_misses += installed
-            if COPY_IN_PLAN:
-                item = (row.to(tl.int64) << 32) | (base + victim).to(tl.int64)
-                tl.store(work_ptr + b * K + rank, item, mask=miss)
-                tl.debug_barrier()  # this program's own reads of them come after the barrier
-                tl.atomic_xchg(queue_ptr + 2 * b, installed, sem="relaxed")
         else:  # no misses (or, were H < K possible, no evictable slot)
             new_position = tl.where(evictable, evict_rank, num_evictable + hit_rank)
             miss = tl.zeros(row.shape, tl.int1)
@@ -659,13 +572,6 @@ def _plan_direct_kernel(
     tl.store(plan_count_ptr + b, num_misses)
     if WRITE_TOTAL:
         _publish_total(total_ptr, num_misses)
-    # A row without misses leaves at once: a miss-free step pays for no copy at all. A row
-    # with misses copies them, then helps the rows still copying.
-    if COPY_IN_PLAN:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if num_misses > 0:
-            _copy_own_then_others(b, num_misses, queue_ptr, work_ptr, K, host_ptr,
-                                  device_ptr, tl.num_programs(0), ROW_WORDS, BLOCK_WORDS,
-                                  COPY_ROWS, COPY_CLAIM, BLOCK_BATCH)
 
 
 @triton.jit
@@ -866,15 +772,6 @@ class Tuning:
     # B=16 (16 passes) miss-free +3 us, with misses -2..-3%: B=1 only.
     prefetch_copy_max_batch: int | None = 1
     interpreter_copy_programs: int = 2  # each program costs ~1 ms under TRITON_INTERPRET=1
-    # From this batch capacity on (None: never), the direct plan copies the misses itself
-    # instead of a copy kernel behind it: each row appends its misses to a queue shared by
-    # the step and then copies queued rows, its own and others', until the queue is drained,
-    # so a request's misses still spread over every program with work, no row waits for the
-    # whole plan grid, and a miss-free step launches no copy. Needs the lookups split and the
-    # direct plan; below it the copy kernel's wider grid wins (few plan programs).
-    copy_in_plan_min_batch: int | None = None
-    copy_in_plan_rows: int = 4  # rows per copy iteration of a plan program (8 warps)
-    copy_in_plan_claim: int = 32  # queue entries taken per claim (one compare-and-swap)
 
 
 _tuning = Tuning()
@@ -901,8 +798,6 @@ class _Scratch:
     total: torch.Tensor  # [3] int32 for _publish_total: accumulator, arrivals (0 between
     # calls), the last plan's miss total
     plan: MissPlan  # used when the caller passes none
-    queue: torch.Tensor  # [Bcap, 2] int32 of a copying plan: misses published, claimed
-    work: torch.Tensor  # [Bcap, K] int64 of a copying plan: queued misses, -1 between calls
 
 
 _scratch: weakref.WeakKeyDictionary[CacheTables, dict[tuple[int, int], _Scratch]] = (
@@ -923,8 +818,6 @@ def _get_scratch(tables: CacheTables, batch_cap: int, top_k: int) -> _Scratch:
             miss_row=torch.empty(batch_cap, top_k, dtype=torch.int32, device=device),
             total=torch.zeros(3, dtype=torch.int32, device=device),
             plan=MissPlan.empty(batch_cap, top_k, device),
-            queue=torch.zeros(batch_cap, 2, dtype=torch.int32, device=device),
-            work=torch.full((batch_cap, top_k), -1, dtype=torch.int64, device=device),
         )
         per_shape[(batch_cap, top_k)] = scratch
     return scratch
@@ -1146,11 +1039,6 @@ def swap_in_triton(
     counts_in_plan = tune.counts_in_plan and not lookup_in_plan
     prefetch = (not skip_io and not lookup_in_plan
                 and _within(batch_cap, tune.prefetch_copy_max_batch))
-    block_k, block_h = triton.next_power_of_2(k), triton.next_power_of_2(hot)
-    direct = tune.plan_direct and block_k <= tune.plan_chunk_k and block_h <= tune.plan_chunk_h
-    copy_in_plan = (direct and not skip_io and not lookup_in_plan and not prefetch
-                    and tune.copy_in_plan_min_batch is not None
-                    and batch_cap >= tune.copy_in_plan_min_batch)
     if not lookup_in_plan:
         chunk = tune.classify_chunk_k
         if tune.small_batch_classify_chunk_k is not None and batch_cap <= tune.small_batch_max:
@@ -1158,11 +1046,13 @@ def swap_in_triton(
         chunk = min(triton.next_power_of_2(k), chunk)
         _classify_kernel[(batch_cap, triton.cdiv(k, chunk))](
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
-            scratch.hit_flag, scratch.miss_row, counters, scratch.queue, *sizes,
+            scratch.hit_flag, scratch.miss_row, counters, *sizes,
             EARLY_LOADS=tune.early_loads, USE_PDL=pdl,
-            COUNTER_SEM=counter_sem, COUNTS_IN_PLAN=counts_in_plan,
-            RESET_QUEUE=copy_in_plan, CHUNK_K=chunk, num_warps=tune.classify_warps,
+            COUNTER_SEM=counter_sem, COUNTS_IN_PLAN=counts_in_plan, CHUNK_K=chunk,
+            num_warps=tune.classify_warps,
         )
+    block_k, block_h = triton.next_power_of_2(k), triton.next_power_of_2(hot)
+    direct = tune.plan_direct and block_k <= tune.plan_chunk_k and block_h <= tune.plan_chunk_h
     plan_args = (
         num_real, req_slots, t.seq_lens, top_k, out, t.page_table, t.resident[group],
         t.slot_row[group], t.lru[group], scratch.hit_flag, scratch.miss_row, scratch.order,
@@ -1178,19 +1068,8 @@ def swap_in_triton(
         flags["launch_pdl"] = True
     if direct:
         lanes = 32 * tune.plan_warps  # one position of each lane-major slice per thread
-        if copy_in_plan:
-            host_rows, device_rows = _layer_rows(t, layer)
-            row_words = t.row_bytes // 4
-        else:  # never dereferenced; one compiled plan for every row size
-            host_rows = device_rows = scratch.miss_row
-            row_words = 1
         _plan_direct_kernel[(batch_cap,)](
-            *plan_args, scratch.queue, scratch.work, host_rows, device_rows,
-            COPY_IN_PLAN=copy_in_plan, ROW_WORDS=row_words,
-            BLOCK_WORDS=triton.next_power_of_2(row_words), COPY_ROWS=tune.copy_in_plan_rows,
-            COPY_CLAIM=tune.copy_in_plan_claim,
-            BLOCK_BATCH=triton.next_power_of_2(batch_cap) if copy_in_plan else 1,
-            SLOT_ROW_READS=_SLOT_ROW_READS.index(tune.slot_row_reads),
+            *plan_args, SLOT_ROW_READS=_SLOT_ROW_READS.index(tune.slot_row_reads),
             ON_CHIP_GATHERS=tune.on_chip_gathers, CONTIGUOUS_FLAG_CLEAR=tune.contiguous_flag_clear,
             SKIP_UNMOVED_LRU=tune.skip_unmoved_lru_writes,
             LANES_K=min(block_k, lanes) if tune.lane_major_plan else 0,
@@ -1205,7 +1084,7 @@ def swap_in_triton(
         )
     if prefetch:
         _launch_prefetched_copy(t, layer, scratch.miss_row, out, pdl=pdl_copy)
-    elif not skip_io and not copy_in_plan:
+    elif not skip_io:
         # A shared-index replay (copy_planned_triton) follows an event wait or foreign work
         # and is never launched this way.
         _launch_copy(t, layer, used_plan, batch_cap,

@@ -13,12 +13,14 @@ the host pool.
     PYTHONPATH=src python benchmarks/swap_in.py --quick      # smoke run, a few cells
     PYTHONPATH=src python benchmarks/swap_in.py --ab launch  # a round of variants (AB_ROUNDS)
     PYTHONPATH=src python benchmarks/swap_in.py --padding  # small batches padded to capacities
+    PYTHONPATH=src python benchmarks/swap_in.py --vs-sglang  # SGLang's kernel side by side
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import statistics
 import sys
@@ -285,16 +287,20 @@ def count_wrong_rows(pool: Pool, cell: Cell, top_k: torch.Tensor,
 
 
 def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, args,
-             seed: int, batch_capacity: int | None = None) -> dict[str, object]:
+             seed: int, batch_capacity: int | None = None,
+             peer: tuple[str, Callable[..., object]] | None = None) -> dict[str, object]:
     """hisparse.benchmarking's SW-1 cell (graph replays, every step checked against the
-    mirror, then the skip-IO probe) as one JSON record; `batch_capacity`: padded to it."""
+    mirror, then the skip-IO probe) as one JSON record; `batch_capacity`: padded to it.
+    `peer` (name, kernel_for): time that kernel on the cell instead, without the probe."""
     sizes = dataclasses.replace(SIZES, extent_tokens=extent, warmup_steps=args.warmup,
                                 timed_steps=args.steps)
     cell = benchmarking.sw1_cell(get_backend("cuda"), pool.host, layout, batch, churn, sizes,
-                                 seed, mirror=pool.mirror, skip_io=True,
-                                 batch_capacity=batch_capacity, flush=args.flush)
+                                 seed, mirror=pool.mirror, skip_io=peer is None,
+                                 batch_capacity=batch_capacity, flush=args.flush,
+                                 kernel_for=None if peer is None else peer[1])
     median = cell.step_seconds * 1e6
     record: dict[str, object] = {
+        "kernel": "hisparse" if peer is None else peer[0],
         "B": batch, "churn": churn, "layout": layout, "extent_tokens": cell.extent_tokens,
         **({"batch_capacity": batch_capacity} if batch_capacity is not None else {}),
         "median_us": round(median, 1),
@@ -304,6 +310,9 @@ def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, arg
         "skip_io_median_us": round((cell.skip_io_step_seconds or 0.0) * 1e6, 1),
         "correct": cell.verified,
     }
+    if peer is not None:
+        del record["skip_io_median_us"]
+        record["misses_counted_by"] = cell.misses_counted_by
     reference = SGLANG_US.get((batch, churn)) if layout == "scattered" else None
     if reference is not None:
         record["sglang_0_5_23_us"] = reference
@@ -400,6 +409,59 @@ def plot(results: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def run_vs_sglang(pool: Pool, batches: list[int], churns: list[float], args,
+                  results: dict, save: Callable[[], None], path: Path) -> int:
+    """hisparse's kernel and SGLang's (sglang_peer) on every cell, one after the other on the
+    same pool, tables and trace; which goes first alternates from cell to cell."""
+    import sglang_peer
+
+    source = sglang_peer.find_source(args.vs_sglang or None)
+    build = Path(args.peer_build_dir)
+    library = sglang_peer.load_library(sglang_peer.compile_library(
+        source, SIZES.top_k, SIZES.hot_slots, build, block_size=args.peer_block_size))
+    backend = get_backend("cuda")
+    name = f"sglang-{sglang_peer.source_version(source)}"
+    results["peer"] = {
+        "kernel": name, "source": str(source),
+        "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
+        "block_size": args.peer_block_size, "nvcc": sglang_peer.nvcc_version(),
+        "how": "its kernel's device code compiled with nvcc behind hisparse's C launcher "
+               "(benchmarks/sglang_peer.py), on the same tables, pool and top-k trace",
+    }
+
+    def kernel_for(tables: CacheTables, host_rows: np.ndarray) -> sglang_peer.PeerSwapIn:
+        return sglang_peer.PeerSwapIn(library, backend, tables, host_rows)
+
+    order = 0
+    for layout in ("scattered", "extents"):
+        extent = 1 if layout == "scattered" else SIZES.extent_tokens
+        for batch in batches:
+            for churn in churns:
+                runs = [None, (name, kernel_for)]
+                pair = {}
+                for peer in (runs if order % 2 == 0 else runs[::-1]):
+                    record = run_cell(pool, batch, churn, layout, extent, args, args.seed,
+                                      peer=peer)
+                    pair[record["kernel"]] = record
+                order += 1
+                ours = pair["hisparse"]
+                ours[f"{name}_measured_us"] = pair[name]["median_us"]
+                ours[f"speedup_vs_{name}"] = round(
+                    pair[name]["median_us"] / ours["median_us"], 2)
+                results["records"] += [ours, pair[name]]
+                save()
+    print(f"\nmedian us, hisparse / {name} (speedup); flush: {args.flush}")
+    for record in results["records"]:
+        if record["kernel"] == "hisparse":
+            print(f"{record['layout']:>9} B={record['B']:<3} churn={record['churn']:<4} "
+                  f"{record['median_us']:>8} / {record[f'{name}_measured_us']:>8} "
+                  f"({record[f'speedup_vs_{name}']}x)"
+                  + ("" if record["correct"] else " WRONG ROWS"))
+    save()
+    print(f"wrote {path}")
+    return 0 if results["all_correct"] else 1
+
+
 def run_ab(pool: Pool, batches: list[int], churns: list[float], args, rng: np.random.Generator,
            results: dict, save: Callable[[], None], path: Path) -> int:
     """Every variant of the round on the same reduced grid, in one process (same pool, same
@@ -462,7 +524,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="run with the copy launch parameters the limits sweep liked best")
     parser.add_argument("--flush", choices=benchmarking.FLUSH_MODES, default="write",
                         help="how the caches are evicted before each step: written over (every "
-                        "line dirty, SW-1's default) or read over (clean lines)")
+                        "line dirty, SW-1's default), read over (clean lines) or not at all "
+                        "(DESIGN.md's SW-1 taken literally: tables warm at churn 0)")
+    parser.add_argument("--vs-sglang", nargs="?", const="", metavar="HISPARSE_CUH",
+                        help="time SGLang's fused swap-in kernel side by side with hisparse's "
+                        "on every cell (benchmarks/sglang_peer.py): from the installed sglang "
+                        "package, or from this path of its jit_kernel/csrc/hisparse.cuh")
+    parser.add_argument("--peer-block-size", type=int, default=1024,
+                        help="threads per request for SGLang's kernel (its coordinator's)")
+    parser.add_argument("--peer-build-dir", default="/tmp/hisparse-sglang-peer",
+                        help="where the SGLang kernel's library is built")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
@@ -485,13 +556,16 @@ def main(argv: list[str] | None = None) -> int:
         batches, churns = AB_GRIDS[args.ab]
     if args.padding:
         batches, churns = [1, 16], [0.0, 0.2, 1.0]
+    if args.vs_sglang is not None and args.quick:
+        batches, churns = [1, 16], [0.0, 0.2, 1.0]
     max_batch = 128 if (not args.quick or args.extent_sweep) else max(batches)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)  # the pool's bytes
     rng = np.random.default_rng(args.seed)  # layouts and top-k traces
     rows = max_batch * SIZES.seq_len
     began = time.perf_counter()
     host = alloc_registered(rows * SIZES.row_bytes).view(rows, SIZES.row_bytes)
-    limits = measure(host) if not (args.quick or args.ab or args.padding) else {}
+    peer_run = args.vs_sglang is not None
+    limits = measure(host) if not (args.quick or args.ab or args.padding or peer_run) else {}
     from hisparse.kernels import swap_in_triton as kernels
 
     chosen = limits.get("copy_tuning_choice", {}) if args.tune_copy else {}
@@ -521,8 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = ("-quick" if args.quick else f"-ab-{args.ab}" if args.ab
-              else "-padding" if args.padding else "")
+    suffix = ("-vs-sglang" if peer_run else "") + (
+        "-quick" if args.quick else f"-ab-{args.ab}" if args.ab
+        else "-padding" if args.padding else "")
     if args.flush != "write":
         suffix += f"-{args.flush}-flush"
     path = out_dir / f"sw1-cuda{suffix}.json"
@@ -536,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.ab:
         return run_ab(pool, batches, churns, args, rng, results, save, path)
+    if peer_run:
+        return run_vs_sglang(pool, batches, churns, args, results, save, path)
     if args.padding:
         for batch in batches:
             for capacity in sorted({batch, 16, 64, 128} - set(range(batch))):

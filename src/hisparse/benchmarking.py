@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from hisparse.backends.base import Backend
+from hisparse.backends.base import Backend, SwapInFn
 from hisparse.backends.features import Feature
 from hisparse.core.host_pool import ExtentAllocator
 from hisparse.core.tables import CacheTables, MissPlan, residency_dtype
@@ -85,6 +85,7 @@ class SW1Cell:
     extent_tokens: int
     skip_io_step_seconds: float | None = None  # median with skip_io=True (plan only)
     batch_capacity: int | None = None  # rows the kernel ran over (None: `batch`, no padding)
+    misses_counted_by: str = "kernel counters"  # or "trace" (a kernel that counts nothing)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -247,6 +248,7 @@ def sw1_cell(
     backend: Backend, pool: torch.Tensor, layout: str, batch: int, churn: float,
     sizes: SW1Sizes, seed: int = 0, mirror: torch.Tensor | None = None,
     skip_io: bool = False, batch_capacity: int | None = None, flush: str = "write",
+    kernel_for: Callable[[CacheTables, np.ndarray], SwapInFn] | None = None,
 ) -> SW1Cell:
     """One SW-1 cell: an untimed first step, `warmup_steps`, then `timed_steps` timed ones.
 
@@ -256,7 +258,10 @@ def sw1_cell(
     rows are checked on the host. `skip_io` then times as many steps planned without moving
     bytes (the skip-IO probe). `batch_capacity`: run the kernel over that many rows, those
     past `batch` padding (-1 top-k, as a graph captured at a larger batch runs it). `flush`:
-    how the caches are evicted before each step (`CacheFlusher`)."""
+    how the caches are evicted before each step (`CacheFlusher`). `kernel_for(tables,
+    host_rows)`: another swap-in kernel to time on the same tables and trace (a peer's, for a
+    side-by-side run); one that leaves `tables.counters` alone gets the trace's miss count,
+    which SW-1's trace fixes at churn x K per row and step for any exact LRU."""
     rng = np.random.default_rng([seed, batch, round(churn * 1000),
                                  (*LAYOUTS, SWEEP_LAYOUT).index(layout)])
     device = backend.device()
@@ -265,7 +270,7 @@ def sw1_cell(
         raise InvalidInputError(f"batch_capacity {capacity} is smaller than the batch {batch}; "
                                 "pass at least the batch size")
     tables, host_rows = build_tables(backend, pool, layout, batch, sizes, rng, mirror=mirror)
-    kernel, _ = swap_in_kernel(backend)
+    kernel = swap_in_kernel(backend)[0] if kernel_for is None else kernel_for(tables, host_rows)
     trace = ChurnTrace(batch, sizes, churn, rng)
     req_slots = torch.zeros(capacity, dtype=torch.int32, device=device)  # padding: slot 0
     req_slots[:batch] = torch.arange(batch, dtype=torch.int32, device=device)
@@ -324,6 +329,9 @@ def sw1_cell(
         backend.synchronize()
     times = [seconds() for seconds in elapsed[sizes.warmup_steps:]]
     misses = misses_after.diff()[sizes.warmup_steps:].tolist()
+    counted_by = "kernel counters"
+    if kernel_for is not None and not any(misses):
+        misses, counted_by = [trace.fresh_per_step * batch] * len(misses), "trace"
     verified = int(wrong) == 0 and (mirror is not None or rows_match(
         tables, host_rows, staged[steps].cpu().numpy(), out))
     skip_io_seconds = None
@@ -353,6 +361,7 @@ def sw1_cell(
         extent_tokens=1 if layout == "scattered" else sizes.extent_tokens,
         skip_io_step_seconds=skip_io_seconds,
         batch_capacity=batch_capacity,
+        misses_counted_by=counted_by,
     )
 
 
@@ -379,7 +388,7 @@ def rows_match(tables: CacheTables, host_rows: np.ndarray, positions: np.ndarray
     return int(wrong) == 0
 
 
-FLUSH_MODES = ("write", "read")
+FLUSH_MODES = ("write", "read", "none")
 
 
 class CacheFlusher:
@@ -388,7 +397,9 @@ class CacheFlusher:
     Goes over a buffer of twice the last-level cache (CUDA and ROCm report its size; elsewhere
     256 MiB); nothing to do on a CPU, whose timings are host wall time anyway. "write" (SW-1's
     default) leaves every cached line dirty, so the step's own misses first write back what
-    they evict: the worst case. "read" leaves clean lines, as streaming weights and keys do."""
+    they evict: the worst case. "read" leaves clean lines, as streaming weights and keys do.
+    "none" leaves the caches as the previous step left them: DESIGN.md's SW-1 taken literally
+    (at churn 0 the same top-k every step, so the step's tables stay in L2)."""
 
     def __init__(self, device: torch.device, mode: str = "write") -> None:
         if mode not in FLUSH_MODES:
@@ -396,7 +407,7 @@ class CacheFlusher:
                                     f"{', '.join(FLUSH_MODES)}")
         self.mode = mode
         self.scratch: torch.Tensor | None = None
-        if device.type == "cpu":
+        if device.type == "cpu" or mode == "none":
             return
         size = 256 << 20
         if device.type == "cuda":

@@ -313,7 +313,8 @@ def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, arg
     if peer is not None:
         del record["skip_io_median_us"]
         record["misses_counted_by"] = cell.misses_counted_by
-    reference = SGLANG_US.get((batch, churn)) if layout == "scattered" else None
+    quoted = layout == "scattered" and peer is None
+    reference = SGLANG_US.get((batch, churn)) if quoted else None
     if reference is not None:
         record["sglang_0_5_23_us"] = reference
         record["speedup_vs_sglang"] = round(reference / median, 2)

@@ -202,10 +202,12 @@ def peer_tables(tables: CacheTables, host_rows: np.ndarray, layer: int = 0) -> P
     buffer_tokens = np.concatenate([tokens, (lengths - 1)[:, None]], axis=1)
     slots = tables.slots_per_request
     buffer_locs = np.arange(requests)[:, None] * slots + np.arange(slots)[None, :]
+    # Row-major: the kernel takes one row stride per table and assumes unit column strides
+    # (numpy hands back column-major arrays from some of the steps above).
     return PeerTables(
-        buffer_tokens=torch.from_numpy(buffer_tokens.astype(np.int32)).to(device),
-        buffer_locs=torch.from_numpy(buffer_locs.astype(np.int32)).to(device),
-        host_locs=torch.from_numpy(host_rows.astype(np.int64)).to(device),
+        buffer_tokens=torch.from_numpy(buffer_tokens.astype(np.int32)).to(device).contiguous(),
+        buffer_locs=torch.from_numpy(buffer_locs.astype(np.int32)).to(device).contiguous(),
+        host_locs=torch.from_numpy(host_rows.astype(np.int64)).to(device).contiguous(),
         lru=tables.lru[layer].to(torch.int16).contiguous(),
     )
 
@@ -235,6 +237,11 @@ class PeerSwapIn:
         if options or layer != self.layer:
             raise InvalidInputError(f"the SGLang kernel runs layer {self.layer} alone and takes "
                                     f"no options (got layer {layer}, {sorted(options)})")
+        for name, tensor in (("top_k", top_k), ("out", out)):
+            if tensor.stride(1) != 1:
+                raise InvalidInputError(f"{name} must have unit column stride for the SGLang "
+                                        f"kernel (strides {tensor.stride()}); pass a "
+                                        ".contiguous() tensor")
         if self.request_slots is None or self.slots_address != req_slots.data_ptr():
             # Converted on the first (eager) call, outside any capture: SGLang reads int64
             # request slots and a sequence length per batch row, not per request slot.

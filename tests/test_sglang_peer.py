@@ -110,6 +110,9 @@ def test_peer_tables_hold_the_same_tokens_rows_and_lru(layout: str) -> None:
     hot = sizes.hot_slots
     tokens = peer.buffer_tokens.numpy()
     assert peer.buffer_tokens.shape == (2, hot + 1) and peer.lru.dtype == torch.int16
+    # The kernel takes one row stride per table: every table must be row-major.
+    for table in (peer.buffer_tokens, peer.buffer_locs, peer.host_locs, peer.lru):
+        assert table.is_contiguous()
     for b in range(2):
         assert tokens[b, hot] == sizes.seq_len - 1  # the newest slot
         assert (host_rows[b, tokens[b, :hot]] == tables.slot_row[0, b].numpy()).all()

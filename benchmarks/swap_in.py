@@ -219,6 +219,13 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "warps16-victims": {**_NINTH_CHOSEN, "plan_warps": 16, "slot_row_reads": "victims"},
         "chosen-again": _NINTH_CHOSEN,
     },
+    # Eleventh pass: a wider large-batch copy for token-granular (scattered) page tables.
+    "fine-extent-copy": {
+        "chosen": _NINTH_CHOSEN,
+        **{f"fine-{width}": {**_NINTH_CHOSEN, "fine_extent_copy_programs_per_unit": width}
+           for width in (2, 4, 8)},
+        "chosen-again": _NINTH_CHOSEN,
+    },
 }
 AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "launch": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
@@ -233,7 +240,8 @@ AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
             "copy-pdl-wide": ([64, 128], [0.0, 0.2, 1.0]),
             "counts-in-plan": ([1, 16, 64, 128], [0.0, 0.2, 1.0]),
             "lane-major": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "plan-warps": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
+            "plan-warps": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "fine-extent-copy": ([64, 128], [0.05, 0.2, 1.0])}
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,
@@ -410,16 +418,15 @@ def plot(results: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def run_vs_sglang(pool: Pool, batches: list[int], churns: list[float], args,
-                  results: dict, save: Callable[[], None], path: Path) -> int:
-    """hisparse's kernel and SGLang's (sglang_peer) on every cell, one after the other on the
-    same pool, tables and trace; which goes first alternates from cell to cell."""
+def sglang_peer_kernel(args, results: dict) -> tuple[str, Callable[..., object]]:
+    """(name, kernel_for) of SGLang's kernel (sglang_peer), built for SW-1's sizes; what it
+    is goes into `results["peer"]`."""
     import sglang_peer
 
     source = sglang_peer.find_source(args.vs_sglang or None)
-    build = Path(args.peer_build_dir)
     library = sglang_peer.load_library(sglang_peer.compile_library(
-        source, SIZES.top_k, SIZES.hot_slots, build, block_size=args.peer_block_size))
+        source, SIZES.top_k, SIZES.hot_slots, Path(args.peer_build_dir),
+        block_size=args.peer_block_size))
     backend = get_backend("cuda")
     name = f"sglang-{sglang_peer.source_version(source)}"
     results["peer"] = {
@@ -433,6 +440,14 @@ def run_vs_sglang(pool: Pool, batches: list[int], churns: list[float], args,
     def kernel_for(tables: CacheTables, host_rows: np.ndarray) -> sglang_peer.PeerSwapIn:
         return sglang_peer.PeerSwapIn(library, backend, tables, host_rows)
 
+    return name, kernel_for
+
+
+def run_vs_sglang(pool: Pool, batches: list[int], churns: list[float], args,
+                  results: dict, save: Callable[[], None], path: Path) -> int:
+    """hisparse's kernel and SGLang's (sglang_peer) on every cell, one after the other on the
+    same pool, tables and trace; which goes first alternates from cell to cell."""
+    name, kernel_for = sglang_peer_kernel(args, results)
     order = 0
     for layout in ("scattered", "extents"):
         extent = 1 if layout == "scattered" else SIZES.extent_tokens
@@ -469,21 +484,28 @@ def run_ab(pool: Pool, batches: list[int], churns: list[float], args, rng: np.ra
     GPU state), then one median-us table per layout on stdout."""
     from hisparse.kernels import swap_in_triton as kernels
 
-    variants = AB_ROUNDS[args.ab]
+    variants: dict[str, dict[str, object] | None] = dict(AB_ROUNDS[args.ab])
     results["ab_round"] = args.ab
-    results["ab_variants"] = variants
+    results["ab_variants"] = dict(variants)
     results["miss_free_by_variant"] = {}
+    peer = None
+    if args.vs_sglang is not None:  # SGLang's kernel first and last, around the variants
+        peer = sglang_peer_kernel(args, results)
+        variants = {peer[0]: None, **variants, f"{peer[0]}-again": None}
     for name, overrides in variants.items():
         try:
-            with kernels.tuning(**overrides):
+            with kernels.tuning(**(overrides or {})):
                 for layout in ("scattered", "extents"):
                     extent = 1 if layout == "scattered" else SIZES.extent_tokens
                     for batch in batches:
                         for churn in churns:
-                            record = run_cell(pool, batch, churn, layout, extent, args, args.seed)
+                            record = run_cell(pool, batch, churn, layout, extent, args,
+                                              args.seed, peer=peer if overrides is None else None)
+                            record.setdefault("skip_io_median_us", "-")
                             results["records"].append({"variant": name, **record})
                             save()
-                results["miss_free_by_variant"][name] = miss_free_warm(pool, rng, args)
+                if overrides is not None:
+                    results["miss_free_by_variant"][name] = miss_free_warm(pool, rng, args)
                 save()
         except Exception as exc:  # one broken variant must not cost the others' numbers
             print(f"variant {name} failed: {type(exc).__name__}: {exc}", flush=True)

@@ -238,6 +238,8 @@ VARIANTS = {  # every flag spelled out, so that a name means the same whatever t
     # large-batch copy grid; both change only how kernels launch, so nothing else may change.
     "no-pdl": {"pdl": False},
     "large-batch-copy": {"large_batch_copy_min_batch": 1},
+    "fine-extent-copy": {"large_batch_copy_min_batch": 1, "fine_extent_copy_programs_per_unit": 4,
+                         "fine_extent_max_tokens": 1 << 30},
     # The direct plan as it was before its memory transactions were cut, and other choices.
     "direct-gather-all": {"slot_row_reads": "all", "contiguous_flag_clear": False,
                           "skip_unmoved_lru_writes": False},
@@ -428,3 +430,30 @@ def test_compute_units_come_from_the_triton_driver() -> None:
     assert triton_kernels._compute_units(DEVICE) == expected
     assert triton_kernels._compute_units(torch.device("cuda", torch.cuda.current_device())) == (
         expected)
+
+
+@pytest.mark.parametrize("extent_tokens", [1, 16, 17, 512])
+def test_copy_width_follows_batch_and_extent_size(extent_tokens: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small batches copy over `copy_programs_per_unit` programs per SM; from the large-batch
+    threshold on the narrow width, or the fine-extent one for token-granular tables."""
+    units = int(torch.randint(1, 200, ()).item())
+    monkeypatch.setattr(triton_kernels, "_compute_units", lambda device: units)
+    host, gpu = torch.empty(1, 4), torch.device("cuda")
+    entries = 1 << 30  # more than any grid, so the width alone decides
+
+    def programs(rows: int) -> int:
+        return triton_kernels._copy_grid(host, gpu, rows, entries, extent_tokens)[0]
+
+    with triton_kernels.tuning(large_batch_copy_min_batch=64, copy_programs_per_unit=8,
+                               large_batch_copy_programs_per_unit=1,
+                               fine_extent_copy_programs_per_unit=None):
+        assert (programs(63), programs(64)) == (8 * units, units)
+    with triton_kernels.tuning(large_batch_copy_min_batch=64, copy_programs_per_unit=8,
+                               large_batch_copy_programs_per_unit=1,
+                               fine_extent_copy_programs_per_unit=4, fine_extent_max_tokens=16):
+        fine = extent_tokens <= 16
+        assert (programs(63), programs(64)) == (8 * units, (4 if fine else 1) * units)
+    # The interpreter's grid stays tiny whatever the layout.
+    assert triton_kernels._copy_grid(host, torch.device("cpu"), 64, entries, extent_tokens)[0] \
+        == triton_kernels._tuning.interpreter_copy_programs

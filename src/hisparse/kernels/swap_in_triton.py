@@ -751,6 +751,12 @@ class Tuning:
     # 16-32 per SM gave scattered B=128 +1-2% but cost extents. Below B=64 no change.
     large_batch_copy_min_batch: int | None = 64
     large_batch_copy_programs_per_unit: int = 1
+    # Large-batch copies over a page table of extents up to `fine_extent_max_tokens` tokens
+    # (token-granular tables such as SGLang's: rows scattered over the pool) use this width
+    # instead (None: the one above). Scattered rows share no locality for a narrow window to
+    # keep, and each read waits on host-side translation, so more rows in flight may help.
+    fine_extent_copy_programs_per_unit: int | None = None
+    fine_extent_max_tokens: int = 16
     # Warps of a large-batch copy program (None: copy_warps). Meant to keep a copy launched
     # early (PDL) from crowding onto the SMs the plan leaves idle; H200 (round copy-pdl-wide):
     # 32 warps cost extents B=128 churn 0.2 10% with or without PDL, 16 warps with PDL 3%,
@@ -919,8 +925,9 @@ def _pdl_supported(device: torch.device) -> bool:
 
 
 def _copy_grid(host: torch.Tensor, device: torch.device, num_rows: int,
-               num_entries: int) -> tuple[int, int]:
-    """(programs, warps per program) of a copy over `num_rows` batch rows."""
+               num_entries: int, extent_tokens: int) -> tuple[int, int]:
+    """(programs, warps per program) of a copy over `num_rows` batch rows of a host layout
+    with `extent_tokens`-token extents."""
     t = _tuning
     threshold = t.large_batch_copy_min_batch
     large = threshold is not None and num_rows >= threshold
@@ -928,6 +935,10 @@ def _copy_grid(host: torch.Tensor, device: torch.device, num_rows: int,
         max_programs = t.interpreter_copy_programs
     else:
         per_unit = t.large_batch_copy_programs_per_unit if large else t.copy_programs_per_unit
+        fine = (t.fine_extent_copy_programs_per_unit is not None
+                and extent_tokens <= t.fine_extent_max_tokens)
+        if large and fine:
+            per_unit = t.fine_extent_copy_programs_per_unit
         max_programs = _compute_units(device) * per_unit
     warps = t.large_batch_copy_warps if large and t.large_batch_copy_warps else t.copy_warps
     return max(1, min(triton.cdiv(num_entries, t.copy_rows), max_programs)), warps
@@ -940,7 +951,8 @@ def _copy_launch(tables: CacheTables, layer: int, num_rows: int, num_entries: in
     the same stream."""
     host, device = _layer_rows(tables, layer)
     row_words = tables.row_bytes // 4
-    programs, warps = _copy_grid(host, device.device, num_rows, num_entries)
+    programs, warps = _copy_grid(host, device.device, num_rows, num_entries,
+                                 tables.extent_tokens)
     options: dict[str, object] = {
         "ROW_WORDS": row_words, "BLOCK_WORDS": triton.next_power_of_2(row_words),
         "ROWS": _tuning.copy_rows, "USE_PDL": pdl, "num_warps": warps,

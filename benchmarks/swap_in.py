@@ -51,7 +51,7 @@ _THREE_PASS = {"plan_direct": False, "early_loads": False, "lookup_in_plan": Tru
                "on_chip_gathers": False, "relaxed_counters": False,
                "prefetch_copy_max_batch": 0, "classify_chunk_k": 256,
                "small_batch_classify_chunk_k": None, "small_batch_max": 16,
-               "large_batch_copy_warps": None}
+               "large_batch_copy_warps": None, "fine_extent_copy_programs_per_unit": None}
 _DIRECT = {**_THREE_PASS, "plan_direct": True, "early_loads": True}
 _PLANNING_WINNER = {**_DIRECT, "lookup_in_plan": None, "copy_programs_per_unit": 8}
 _PDL = {**_PLANNING_WINNER, "pdl": True}

@@ -753,9 +753,11 @@ class Tuning:
     large_batch_copy_programs_per_unit: int = 1
     # Large-batch copies over a page table of extents up to `fine_extent_max_tokens` tokens
     # (token-granular tables such as SGLang's: rows scattered over the pool) use this width
-    # instead (None: the one above). Scattered rows share no locality for a narrow window to
-    # keep, and each read waits on host-side translation, so more rows in flight may help.
-    fine_extent_copy_programs_per_unit: int | None = None
+    # instead (None: the one above): scattered rows share no locality for a narrow window to
+    # keep. H200 (round fine-extent-copy, SGLang's kernel timed in the same call): scattered
+    # B=64 / 128 -1..-3% with 2, 4 or 8 per SM alike (B=64 churn 0.2 486 -> 472 us, SGLang
+    # 472), extents unchanged.
+    fine_extent_copy_programs_per_unit: int | None = 4
     fine_extent_max_tokens: int = 16
     # Warps of a large-batch copy program (None: copy_warps). Meant to keep a copy launched
     # early (PDL) from crowding onto the SMs the plan leaves idle; H200 (round copy-pdl-wide):

@@ -151,6 +151,9 @@ def test_a_peer_kernel_is_timed_on_the_same_cell_and_checked_byte_for_byte(
     assert cell.misses_counted_by == "trace"
     assert cell.misses_per_step == 2 * round(churn * sizes.top_k)
     assert cell.verified is not corrupt
+    with pytest.raises(InvalidInputError, match="pass one of skip_io and kernel_for"):
+        benchmarking.sw1_cell(get_backend("cpu"), pool, "scattered", 2, churn, sizes,
+                              skip_io=True, kernel_for=lambda tables, host_rows: None)
 
 
 def test_no_flush_leaves_the_caches_alone() -> None:

@@ -269,6 +269,10 @@ def sw1_cell(
     if capacity < batch:
         raise InvalidInputError(f"batch_capacity {capacity} is smaller than the batch {batch}; "
                                 "pass at least the batch size")
+    if skip_io and kernel_for is not None:
+        raise InvalidInputError("skip_io times hisparse's own planning, which cannot follow "
+                                "another kernel (its tables are not hisparse's); pass one of "
+                                "skip_io and kernel_for")
     tables, host_rows = build_tables(backend, pool, layout, batch, sizes, rng, mirror=mirror)
     kernel = swap_in_kernel(backend)[0] if kernel_for is None else kernel_for(tables, host_rows)
     trace = ChurnTrace(batch, sizes, churn, rng)

@@ -113,6 +113,17 @@ def nvcc_version() -> str | None:
     return found.group(1) if found else output.strip().splitlines()[-1]
 
 
+def describe(source: Path, block_size: int) -> dict[str, object]:
+    """What a results file records about the peer kernel it timed."""
+    return {
+        "kernel": f"sglang-{source_version(source)}", "source": str(source),
+        "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
+        "block_size": block_size, "nvcc": nvcc_version(),
+        "how": "its kernel's device code compiled with nvcc behind hisparse's C launcher "
+               "(benchmarks/sglang_peer.py), on the same tables, pool and top-k trace",
+    }
+
+
 def kernel_parameters(source: str) -> tuple[str, ...]:
     """The parameter names of the swap-in kernel in `source`, in order."""
     match = re.search(rf"__global__\s+void\s+{KERNEL_NAME}\s*\((.*?)\)\s*\{{", source, re.S)

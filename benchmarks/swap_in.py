@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import statistics
 import sys
@@ -428,14 +427,8 @@ def sglang_peer_kernel(args, results: dict) -> tuple[str, Callable[..., object]]
         source, SIZES.top_k, SIZES.hot_slots, Path(args.peer_build_dir),
         block_size=args.peer_block_size))
     backend = get_backend("cuda")
-    name = f"sglang-{sglang_peer.source_version(source)}"
-    results["peer"] = {
-        "kernel": name, "source": str(source),
-        "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
-        "block_size": args.peer_block_size, "nvcc": sglang_peer.nvcc_version(),
-        "how": "its kernel's device code compiled with nvcc behind hisparse's C launcher "
-               "(benchmarks/sglang_peer.py), on the same tables, pool and top-k trace",
-    }
+    results["peer"] = sglang_peer.describe(source, args.peer_block_size)
+    name = results["peer"]["kernel"]
 
     def kernel_for(tables: CacheTables, host_rows: np.ndarray) -> sglang_peer.PeerSwapIn:
         return sglang_peer.PeerSwapIn(library, backend, tables, host_rows)

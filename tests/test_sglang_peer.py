@@ -5,6 +5,7 @@ The kernel itself runs only where CUDA, nvcc and an SGLang source are all presen
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import sys
 from pathlib import Path
@@ -80,6 +81,9 @@ def test_release_comes_from_the_dist_info_beside_the_package(tmp_path: Path) -> 
     assert sglang_peer.source_version(source) == "unknown"
     (tmp_path / "sglang-0.5.10.post1.dist-info").mkdir()
     assert sglang_peer.source_version(source) == "0.5.10.post1"
+    record = sglang_peer.describe(source, 1024)
+    assert record["kernel"] == "sglang-0.5.10.post1" and record["block_size"] == 1024
+    assert record["source_sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
     assert sglang_peer.find_source(str(source)) == source
 
 

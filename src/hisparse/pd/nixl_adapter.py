@@ -155,7 +155,7 @@ class NixlDecodeEndpoint:
         backends: Sequence[str] = ("UCX",),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if timeout_s <= 0:
+        if not timeout_s > 0:  # also refuses NaN, which no clock reading would ever reach
             raise InvalidInputError(f"timeout_s must be > 0 seconds, got {timeout_s}.")
         nixl = import_nixl()
         pool = list(host_tensors if host_tensors is not None else cache.host_tensors())
@@ -210,7 +210,7 @@ class NixlDecodeEndpoint:
                 f"{self._transfer_of[request_id]}; cancel() it before preparing it again."
             )
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        if timeout <= 0:
+        if not timeout > 0:  # also refuses NaN: the rows would stay reserved forever
             raise InvalidInputError(f"timeout_s must be > 0 seconds, got {timeout_s}.")
         reservation = self.cache.reserve_host_slots(request_id, num_tokens)
         try:
@@ -230,22 +230,28 @@ class NixlDecodeEndpoint:
         Never raises for one request's failure: the failure is in its outcome's `error`.
         """
         outcomes, self._undelivered = self._undelivered, []
-        for sender, messages in self._agent.get_new_notifs().items():
-            for message in messages:
-                outcome = self._on_notification(sender, message)
-                if outcome is not None:
-                    outcomes.append(outcome)
-        now = self._clock()
-        for transfer_id, pending in list(self._pending.items()):
-            if now >= pending.deadline:
-                error = TransferError(
-                    f"KV transfer {transfer_id} for request {pending.request_id!r} timed out: "
-                    f"no completion notification within {pending.timeout_s:g} s; its "
-                    f"{pending.ticket.num_tokens} host rows were released. Check that the "
-                    f"prefill node connected to agent {self.agent_name!r} and wrote the ticket, "
-                    "or raise timeout_s."
-                )
-                outcomes.append(self._fail(transfer_id, error, why="timed out"))
+        try:
+            for sender, messages in self._agent.get_new_notifs().items():
+                for message in messages:
+                    outcome = self._on_notification(sender, message)
+                    if outcome is not None:
+                        outcomes.append(outcome)
+            now = self._clock()
+            for transfer_id, pending in list(self._pending.items()):
+                if now >= pending.deadline:
+                    error = TransferError(
+                        f"KV transfer {transfer_id} for request {pending.request_id!r} timed "
+                        f"out: no completion notification within {pending.timeout_s:g} s; its "
+                        f"{pending.ticket.num_tokens} host rows were released. Check that the "
+                        f"prefill node connected to agent {self.agent_name!r} and wrote the "
+                        "ticket, or raise timeout_s."
+                    )
+                    outcomes.append(self._fail(transfer_id, error, why="timed out"))
+        except BaseException:
+            # These requests already changed state in the cache (running, or released): the
+            # scheduler must still hear of them, so the next poll() reports them.
+            self._undelivered = outcomes + self._undelivered
+            raise
         return outcomes
 
     def wait(self, request_id: Hashable, timeout_s: float | None = None) -> None:
@@ -295,6 +301,13 @@ class NixlDecodeEndpoint:
         row_bytes = int(reservation.row_bytes)
         rows = np.asarray(reservation.rows, dtype=np.int64)
         addresses = []
+        if len(reservation.layers) > len(self._pool_ranges):
+            raise TransferError(
+                f"the cache reserved rows of request {request_id!r} in "
+                f"{len(reservation.layers)} layers but this endpoint registered "
+                f"{len(self._pool_ranges)} layers; pass every layer's host tensor "
+                "(or leave host_tensors out to use the cache's own)."
+            )
         for layer in reservation.layers:
             start, end = int(layer.base_address), int(layer.base_address) + int(layer.num_bytes)
             reg_start, reg_end = self._pool_ranges[layer.layer]
@@ -349,11 +362,14 @@ class NixlDecodeEndpoint:
         if kind != "done":
             logger.warning("ignoring NIXL notification of unknown kind %r from %s", kind, sender)
             return None
-        self._retire(transfer_id, "completed")
         try:
             self.cache.complete_transfer(pending.request_id)
         except HisparseError as exc:
+            self._retire(transfer_id, "completed")
             return TransferOutcome(pending.request_id, transfer_id, exc)
+        # Retired only now: after any other exception the request stays pending, so its
+        # deadline still releases the rows instead of the endpoint forgetting them.
+        self._retire(transfer_id, "completed")
         return TransferOutcome(pending.request_id, transfer_id)
 
     def _fail(self, transfer_id: str, error: TransferError, why: str) -> TransferOutcome:

@@ -14,6 +14,7 @@ Rows are described as *runs*: `(first_token, first_row, num_rows)` says that tok
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,16 @@ import numpy as np
 from hisparse.errors import InvalidInputError
 
 TICKET_VERSION = 1
+# Senders compute `address + row * row_bytes` in int64 (numpy): a larger value would wrap
+# silently, possibly onto another request's rows in the decode node's registered pool.
+_BYTE_LIMIT = 2**63
+
+
+def _int(value: Any) -> int:
+    """An integer field as to_dict() wrote it; a float, string or bool means it was altered."""
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is a bool, not an int")
+    return operator.index(value)
 
 
 def coalesce_rows(rows: np.ndarray) -> tuple[tuple[int, int, int], ...]:
@@ -112,6 +123,11 @@ class TransferTicket:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TransferTicket:
         """Rebuild a ticket, checking that it is one this version wrote and is self-consistent."""
+        if not isinstance(data, dict):
+            raise InvalidInputError(
+                f"transfer ticket is a {type(data).__name__}, not an object; pass the dict or "
+                "bytes that TransferTicket.to_dict()/to_bytes() produced."
+            )
         version = data.get("version")
         if version != TICKET_VERSION:
             raise InvalidInputError(
@@ -123,12 +139,12 @@ class TransferTicket:
                 transfer_id=str(data["transfer_id"]),
                 request_id=str(data["request_id"]),
                 agent_name=str(data["agent_name"]),
-                num_tokens=int(data["num_tokens"]),
-                row_bytes=int(data["row_bytes"]),
-                layer_addresses=tuple(int(a) for a in data["layer_addresses"]),
-                runs=tuple((int(t), int(r), int(n)) for t, r, n in data["runs"]),
+                num_tokens=_int(data["num_tokens"]),
+                row_bytes=_int(data["row_bytes"]),
+                layer_addresses=tuple(_int(a) for a in data["layer_addresses"]),
+                runs=tuple((_int(t), _int(r), _int(n)) for t, r, n in data["runs"]),
                 mem_type=str(data["mem_type"]),
-                device_id=int(data["device_id"]),
+                device_id=_int(data["device_id"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidInputError(
@@ -146,11 +162,6 @@ class TransferTicket:
             raise InvalidInputError(
                 f"transfer ticket bytes are not JSON ({exc}); pass what to_bytes() returned."
             ) from exc
-        if not isinstance(data, dict):
-            raise InvalidInputError(
-                f"transfer ticket JSON is a {type(data).__name__}, not an object; pass what "
-                "to_bytes() returned."
-            )
         return cls.from_dict(data)
 
     def _check_runs(self) -> None:
@@ -168,4 +179,18 @@ class TransferTicket:
                 f"transfer ticket {self.transfer_id}: runs cover {covered} tokens of "
                 f"{self.num_tokens}, row_bytes={self.row_bytes}, "
                 f"{len(self.layer_addresses)} layers; the ticket was altered in transit."
+            )
+        end_rows = max((first_row + count for _, first_row, count in self.runs), default=0)
+        end_bytes = end_rows * self.row_bytes
+        for address in self.layer_addresses:
+            if not 0 <= address < _BYTE_LIMIT - end_bytes:
+                raise InvalidInputError(
+                    f"transfer ticket {self.transfer_id}: layer address {address:#x} plus "
+                    f"{end_bytes} bytes of rows falls outside the byte range [0, 2**63); the "
+                    "ticket was altered in transit."
+                )
+        if self.device_id < 0:
+            raise InvalidInputError(
+                f"transfer ticket {self.transfer_id}: device_id {self.device_id} is negative; "
+                "the ticket was altered in transit."
             )

@@ -1,0 +1,141 @@
+"""NixlDecodeEndpoint bookkeeping when something raises, against a fake NIXL agent (no NIXL needed):
+outcomes of transfers that already ended are never lost, and a request is never forgotten while
+it still holds reserved rows."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import pd_workers
+from hisparse.errors import TransferError
+from hisparse.pd.nixl_adapter import _NOTIF_PREFIX
+
+CONFIG = dict(
+    num_layers=3,
+    row_bytes=48,
+    top_k=4,
+    device_buffer_size=8,
+    max_requests=4,
+    max_seq_len=256,
+    host_pool_tokens=512,
+    extent_tokens=16,
+)
+
+
+class FakeAgent:
+    """The part of a NIXL agent the decode endpoint calls; notifications are queued by tests."""
+
+    def __init__(self, name: str, config: Any) -> None:
+        self.name = name
+        self.notifs: dict[str, list[bytes]] = {}
+
+    def register_memory(self, tensors: list[Any]) -> object:
+        return object()
+
+    def deregister_memory(self, registration: object) -> None:
+        pass
+
+    def get_agent_metadata(self) -> bytes:
+        return self.name.encode()
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        notifs, self.notifs = self.notifs, {}
+        return notifs
+
+    def done(self, transfer_id: str) -> None:
+        message = _NOTIF_PREFIX + b"done " + transfer_id.encode()
+        self.notifs.setdefault("prefill", []).append(message)
+
+
+@pytest.fixture
+def fake_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("nixl_cu12")
+    module.nixl_agent_config = lambda backends: backends  # type: ignore[attr-defined]
+    module.nixl_agent = FakeAgent  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nixl_cu12", module)
+
+
+@pytest.fixture
+def cache() -> Iterator[Any]:
+    cache = pd_workers.make_cache(**CONFIG)
+    yield cache
+    cache.close()
+
+
+def test_poll_that_raises_keeps_the_outcomes_of_transfers_that_ended(
+    fake_nixl: None, cache: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hisparse.pd import NixlDecodeEndpoint
+
+    now = [0.0]
+    endpoint = NixlDecodeEndpoint(cache, "decode", timeout_s=5.0, clock=lambda: now[0])
+    tickets = {rid: endpoint.prepare_request(rid, 16) for rid in ("A", "B", "C")}
+    for rid in ("A", "B"):
+        endpoint._agent.done(tickets[rid].transfer_id)
+    endpoint.wait("A", timeout_s=1.0)  # B's outcome is kept for the next poll()
+
+    # C's rows land, but completing it fails with something that is not a HisparseError
+    # (e.g. the device running out of memory while seeding its hot buffer).
+    complete = cache.complete_transfer
+
+    def out_of_memory(request_id: Any) -> None:
+        if request_id == "C":
+            raise RuntimeError("out of memory while seeding")
+        complete(request_id)
+
+    monkeypatch.setattr(cache, "complete_transfer", out_of_memory)
+    endpoint._agent.done(tickets["C"].transfer_id)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        endpoint.poll()
+    monkeypatch.setattr(cache, "complete_transfer", complete)
+
+    # B already runs in the cache: its outcome must still reach the scheduler.
+    [outcome] = endpoint.poll()
+    assert outcome.request_id == "B" and outcome.ready
+    assert cache.request_state("B").name == "RUNNING"
+    # C still holds reserved rows: the endpoint must not forget it, so its deadline frees them.
+    assert endpoint.pending == ["C"]
+    now[0] = 5.0
+    [outcome] = endpoint.poll()
+    assert outcome.request_id == "C" and isinstance(outcome.error, TransferError)
+    for rid in ("A", "B"):
+        cache.finish(rid)
+    occupancy = cache.stats().occupancy
+    assert occupancy.host_extents_used == 0 and occupancy.request_slots_used == 0
+    endpoint.close()
+
+
+def test_pool_without_every_layer_is_refused_clearly_and_nothing_stays_reserved(
+    fake_nixl: None, cache: Any
+) -> None:
+    from hisparse.pd import NixlDecodeEndpoint
+
+    endpoint = NixlDecodeEndpoint(cache, "decode", host_tensors=cache.host_tensors()[:2])
+    with pytest.raises(TransferError, match="2 layers"):
+        endpoint.prepare_request("X", 4)
+    assert endpoint.pending == []
+    assert cache.stats().occupancy.host_extents_used == 0
+    endpoint.close()
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), 0.0, -1.0])
+def test_a_timeout_that_never_expires_or_already_has_is_refused_before_reserving(
+    fake_nixl: None, cache: Any, timeout_s: float
+) -> None:
+    from hisparse.errors import InvalidInputError
+    from hisparse.pd import NixlDecodeEndpoint
+
+    # NaN compares false with every clock reading: the rows would stay reserved forever.
+    with pytest.raises(InvalidInputError, match="timeout_s"):
+        NixlDecodeEndpoint(cache, "decode", timeout_s=timeout_s)
+    endpoint = NixlDecodeEndpoint(cache, "decode")
+    with pytest.raises(InvalidInputError, match="timeout_s"):
+        endpoint.prepare_request("X", 4, timeout_s=timeout_s)
+    assert endpoint.pending == []
+    assert cache.stats().occupancy.host_extents_used == 0
+    endpoint.close()

@@ -56,6 +56,7 @@ def sparse_mla_decode_reference(
     scores = torch.einsum("bhd,bkd->bhk", q.float(), keys) * softmax_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     # A row with nothing to attend to would be all -inf (NaN after softmax): give it zeros.
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    # Only that row: a NaN from the data itself must show, not read as a plausible zero.
+    weights = torch.softmax(scores, dim=-1).masked_fill(~valid.any(-1)[:, None, None], 0.0)
     out = torch.einsum("bhk,bkd->bhd", weights, keys[..., :latent_dim])
     return out.to(q.dtype)

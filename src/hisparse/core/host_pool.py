@@ -200,15 +200,14 @@ class HostPool:
         self.num_rows = num_extents * extent_tokens
         self.allocator = ExtentAllocator(num_extents)
         self._raw: list[torch.Tensor] = []
+        self.layers: list[torch.Tensor] = []
         try:
             for _ in range(num_layers):
                 self._raw.append(backend.alloc_host(self.num_rows * row_bytes))
         except BaseException:
             self.close()  # a half-built pool must not keep what it got
             raise
-        self.layers: list[torch.Tensor] = [
-            raw.view(self.num_rows, row_bytes) for raw in self._raw
-        ]
+        self.layers.extend(raw.view(self.num_rows, row_bytes) for raw in self._raw)
 
     @property
     def num_extents(self) -> int:
@@ -241,6 +240,9 @@ class HostPool:
 
     def close(self) -> None:
         """Free every buffer exactly once; safe to call again."""
-        raw, self._raw, self.layers = self._raw, [], []
+        raw, self._raw = self._raw, []
+        # Emptied in place: the engine's CacheTables.host_kv is this same list, and a view
+        # left in it would keep its buffer's memory alive after close.
+        self.layers.clear()
         for buffer in raw:
             self.backend.free_host(buffer)

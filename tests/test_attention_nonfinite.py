@@ -1,0 +1,48 @@
+"""The reference attention: only a row with nothing to attend to is zeroed;
+a NaN or infinity in the selected keys or the query must show in the output, not be hidden."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hisparse.attention import sparse_mla_decode_reference
+
+WIDTH = 576  # 512 latent + 64 rope, bf16
+HEADS = 2
+
+
+def naive(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per batch row and head with plain loops: the independent model."""
+    out = torch.zeros(q.shape[0], q.shape[1], 512)
+    for b in range(q.shape[0]):
+        keys = kv[[i for i in indices[b].tolist() if i >= 0]].float()
+        if keys.shape[0] == 0:
+            continue
+        for h in range(q.shape[1]):
+            weights = torch.softmax((keys @ q[b, h].float()) * scale, dim=0)
+            out[b, h] = weights @ keys[:, :512]
+    return out
+
+
+def test_non_finite_keys_are_not_turned_into_zeros(rng: torch.Generator) -> None:
+    kv = torch.randn(32, WIDTH, generator=rng).to(torch.bfloat16)
+    bad_nan, bad_inf = torch.randperm(32, generator=rng)[:2].tolist()
+    kv[bad_nan, int(torch.randint(0, WIDTH, (1,), generator=rng))] = float("nan")
+    kv[bad_inf, int(torch.randint(0, 512, (1,), generator=rng))] = float("inf")
+    others = [i for i in range(32) if i not in (bad_nan, bad_inf)]
+    indices = torch.tensor(
+        [[bad_nan, others[0], -1, others[1]],  # a NaN key: the output is NaN
+         [others[2], bad_inf, others[3], -1],  # an infinite key: not finite either
+         [-1, -1, -1, -1],  # nothing to attend to: zeros, as documented
+         [others[4], others[5], -1, others[6]]],  # finite: unchanged
+        dtype=torch.int32)
+    q = torch.randn(4, HEADS, WIDTH, generator=rng).to(torch.bfloat16)
+    scale = 1 / math.sqrt(WIDTH)
+    got = sparse_mla_decode_reference(q, kv.view(torch.uint8), indices, scale)
+    expected = naive(q, kv, indices, scale).to(q.dtype)
+    assert not torch.isfinite(got[0]).any() and not torch.isfinite(expected[0]).any()
+    assert not torch.isfinite(got[1]).all()
+    assert (got[2] == 0).all()
+    torch.testing.assert_close(got[3], expected[3], rtol=1e-2, atol=1e-2)

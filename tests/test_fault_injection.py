@@ -242,3 +242,52 @@ def test_preemption_under_pressure_then_resume_keeps_every_byte(backend: Any, se
     for request_id in ("a", "b", "c"):
         run.finish(request_id)
     check_empty(run.cache)
+
+
+class FailOnce:
+    """Wraps a backend hook so that its next call raises, as a device out of memory would."""
+
+    def __init__(self, hook: Any) -> None:
+        self.hook, self.armed = hook, False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.armed:
+            self.armed = False
+            raise InjectedFault("device refused the seeding work")
+        return self.hook(*args)
+
+
+@pytest.mark.parametrize("how", ["complete_transfer", "resume"])
+def test_a_seed_that_fails_gives_its_device_slot_back(
+    backend: Any, seed: int, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seed's last device call fails, after every table of the new slot was written: the
+    request keeps its state, the slot and its tables are free again, and the retry decodes."""
+    run = Lockstep(hisparse.HiSparseCache(config(), device=backend), seed)
+    run.admit("a", 6)
+    if how == "complete_transfer":
+        rows = run.rows(9)
+        reservation = run.cache.reserve_host_slots("b", 9)
+        for layer, host in enumerate(reservation.host_tensors):
+            host[torch.from_numpy(reservation.rows)] = torch.from_numpy(rows[layer])
+        run.model.add("b", [[bytes(r) for r in layer] for layer in rows])
+    else:
+        run.admit("b", 11)
+        run.decode(["a", "b"], steps=2)
+        run.preempt("b")
+    fault = FailOnce(run.cache.backend.record_event)
+    monkeypatch.setattr(run.cache.backend, "record_event", fault)
+    before = full_snapshot(run.cache)
+    del before["tables.device_kv"]  # a free slot's rows hold whatever was there; never read
+    fault.armed = True
+    with pytest.raises(InjectedFault):
+        getattr(run.cache, how)("b")
+    after = full_snapshot(run.cache)
+    del after["tables.device_kv"]
+    assert_same_state(before, after)
+    getattr(run.cache, how)("b")
+    run.model.seed("b")
+    run.decode(["a", "b"], steps=3)
+    run.finish("a")
+    run.finish("b")
+    check_empty(run.cache)

@@ -25,7 +25,12 @@ import torch
 import hisparse
 from hisparse.backends.base import Backend
 from hisparse.backends.features import Feature
-from hisparse.backends.registry import available_backends, find_backend, get_backend
+from hisparse.backends.registry import (
+    available_backends,
+    device_index,
+    find_backend,
+    get_backend,
+)
 from hisparse.errors import BackendUnavailableError
 
 # Bump when a key is removed or changes meaning; adding keys keeps the version.
@@ -83,18 +88,25 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
             "table and kernels follow the design but have not run on such a device"
         )
     report["reason"] = backend.unavailable_reason()
+    index: int | None = None
+    if report["reason"] is None:
+        try:  # "cuda:5" on a 2-GPU host is not usable, and "cuda:1" must not check device 0
+            index = device_index(backend, device)
+        except BackendUnavailableError as exc:
+            report["reason"] = str(exc)
     report["usable"] = report["reason"] is None
     if not report["usable"]:
         return report
     report["versions"] = _versions(backend)
     report["devices"] = [{"index": i, "name": n} for i, n in enumerate(backend.device_names())]
     if run_checks:
-        for name, check in (
-            ("host_buffer", _check_host_buffer),
-            ("register_host", _check_register_host),
-            ("swap_in_roundtrip", _check_swap_in),
-        ):
-            report["checks"].append(_run_check(name, check, backend))
+        with _current_device(backend, index):
+            for name, check in (
+                ("host_buffer", _check_host_buffer),
+                ("register_host", _check_register_host),
+                ("swap_in_roundtrip", _check_swap_in),
+            ):
+                report["checks"].append(_run_check(name, check, backend))
     failed = [c["name"] for c in report["checks"] if c["status"] == "failed"]
     report["ok"] = not failed
     if failed:
@@ -194,6 +206,13 @@ def _run_check(name: str, check: Callable[[Backend], str], backend: Backend) -> 
         status, detail = "failed", f"{type(exc).__name__}: {exc}"
     return {"name": name, "status": status, "detail": detail,
             "seconds": round(time.perf_counter() - start, 6)}
+
+
+def _current_device(backend: Backend, index: int | None) -> contextlib.AbstractContextManager:
+    """The requested device as the current one while the checks run on `backend.device()`."""
+    if index is None:
+        return contextlib.nullcontext()
+    return getattr(torch, backend.torch_device_type).device(index)
 
 
 def _random_bytes(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:

@@ -60,6 +60,9 @@ class AcceleratorBackend(Backend):
         module = self.module
         return [module.get_device_name(i) for i in range(module.device_count())]
 
+    def device_count(self) -> int | None:
+        return int(self.module.device_count())
+
     def compute_units(self, index: int | None = None) -> int:
         module = self.module
         properties = module.get_device_properties(
@@ -71,6 +74,12 @@ class AcceleratorBackend(Backend):
             if value:
                 return int(value)
         return 1
+
+    def current_device(self) -> torch.device | None:
+        return torch.device(self.torch_device_type, self.module.current_device())
+
+    def device_scope(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        return self.module.device(device)
 
     # --- streams, events, graphs ---------------------------------------------------------
     def new_stream(self) -> Any:

@@ -47,6 +47,10 @@ class Backend(abc.ABC):
         """Human-readable names of the visible devices (empty for CPU)."""
         return []
 
+    def device_count(self) -> int | None:
+        """Devices of this type visible here; None where an index names nothing (the CPU)."""
+        return None
+
     def compute_units(self, index: int | None = None) -> int:
         """Parallel units of the device (SMs, CUs, Xe cores), for sizing kernel grids."""
         return 1
@@ -79,6 +83,14 @@ class Backend(abc.ABC):
     def device_address(self, buffer: torch.Tensor) -> int:
         """The address a kernel must use to read `buffer` (differs from the host one on ROCm)."""
         return int(buffer.data_ptr())
+
+    def current_device(self) -> torch.device | None:
+        """The device kernels launch on from this thread now (None where there is one: CPU)."""
+        return None
+
+    def device_scope(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """Make `device` the current one for the block (streams, events and launches)."""
+        return contextlib.nullcontext()
 
     # --- streams, events, graphs -----------------------------------------------------------
     def new_stream(self) -> Any | None:

@@ -117,6 +117,40 @@ def find_backend(device: str | torch.device | Backend) -> Backend:
     return _instance(_canonical_name(device))
 
 
+def device_index(backend: Backend, device: str | torch.device | Backend | None) -> int | None:
+    """The device index `device` names ("cuda:1" -> 1; None when it names none), checked
+    against the devices `backend` sees. `get_backend` resolves names only, so callers that act
+    on one device (the probe, the CLI) check here rather than run on device 0 instead.
+
+    Raises:
+        BackendUnavailableError: the index is not a number, or no such device is visible.
+    """
+    if device is None or isinstance(device, Backend):
+        return None
+    if isinstance(device, torch.device):
+        index = device.index
+    else:
+        text = device.split(":", 1)[1].strip() if ":" in device else ""
+        if not text:
+            return None
+        if not text.isdigit():
+            raise BackendUnavailableError(
+                f"device {device!r}: {text!r} is not a device index; write e.g. "
+                f"'{backend.name}:0' or just '{backend.name}'"
+            )
+        index = int(text)
+    count = backend.device_count()
+    if index is None or count is None:
+        return None  # the CPU: one host, whatever the index
+    if index >= count:
+        raise BackendUnavailableError(
+            f"device {str(device)!r}: the {backend.name} backend sees {count} device(s) "
+            f"(indices 0 to {count - 1}); pick one of those or check the visible-devices "
+            "variable (CUDA_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES, ZE_AFFINITY_MASK)"
+        )
+    return index
+
+
 def _canonical_name(device: str | torch.device) -> str:
     if isinstance(device, torch.device):
         name = device.type

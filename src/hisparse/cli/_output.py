@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -94,13 +95,41 @@ def write_json(path: str | Path, document: dict[str, Any]) -> Path:
 
 def backend_for_device_argument(parser: argparse.ArgumentParser, device: str | None) -> Any:
     """The backend `--device` names (None: the best here); an unusable one is a usage error."""
-    from hisparse.backends.registry import get_backend
+    import torch
+
+    from hisparse.backends.registry import device_index, get_backend
     from hisparse.errors import BackendUnavailableError
 
     try:
-        return get_backend(device)
+        backend = get_backend(device)
+        index = device_index(backend, device)
     except BackendUnavailableError as exc:
         parser.error(f"argument --device: {exc}")
+    if index is not None:
+        # The measurements and the engine's kernels run on the current device: make it the
+        # one asked for (else `--device cuda:1` measured device 0, or failed in Triton).
+        getattr(torch, backend.torch_device_type).set_device(index)
+    return backend
+
+
+def check_writable(parser: argparse.ArgumentParser, option: str, path: str | Path) -> None:
+    """A usage error now, before a run of minutes, if `path` cannot be written as a file."""
+    target = Path(path)
+    problem = None
+    if target.is_dir():
+        problem = "is a directory; name a file"
+    else:
+        parent = target.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent  # write_json creates the missing folders below it
+        if not parent.is_dir():
+            problem = f"{parent} is not a directory"
+        elif not os.access(parent, os.W_OK | os.X_OK):
+            problem = f"{parent} is not writable"
+        elif target.exists() and not os.access(target, os.W_OK):
+            problem = "is not writable"
+    if problem is not None:
+        parser.error(f"argument {option}: cannot write {str(path)!r}: {problem}")
 
 
 def import_pyplot(option: str = "--plot") -> ModuleType | str:
@@ -178,6 +207,21 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     return _whole_number_at_least(0, text)
+
+
+# numpy's seed sequences refuse negative seeds and torch's generators take at most 64 bits.
+SEED_LIMIT = 2**63 - 1
+
+
+def seed(text: str) -> int:
+    try:
+        value: int | None = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= SEED_LIMIT:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number in [0, 2**63 - 1], got {text!r}")
+    return value
 
 
 def non_negative_float(text: str) -> float:

@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         pyplot = out.import_pyplot()
         if isinstance(pyplot, str):
             return out.fail("plan", pyplot)
+        out.check_writable(parser, "--plot", args.plot)
     config = load_config(parser, args)
     shape = model_shape(config, args)
     hot_slots = config.device_buffer_size or 2 * config.top_k

@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="concurrent requests, all in every step")
     size.add_argument("--layers", type=out.positive_int, default=None,
                       help="KV layers to simulate (default: the preset's, at most 2 on a CPU "
-                      "and 8 elsewhere)")
+                      "and 8 elsewhere, or one index group if that is more)")
     size.add_argument("--steps", type=out.positive_int, default=None, help="decode steps")
     size.add_argument("--warmup", type=out.non_negative_int, default=None,
                       help="first steps left out of the summary (compilation, cold LRU)")
@@ -98,7 +98,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     trace.add_argument("--heavy-churn", type=out.fraction, default=TRACE_DEFAULTS["heavy_churn"],
                        help="chance per step that a heavy hitter is replaced "
                        "(default: %(default)s)")
-    trace.add_argument("--seed", type=int, default=0, help="trace and KV seed (default: 0)")
+    trace.add_argument("--seed", type=out.seed, default=0, help="trace and KV seed (default: 0)")
 
     output = parser.add_argument_group("output")
     output.add_argument("--no-split", action="store_true",
@@ -121,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
         pyplot = out.import_pyplot()
         if isinstance(pyplot, str):
             return out.fail("simulate", pyplot)
+    for option, path in (("--output", args.output), ("--plot", args.plot)):
+        if path:
+            out.check_writable(parser, option, path)
     backend = out.backend_for_device_argument(parser, args.device)
     defaults = CPU_DEFAULTS if backend.torch_device_type == "cpu" else DEVICE_DEFAULTS
     sizes = {key: getattr(args, key) if getattr(args, key) is not None else value
@@ -130,8 +133,11 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k, device_buffer_size=args.hot_buffer,
         index_group_size=args.index_group_size,
     )
-    if args.layers is None and config.num_layers > sizes["layers"]:
-        config = config.replace(num_layers=sizes["layers"])  # the default caps the preset's
+    # The default caps the preset's layers, but never below one whole index group (GLM-5
+    # shares a top-k over 4 layers): a group cut short is no longer the preset's model.
+    cap = max(sizes["layers"], config.index_group_size)
+    if args.layers is None and config.num_layers > cap:
+        config = config.replace(num_layers=cap)
     if args.heavy_hitters is not None and args.heavy_hitters > config.top_k:
         parser.error(f"argument --heavy-hitters: {args.heavy_hitters} is more than top-k "
                      f"{config.top_k}; use at most top-k")

@@ -58,7 +58,9 @@ def _bookkeeping(
 
     @functools.wraps(method)
     def locked(self: HiSparseCache, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with self._lock:
+        # A scheduler thread may have another device current (a new thread starts on device
+        # 0): the tables' streams and events are this cache's device's.
+        with self._lock, self.backend.device_scope(self.device):
             return method(self, *args, **kwargs)
 
     return locked
@@ -97,6 +99,12 @@ class HiSparseCache:
         >>> cache.admit("r0", 100); cache.write_prefill("r0", kv); cache.commit_prefill("r0")
     """
 
+    # Every table is a normal tensor even when the cache is built under torch.inference_mode():
+    # inference mode is per thread, and an inference tensor refuses in-place updates outside
+    # it, so a cache built on a model thread in inference mode could not be driven from a
+    # scheduler thread (begin_decode_step failed halfway through). Normal tensors may be
+    # updated in place inside inference mode too.
+    @torch.inference_mode(False)
     def __init__(self, config: Any, device: str | torch.device | Backend | None = None) -> None:
         from hisparse.backends.registry import get_backend
         from hisparse.config import resolve_features
@@ -106,7 +114,7 @@ class HiSparseCache:
         self.config = config
         self.backend = backend
         self.disabled_features = [str(f) for f in disabled]
-        self.device = _device_of(backend, device)
+        self.device = _concrete(_device_of(backend, device))
 
         self.num_layers = L = config.num_layers
         self.row_bytes = W = config.row_bytes
@@ -122,84 +130,87 @@ class HiSparseCache:
         num_extents = -(-config.host_pool_tokens // E)
         pages = -(-config.max_seq_len // E)
 
-        self._lock = threading.RLock()
-        self._pool = HostPool(backend, L, num_extents, E, W)
-        dev = self.device
-        try:
-            i32 = {"dtype": torch.int32, "device": dev}
-            # Row R*S of every layer is a sink for padded batch rows' newest-token writes, so
-            # write_newest stays one index_copy a captured graph can replay with any real count.
-            self._padding_row = R * S
-            self.tables = CacheTables(
-                device_kv=torch.zeros(L, R * S + 1, W, dtype=torch.uint8, device=dev),
-                host_kv=self._pool.layers,
-                page_table=torch.full((R, pages), -1, **i32),
-                seq_lens=torch.zeros(R, **i32),
-                slot_row=torch.full((G, R, H), -1, **i32),
-                lru=torch.arange(H, **i32).repeat(G, R, 1),
-                resident=torch.full((G, self._pool.num_rows), -1, dtype=residency_dtype(H),
-                                    device=dev),
-                counters=torch.zeros(L, 3, dtype=torch.int64, device=dev),
-                hot_slots=H,
-                extent_tokens=E,
-                # What the fused backup kernel writes through (device-side on ROCm).
-                host_kv_addresses=torch.tensor(
-                    [backend.device_address(layer) for layer in self._pool.layers],
-                    dtype=torch.int64, device=dev),
-            )
-            self._req_slots = torch.zeros(B, **i32)
-            self._num_real = torch.zeros(1, **i32)
-            self._newest_rows = torch.full((B,), self._padding_row, **i32)
-            self._newest_rows_long = self._newest_rows.long()
-            self._newest_host_rows = torch.full((B,), -1, **i32)
-            self._top_k = torch.full((B, K), -1, **i32)
-            self._out = torch.full((G, B, K), -1, **i32)
-            has_followers = config.index_group_size > 1
-            self._plans = [MissPlan.empty(B, K, dev) if has_followers else None for _ in range(G)]
-            self._anchor_delta = torch.zeros(G, 3, dtype=torch.int64, device=dev)
+        # Streams and events belong to the device current at their creation: make it ours.
+        with backend.device_scope(self.device):
+            self._lock = threading.RLock()
+            self._pool = HostPool(backend, L, num_extents, E, W)
+            dev = self.device
+            try:
+                i32 = {"dtype": torch.int32, "device": dev}
+                # Row R*S of every layer is a sink for padded batch rows' newest-token writes, so
+                # write_newest stays one index_copy a captured graph can replay with any real count.
+                self._padding_row = R * S
+                self.tables = CacheTables(
+                    device_kv=torch.zeros(L, R * S + 1, W, dtype=torch.uint8, device=dev),
+                    host_kv=self._pool.layers,
+                    page_table=torch.full((R, pages), -1, **i32),
+                    seq_lens=torch.zeros(R, **i32),
+                    slot_row=torch.full((G, R, H), -1, **i32),
+                    lru=torch.arange(H, **i32).repeat(G, R, 1),
+                    resident=torch.full((G, self._pool.num_rows), -1, dtype=residency_dtype(H),
+                                        device=dev),
+                    counters=torch.zeros(L, 3, dtype=torch.int64, device=dev),
+                    hot_slots=H,
+                    extent_tokens=E,
+                    # What the fused backup kernel writes through (device-side on ROCm).
+                    host_kv_addresses=torch.tensor(
+                        [backend.device_address(layer) for layer in self._pool.layers],
+                        dtype=torch.int64, device=dev),
+                )
+                self._req_slots = torch.zeros(B, **i32)
+                self._num_real = torch.zeros(1, **i32)
+                self._newest_rows = torch.full((B,), self._padding_row, **i32)
+                self._newest_rows_long = self._newest_rows.long()
+                self._newest_host_rows = torch.full((B,), -1, **i32)
+                self._top_k = torch.full((B, K), -1, **i32)
+                self._out = torch.full((G, B, K), -1, **i32)
+                has_followers = config.index_group_size > 1
+                self._plans = [MissPlan.empty(B, K, dev) if has_followers else None
+                               for _ in range(G)]
+                self._anchor_delta = torch.zeros(G, 3, dtype=torch.int64, device=dev)
 
-            self._swap_in = (
-                backend.skip_io_swap_in_kernel() if config.skip_io
-                else backend.zero_copy_swap_in_kernel() if config.zero_copy_swap_in
-                else backend.swap_in_kernel()
-            )
-            self._copy_planned = backend.copy_planned_kernel()
-            # Fused backup kernels come with the GPU path; every backend has the reference.
-            backup_kernel = getattr(backend, "backup_kernel", None)
-            self._backup = backup_kernel() if backup_kernel else backup_newest_reference
-            self._backup_stream = backend.backup_stream() if config.async_backup else None
-            prefetch = config.shared_index_prefetch and has_followers
-            self._prefetch_stream = backend.prefetch_stream() if prefetch else None
-            self._backup_done = backend.new_event()
-            self._step_written = backend.new_event()
-            self._planned = [backend.new_event() for _ in range(G)]
-            self._follower_ready = [backend.new_event() for _ in range(L)]
-            self._replay_done = [backend.new_event() for _ in range(G)]
-            # Cross-stream order for bookkeeping issued from another thread (its own stream):
-            # slot tables are released or seeded only after the last step's kernels ran, and
-            # a step starts only after the seeding it may read.
-            self._step_done = backend.new_event()
-            self._tables_changed = backend.new_event()
-            self._host_io_pending = False  # async device<->host copies the CPU must not race
-            # Freed host rows may still be read by a step in flight; their next writer waits.
-            self._rows_recycled = False
+                self._swap_in = (
+                    backend.skip_io_swap_in_kernel() if config.skip_io
+                    else backend.zero_copy_swap_in_kernel() if config.zero_copy_swap_in
+                    else backend.swap_in_kernel()
+                )
+                self._copy_planned = backend.copy_planned_kernel()
+                # Fused backup kernels come with the GPU path; every backend has the reference.
+                backup_kernel = getattr(backend, "backup_kernel", None)
+                self._backup = backup_kernel() if backup_kernel else backup_newest_reference
+                self._backup_stream = backend.backup_stream() if config.async_backup else None
+                prefetch = config.shared_index_prefetch and has_followers
+                self._prefetch_stream = backend.prefetch_stream() if prefetch else None
+                self._backup_done = backend.new_event()
+                self._step_written = backend.new_event()
+                self._planned = [backend.new_event() for _ in range(G)]
+                self._follower_ready = [backend.new_event() for _ in range(L)]
+                self._replay_done = [backend.new_event() for _ in range(G)]
+                # Cross-stream order for bookkeeping issued from another thread (its own stream):
+                # slot tables are released or seeded only after the last step's kernels ran, and
+                # a step starts only after the seeding it may read.
+                self._step_done = backend.new_event()
+                self._tables_changed = backend.new_event()
+                self._host_io_pending = False  # async device<->host copies the CPU must not race
+                # Freed host rows may still be read by a step in flight; their next writer waits.
+                self._rows_recycled = False
 
-            self._requests = RequestTable()
-            self._slots = SlotAllocator(R)
-            self._traffic = TrafficCounters(L)
-            self._step: DecodeStep | None = None
-            self._step_records: list[RequestRecord] = []
-            # group -> batch rows its anchor swapped in during the open step (followers match)
-            self._anchored: dict[int, int] = {}
-            # group -> the anchor's miss plan over those rows, which its followers replay
-            self._anchor_plans: dict[int, MissPlan] = {}
-            self._pending_replay: dict[int, set[int]] = {}  # group -> followers not yet copied
-            self._written_layers: set[int] = set()  # layers given write_newest this step
-            self._closed = False
-        except BaseException:
-            # Nothing half-built may keep host memory: free every buffer allocated so far.
-            self._pool.close()
-            raise
+                self._requests = RequestTable()
+                self._slots = SlotAllocator(R)
+                self._traffic = TrafficCounters(L)
+                self._step: DecodeStep | None = None
+                self._step_records: list[RequestRecord] = []
+                # group -> batch rows its anchor swapped in during the open step (followers match)
+                self._anchored: dict[int, int] = {}
+                # group -> the anchor's miss plan over those rows, which its followers replay
+                self._anchor_plans: dict[int, MissPlan] = {}
+                self._pending_replay: dict[int, set[int]] = {}  # group -> followers not yet copied
+                self._written_layers: set[int] = set()  # layers given write_newest this step
+                self._closed = False
+            except BaseException:
+                # Nothing half-built may keep host memory: free every buffer allocated so far.
+                self._pool.close()
+                raise
 
     # --- admission and prefill ------------------------------------------------------------
     @_bookkeeping
@@ -306,20 +317,32 @@ class HiSparseCache:
         self._check_open()
         record = self._requests.expect(request_id, "complete the transfer of",
                                        (RequestState.RESERVED,))
-        self._slots.check_free(f"completing the transfer of request {request_id!r}")
-        record.slot = self._slots.take()
-        self._seed(record)
+        self._seed_into_new_slot(record, f"completing the transfer of request {request_id!r}")
 
     # --- decode ---------------------------------------------------------------------------
-    @_bookkeeping
     def begin_decode_step(self, request_ids: Sequence[Hashable]) -> DecodeStep:
         """Append one token to each request and set the batch buffers the step's kernels read.
 
         Raises:
             RequestStateError: a step is open, or a request is not running.
-            InvalidInputError: empty, duplicated or over-capacity batch, or max_seq_len reached.
+            InvalidInputError: empty, duplicated or over-capacity batch, or max_seq_len reached;
+                or the calling thread's current device is not the cache's.
             PoolExhaustedError: a request needs a new extent and the pool has too few free.
         """
+        # Checked once a step, not per layer: write_newest and swap_in launch on the current
+        # device and stay cheap, so the thread that drives the step must have ours current.
+        current = self.backend.current_device()
+        if current is not None and current != self.device:
+            raise InvalidInputError(
+                f"this cache lives on {self.device} but the current device of the thread "
+                f"driving the decode step is {current}; make {self.device} current first "
+                f"(torch.{self.device.type}.set_device({self.device.index}), or run the step "
+                f"under torch.{self.device.type}.device({self.device.index}))"
+            )
+        return self._begin_decode_step(request_ids)
+
+    @_bookkeeping
+    def _begin_decode_step(self, request_ids: Sequence[Hashable]) -> DecodeStep:
         self._check_open()
         if self._step is not None:
             raise RequestStateError(
@@ -524,9 +547,7 @@ class HiSparseCache:
         """Give a preempted request a device slot again and seed it from its host KV."""
         self._check_open()
         record = self._requests.expect(request_id, "resume", (RequestState.PREEMPTED,))
-        self._slots.check_free(f"resuming request {request_id!r}")
-        record.slot = self._slots.take()
-        self._seed(record)
+        self._seed_into_new_slot(record, f"resuming request {request_id!r}")
 
     @_bookkeeping
     def finish(self, request_id: Hashable) -> None:
@@ -628,6 +649,21 @@ class HiSparseCache:
         self.backend.record_event(self._tables_changed)
         self._traffic.seeded_tokens += min(n, H + 1)
         record.state = RequestState.RUNNING
+
+    def _seed_into_new_slot(self, record: RequestRecord, action: str) -> None:
+        """Take a free device slot and seed it; a seed that fails gives the slot back.
+
+        Without the give-back a failed seed (a device out of memory, say) would keep the slot
+        and its half-written tables, and the retry would take a second slot that `finish`
+        never frees.
+        """
+        self._slots.check_free(action)
+        record.slot = self._slots.take()
+        try:
+            self._seed(record)
+        except BaseException:
+            self._release_slot(record)
+            raise
 
     def _release_slot(self, record: RequestRecord) -> None:
         r = record.slot
@@ -771,10 +807,17 @@ def _is_count(value: object) -> bool:
 
 
 def _device_of(backend: Backend, device: str | torch.device | Backend | None) -> torch.device:
-    if isinstance(device, str | torch.device):
-        try:
-            parsed = torch.device(device)
-        except RuntimeError:
-            return backend.device()  # a backend name such as "rocm"
-        return backend.device(parsed.index)
-    return backend.device()
+    """The device `device` names; an index the backend does not see is refused here, before
+    anything is allocated (torch would fail later with a less helpful message)."""
+    from hisparse.backends.registry import device_index
+
+    return backend.device(device_index(backend, device))
+
+
+def _concrete(device: torch.device) -> torch.device:
+    """The indexed device that `device` allocates on (no index -> the current device's).
+
+    The tables live on one device; an unindexed one would make the device checks
+    (`same_device`) accept a tensor on any device of the type.
+    """
+    return torch.empty(0, device=device).device

@@ -1,0 +1,103 @@
+"""The engine's lifecycle: memory released by close(), and a cache that works
+whichever torch inference mode it was built or is driven in."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+import hisparse
+from test_engine_trace import build_cache
+
+W = 32  # test_engine_trace.ROW_BYTES
+BACKENDS = hisparse.available_backends()
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_close_lets_go_of_the_host_pool(backend_name: str) -> None:
+    """close() promises to free the host pool; the engine's tables must not keep it alive
+    (a `with HiSparseCache(...) as cache:` block leaves the name bound after it ends)."""
+    config = hisparse.HiSparseConfig.from_preset("tiny")
+    with hisparse.HiSparseCache(config, device=backend_name) as cache:
+        layers = [weakref.ref(tensor) for tensor in cache.host_tensors()]
+        assert all(ref() is not None for ref in layers)
+    gc.collect()
+    assert [ref() is None for ref in layers] == [True] * config.num_layers
+    cache.close()  # still idempotent
+
+
+def decode_and_check(cache: hisparse.HiSparseCache, rng: torch.Generator) -> None:
+    """Admit two requests (one long, one short), decode a few steps with fresh random rows and
+    top-k, and check every returned row's bytes against the KV kept outside the cache."""
+    full: dict[str, torch.Tensor] = {}  # request -> [L, T, W] every token written so far
+    for request_id, length in (("long", cache.hot_slots + 7), ("short", 3)):
+        full[request_id] = torch.randint(0, 256, (cache.num_layers, length, W),
+                                         dtype=torch.uint8, generator=rng)
+        cache.admit(request_id, length)
+        cache.write_prefill(request_id, full[request_id])
+        cache.commit_prefill(request_id)
+    ids = list(full)
+    for _ in range(4):
+        step = cache.begin_decode_step(ids)
+        new = torch.randint(0, 256, (cache.num_layers, len(ids), W), dtype=torch.uint8,
+                            generator=rng)
+        top_k = torch.full((len(ids), cache.top_k), -1, dtype=torch.int32)
+        for b, request_id in enumerate(ids):
+            full[request_id] = torch.cat([full[request_id], new[:, b : b + 1]], dim=1)
+            n = step.positions[b] + 1
+            chosen = torch.randperm(n, generator=rng)[: cache.top_k]
+            top_k[b, : chosen.numel()] = chosen.to(torch.int32)
+        for layer in range(cache.num_layers):
+            cache.write_newest(layer, new[layer].to(cache.device))
+        for layer in range(cache.num_layers):
+            rows = cache.swap_in(layer, top_k.to(cache.device)).cpu()
+            hot = cache.device_kv(layer).cpu()
+            for b, request_id in enumerate(ids):
+                for k in range(cache.top_k):
+                    position = int(top_k[b, k])
+                    if position < 0:
+                        assert rows[b, k] == -1
+                        continue
+                    assert torch.equal(hot[rows[b, k]], full[request_id][layer, position])
+        cache.end_decode_step()
+    for request_id in ids:
+        cache.finish(request_id)
+
+
+def test_cache_built_in_inference_mode_serves_a_thread_outside_it(rng: torch.Generator) -> None:
+    """Inference mode is per thread: a framework may build the cache under it (its model
+    thread) and drive admission and decoding from a thread that is not. Inference tensors
+    refuse in-place updates outside inference mode, so the engine's tables must be normal
+    tensors; before, begin_decode_step raised halfway and left the request one token longer
+    on the host side than on the device."""
+    with torch.inference_mode():
+        cache = build_cache("cpu", hot=8, top_k=4, extent=4, group=2, validate=True,
+                            pool_extents=32)
+    failures: list[BaseException] = []
+
+    def drive() -> None:
+        try:
+            assert not torch.is_inference_mode_enabled()
+            decode_and_check(cache, rng)
+        except BaseException as exc:  # reported on the test's thread
+            failures.append(exc)
+
+    worker = threading.Thread(target=drive)
+    worker.start()
+    worker.join()
+    if failures:
+        raise failures[0]
+    assert cache.stats().misses > 0  # the long request really swapped rows in
+    cache.close()
+
+
+def test_cache_built_normally_serves_inference_mode(rng: torch.Generator) -> None:
+    cache = build_cache("cpu", hot=8, top_k=4, extent=4, group=2, validate=True, pool_extents=32)
+    with torch.inference_mode():
+        decode_and_check(cache, rng)
+    assert cache.stats().misses > 0
+    cache.close()

@@ -17,6 +17,21 @@ import torch
 # A worker whose parent vanished (killed test run) exits after this long without a command.
 IDLE_EXIT_S = 60.0
 
+# The decode cache of the PD tests. Small on purpose: 16-token extents so requests span several
+# extents and runs split.
+SMALL_CACHE: dict[str, Any] = dict(
+    num_layers=3,
+    row_bytes=48,
+    top_k=4,
+    device_buffer_size=8,
+    max_requests=4,
+    max_seq_len=256,
+    host_pool_tokens=512,
+    extent_tokens=16,
+    index_group_size=2,
+    validate=True,
+)
+
 
 def expected_kv(seed: int, num_layers: int, num_tokens: int, row_bytes: int) -> torch.Tensor:
     """The KV rows a request with this seed carries: uint8 `[L, T, W]`."""

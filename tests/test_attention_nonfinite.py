@@ -1,13 +1,16 @@
-"""The reference attention: only a row with nothing to attend to is zeroed;
-a NaN or infinity in the selected keys or the query must show in the output, not be hidden."""
+"""The reference attention hides nothing: only a row with nothing to attend to is zeroed (a NaN
+or infinity in the selected keys must show in the output), and an index that is neither -1 nor
+a row is refused rather than read as masked."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from hisparse.attention import sparse_mla_decode_reference
+from hisparse.errors import InvalidInputError
 
 WIDTH = 576  # 512 latent + 64 rope, bf16
 HEADS = 2
@@ -46,3 +49,13 @@ def test_non_finite_keys_are_not_turned_into_zeros(rng: torch.Generator) -> None
     assert not torch.isfinite(got[1]).all()
     assert (got[2] == 0).all()
     torch.testing.assert_close(got[3], expected[3], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("bad", [-2, 32, 1 << 20])
+def test_an_index_outside_the_rows_is_refused_not_masked(bad: int, rng: torch.Generator) -> None:
+    kv = torch.randn(32, WIDTH, generator=rng).to(torch.bfloat16)
+    indices = torch.randint(0, 32, (3, 4), generator=rng, dtype=torch.int32)
+    indices[int(torch.randint(0, 3, (1,), generator=rng)), 2] = bad
+    q = torch.randn(3, HEADS, WIDTH, generator=rng).to(torch.bfloat16)
+    with pytest.raises(InvalidInputError, match=f"indices hold {bad}"):
+        sparse_mla_decode_reference(q, kv.view(torch.uint8), indices, 0.1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -68,6 +69,23 @@ def decode_and_check(cache: hisparse.HiSparseCache, rng: torch.Generator) -> Non
         cache.finish(request_id)
 
 
+def on_a_new_thread(work: Callable[[], None]) -> None:
+    """Run `work` on a fresh thread (its own torch thread state) and re-raise what it raised."""
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # reported on the caller's thread
+            failures.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    if failures:
+        raise failures[0]
+
+
 def test_cache_built_in_inference_mode_serves_a_thread_outside_it(rng: torch.Generator) -> None:
     """Inference mode is per thread: a framework may build the cache under it (its model
     thread) and drive admission and decoding from a thread that is not. Inference tensors
@@ -77,20 +95,12 @@ def test_cache_built_in_inference_mode_serves_a_thread_outside_it(rng: torch.Gen
     with torch.inference_mode():
         cache = build_cache("cpu", hot=8, top_k=4, extent=4, group=2, validate=True,
                             pool_extents=32)
-    failures: list[BaseException] = []
 
     def drive() -> None:
-        try:
-            assert not torch.is_inference_mode_enabled()
-            decode_and_check(cache, rng)
-        except BaseException as exc:  # reported on the test's thread
-            failures.append(exc)
+        assert not torch.is_inference_mode_enabled()
+        decode_and_check(cache, rng)
 
-    worker = threading.Thread(target=drive)
-    worker.start()
-    worker.join()
-    if failures:
-        raise failures[0]
+    on_a_new_thread(drive)
     assert cache.stats().misses > 0  # the long request really swapped rows in
     cache.close()
 

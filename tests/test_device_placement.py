@@ -4,14 +4,12 @@ another GPU; bookkeeping works from any thread; a decode step needs the cache's 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 import hisparse
 from hisparse.errors import BackendUnavailableError, InvalidInputError
-from test_cache_lifecycle import decode_and_check
+from test_cache_lifecycle import decode_and_check, on_a_new_thread
 from test_engine_trace import assert_unchanged, build_cache, snapshot
 
 BACKENDS = hisparse.available_backends()
@@ -100,33 +98,25 @@ def test_a_cache_on_the_second_gpu_serves_threads_with_the_first_current(
     """A new thread starts with device 0 current. Its bookkeeping (admit, prefill, finish)
     runs on the cache's device; a decode step it begins is refused with the way out, changing
     nothing; with the cache's device made current the step decodes byte-exact."""
-    failures: list[BaseException] = []
 
-    def drive(cache: hisparse.HiSparseCache) -> None:
-        try:
-            assert torch.cuda.current_device() == 0
-            cache.admit("a", 5)
-            cache.write_prefill("a", torch.zeros(cache.num_layers, 5, cache.row_bytes,
-                                                 dtype=torch.uint8, device=cache.device))
-            cache.commit_prefill("a")
-            before = snapshot(cache)
-            with pytest.raises(InvalidInputError, match=r"torch.cuda.set_device\(1\)"):
-                cache.begin_decode_step(["a"])
-            assert_unchanged(before, cache)
-            cache.finish("a")
-            with torch.cuda.device(1):
-                decode_and_check(cache, rng)
-        except BaseException as exc:  # reported on the test's thread
-            failures.append(exc)
+    def drive() -> None:
+        assert torch.cuda.current_device() == 0
+        cache.admit("a", 5)
+        cache.write_prefill("a", torch.zeros(cache.num_layers, 5, cache.row_bytes,
+                                             dtype=torch.uint8, device=cache.device))
+        cache.commit_prefill("a")
+        before = snapshot(cache)
+        with pytest.raises(InvalidInputError, match=r"torch.cuda.set_device\(1\)"):
+            cache.begin_decode_step(["a"])
+        assert_unchanged(before, cache)
+        cache.finish("a")
+        with torch.cuda.device(1):
+            decode_and_check(cache, rng)
 
     with torch.cuda.device(0):
         cache = build_cache("cuda:1", hot=8, top_k=4, extent=4, group=2, validate=True,
                             pool_extents=32)
         assert cache.device == torch.device("cuda", 1)
-        worker = threading.Thread(target=drive, args=(cache,))
-        worker.start()
-        worker.join()
-    if failures:
-        raise failures[0]
+        on_a_new_thread(drive)
     assert cache.stats().misses > 0  # the long request really swapped rows in
     cache.close()

@@ -291,3 +291,23 @@ def test_a_seed_that_fails_gives_its_device_slot_back(
     run.finish("a")
     run.finish("b")
     check_empty(run.cache)
+
+
+def test_a_decode_step_whose_upload_fails_opens_nothing_and_the_retry_decodes(
+    backend: Any, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step's one host-to-device upload fails (a device out of memory) while one request
+    needs a new extent: no token is appended, the extent goes back, no step is open, and the
+    retried step decodes every byte as the oracle says."""
+    run = Lockstep(hisparse.HiSparseCache(config(), device=backend), seed)
+    run.admit("a", 8)  # a full extent: its next token needs a new one
+    run.admit("b", 5)
+    cache = run.cache
+    fault = FailOnce(cache._upload)
+    monkeypatch.setattr(cache, "_upload", fault)
+    before = full_snapshot(cache)
+    fault.armed = True
+    with pytest.raises(InjectedFault):
+        cache.begin_decode_step(["a", "b"])
+    assert_same_state(before, full_snapshot(cache))
+    run.decode(["a", "b"], steps=4)

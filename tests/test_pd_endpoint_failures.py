@@ -15,16 +15,7 @@ import pd_workers
 from hisparse.errors import TransferError
 from hisparse.pd.nixl_adapter import _NOTIF_PREFIX
 
-CONFIG = dict(
-    num_layers=3,
-    row_bytes=48,
-    top_k=4,
-    device_buffer_size=8,
-    max_requests=4,
-    max_seq_len=256,
-    host_pool_tokens=512,
-    extent_tokens=16,
-)
+CONFIG = pd_workers.SMALL_CACHE
 
 
 class FakeAgent:

@@ -52,19 +52,7 @@ def host_only_ucx() -> Iterator[None]:
     else:
         os.environ["UCX_TLS"] = previous
 
-# Small on purpose: 16-token extents so requests span several extents and runs split.
-CONFIG = dict(
-    num_layers=3,
-    row_bytes=48,
-    top_k=4,
-    device_buffer_size=8,
-    max_requests=4,
-    max_seq_len=256,
-    host_pool_tokens=512,
-    extent_tokens=16,
-    index_group_size=2,
-    validate=True,
-)
+CONFIG = pd_workers.SMALL_CACHE
 NUM_LAYERS, ROW_BYTES = CONFIG["num_layers"], CONFIG["row_bytes"]
 GROUP_SIZE = CONFIG["index_group_size"]
 WORKER_TIMEOUT_S = 30.0

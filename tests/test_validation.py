@@ -187,6 +187,9 @@ BAD_CALLS: dict[str, BadCall] = {
                                          lambda c, w: c.commit_prefill("res")),
     "commit twice": BadCall("idle", RequestStateError, "it is running",
                             lambda c, w: c.commit_prefill("long")),
+    "commit with rows never written": BadCall(
+        "idle", InvalidInputError, "rows 3..5 of layer 0 of request 'pre'",
+        lambda c, w: c.commit_prefill("pre")),
     "commit an unknown id": BadCall("idle", UnknownRequestError, "'nobody'",
                                     lambda c, w: c.commit_prefill("nobody")),
     "complete a prefilling request": BadCall("idle", RequestStateError, "it is prefilling",
@@ -198,6 +201,8 @@ BAD_CALLS: dict[str, BadCall] = {
                                 lambda c, w: c.begin_decode_step("long")),
     "begin with None": BadCall("idle", InvalidInputError, "got NoneType",
                                lambda c, w: c.begin_decode_step(None)),
+    "begin with a set": BadCall("idle", InvalidInputError, "got set",
+                                lambda c, w: c.begin_decode_step({"long"})),
     "begin an empty batch": BadCall("idle", InvalidInputError, "got 0",
                                     lambda c, w: c.begin_decode_step([])),
     "begin over max_batch": BadCall(
@@ -406,3 +411,4 @@ def test_every_message_says_what_to_do(backend: Any, rng: torch.Generator) -> No
             vague.append(f"{name}: {message}")
         world.cache.close()
     assert not vague, "\n".join(vague)
+

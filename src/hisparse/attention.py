@@ -50,6 +50,13 @@ def sparse_mla_decode_reference(
         raise InvalidInputError(
             f"indices has {indices.shape[0]} batch rows, q has {q.shape[0]}; pass one row each"
         )
+    out_of_range = (indices < -1) | (indices >= kv_rows.shape[0])
+    if bool(out_of_range.any()):  # a reference may sync; a wrong index must not read as masked
+        bad = int(indices[out_of_range][0])
+        raise InvalidInputError(
+            f"indices hold {bad}, outside -1 (masked) and 0..{kv_rows.shape[0] - 1} (the rows "
+            "of kv_rows); pass the rows swap_in returned"
+        )
     kv = kv_rows.view(torch.bfloat16)  # [N, width]
     valid = indices >= 0
     keys = kv[torch.where(valid, indices, 0).long()].float()  # [B, K, width]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -20,6 +21,7 @@ import torch
 from hisparse.backends.base import Backend
 from hisparse.core.host_pool import HostPool, HostReservation, token_rows, token_runs
 from hisparse.core.requests import (
+    PromptCoverage,
     RequestRecord,
     RequestState,
     RequestTable,
@@ -227,7 +229,8 @@ class HiSparseCache:
         self._slots.check_free(f"admitting request {request_id!r}")
         extents = self._pool.allocate(self._pool.extents_for(num_tokens))
         record = RequestRecord(request_id, RequestState.PREFILLING, num_tokens, num_tokens,
-                               extents, self._slots.take())
+                               extents, self._slots.take(),
+                               PromptCoverage(self.num_layers, num_tokens))
         self._requests.add(record)
 
     @_bookkeeping
@@ -297,6 +300,8 @@ class HiSparseCache:
                 part = source[token - start : token - start + length]
                 host[row : row + length].copy_(part, non_blocking=True)
             self._traffic.offloaded_tokens[target] += count
+            if record.prompt_written is not None:
+                record.prompt_written.add(target, start, start + count)
         if rows.device != self._pool.layers[0].device:
             self._host_io_pending = True  # device-to-host copies may still be landing
 
@@ -306,7 +311,17 @@ class HiSparseCache:
         self._check_open()
         record = self._requests.expect(request_id, "commit prefill for",
                                        (RequestState.PREFILLING,))
+        gap = record.prompt_written.first_gap() if record.prompt_written else None
+        if gap is not None:
+            layer, start, end = gap
+            raise InvalidInputError(
+                f"prompt rows {start}..{end - 1} of layer {layer} of request {request_id!r} "
+                f"were never written; call write_prefill for all {record.admitted_tokens} "
+                "prompt rows of every layer first (an unwritten row holds what its previous "
+                "owner left there)"
+            )
         self._seed(record)
+        record.prompt_written = None
 
     @_bookkeeping
     def complete_transfer(self, request_id: Hashable) -> None:
@@ -349,7 +364,9 @@ class HiSparseCache:
                 "a decode step is already open; call end_decode_step() before the next one"
             )
         try:
-            ids = None if isinstance(request_ids, str | bytes) else list(request_ids)
+            # A set or a mapping has no order to give the batch rows.
+            unordered = isinstance(request_ids, str | bytes | AbstractSet | Mapping)
+            ids = None if unordered else list(request_ids)
         except TypeError:
             ids = None
         if ids is None:
@@ -377,31 +394,45 @@ class HiSparseCache:
         self._pool.check_free(len(grow))
 
         H, S, E = self.hot_slots, self.slots_per_request, self.extent_tokens
-        page_updates: list[tuple[int, int, int]] = []
-        for record in grow:
-            record.extents += self._pool.allocate(1, after=record.extents[-1])
-            page_updates.append((record.slot, len(record.extents) - 1, record.extents[-1]))
-        short_updates: list[tuple[int, int, int]] = []  # (slot, hot slot, host row)
-        newest_rows, host_rows, positions = [], [], []
+        # The records change only once the step's updates are on their way to the device: a
+        # failed upload (a device out of memory) leaves the step unopened and retryable.
+        grown: dict[int, list[int]] = {}  # id(record) -> its extents with the new one
+        try:
+            page_updates: list[tuple[int, int, int]] = []
+            for record in grow:
+                extents = grown[id(record)] = record.extents + self._pool.allocate(
+                    1, after=record.extents[-1])
+                page_updates.append((record.slot, len(extents) - 1, extents[-1]))
+            short_updates: list[tuple[int, int, int]] = []  # (slot, hot slot, host row)
+            newest_rows, host_rows, positions = [], [], []
+            for record in records:
+                position = record.num_tokens  # the new token's
+                extents = grown.get(id(record), record.extents)
+                row = extents[position // E] * E + position % E
+                positions.append(position)
+                host_rows.append(row)
+                if position < H:  # short: the token's own slot, tracked for the switch
+                    newest_rows.append(record.slot * S + position)
+                    short_updates.append((record.slot, position, row))
+                else:
+                    newest_rows.append(record.slot * S + H)
+            batch = len(records)
+            pad = self.batch_capacity - batch
+            slots = [r.slot for r in records]
+            uploaded = self._upload(
+                [slots + [0] * pad, [batch], newest_rows + [self._padding_row] * pad,
+                 host_rows + [-1] * pad, slots, [p + 1 for p in positions],
+                 *zip(*page_updates, strict=True), *zip(*short_updates, strict=True)]
+            )
+        except BaseException:
+            for record in grow:
+                if id(record) in grown:
+                    self._pool.release(grown[id(record)][-1:])
+            raise
         for record in records:
+            if id(record) in grown:
+                record.extents.append(grown[id(record)][-1])
             record.num_tokens += 1
-            position = record.num_tokens - 1
-            row = record.extents[position // E] * E + position % E
-            positions.append(position)
-            host_rows.append(row)
-            if record.num_tokens <= H:  # short: the token's own slot, tracked for the switch
-                newest_rows.append(record.slot * S + position)
-                short_updates.append((record.slot, position, row))
-            else:
-                newest_rows.append(record.slot * S + H)
-        batch = len(records)
-        pad = self.batch_capacity - batch
-        slots = [r.slot for r in records]
-        uploaded = self._upload(
-            [slots + [0] * pad, [batch], newest_rows + [self._padding_row] * pad,
-             host_rows + [-1] * pad, slots, [r.num_tokens for r in records],
-             *zip(*page_updates, strict=True), *zip(*short_updates, strict=True)]
-        )
         t = self.tables
         # The previous step's backup (maybe still running on its side stream) reads the batch
         # buffers, and the new token's slot H still holds the token it is copying out.

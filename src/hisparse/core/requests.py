@@ -23,6 +23,38 @@ class RequestState(str, enum.Enum):
         return self.value
 
 
+class PromptCoverage:
+    """The prompt rows `write_prefill` has written, per layer, as merged `[start, end)` runs.
+
+    A commit with a gap would seed, and later serve, whatever the row's previous owner (another
+    request) left in it: silent corruption, and another request's data.
+    """
+
+    def __init__(self, num_layers: int, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+        self._runs: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]
+
+    def add(self, layer: int, start: int, end: int) -> None:
+        merged = []
+        for run_start, run_end in self._runs[layer]:
+            if run_end < start or end < run_start:
+                merged.append((run_start, run_end))
+            else:  # overlapping or touching: one run
+                start, end = min(start, run_start), max(end, run_end)
+        merged.append((start, end))
+        self._runs[layer] = sorted(merged)
+
+    def first_gap(self) -> tuple[int, int, int] | None:
+        """(layer, start, end) of the first rows never written, or None when all were."""
+        for layer, runs in enumerate(self._runs):
+            written_to = 0
+            for start, end in [*runs, (self.num_tokens, self.num_tokens)]:
+                if start > written_to:
+                    return layer, written_to, start
+                written_to = max(written_to, end)
+        return None
+
+
 @dataclass(eq=False)
 class RequestRecord:
     request_id: Hashable
@@ -31,6 +63,8 @@ class RequestRecord:
     num_tokens: int  # tokens whose rows exist on the host (the seq_len once running)
     extents: list[int] = field(default_factory=list)
     slot: int | None = None
+    # Tracked from admit to commit_prefill (a PD transfer writes its rows outside hisparse).
+    prompt_written: PromptCoverage | None = None
 
 
 class SlotAllocator:

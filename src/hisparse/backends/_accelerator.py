@@ -91,16 +91,16 @@ class AcceleratorBackend(Backend):
     def new_event(self) -> Any:
         return self.module.Event()
 
-    def record_event(self, event: Any | None) -> None:
+    def record_event(self, event: Any | None, device: torch.device | None = None) -> None:
         if event is not None:
-            event.record()
+            event.record(self.module.current_stream(device))
 
-    def wait_event(self, event: Any | None) -> None:
+    def wait_event(self, event: Any | None, device: torch.device | None = None) -> None:
         if event is not None:
-            self.module.current_stream().wait_event(event)
+            self.module.current_stream(device).wait_event(event)
 
-    def synchronize(self) -> None:
-        self.module.synchronize()
+    def synchronize(self, device: torch.device | None = None) -> None:
+        self.module.synchronize(device)
 
     # --- kernels -------------------------------------------------------------------------
     def swap_in_kernel(self) -> SwapInFn:

@@ -103,14 +103,14 @@ class Backend(abc.ABC):
     def new_event(self) -> Any | None:
         return None
 
-    def record_event(self, event: Any | None) -> None:
-        """Record `event` on the current stream."""
+    def record_event(self, event: Any | None, device: torch.device | None = None) -> None:
+        """Record `event` on the current stream of `device` (None: of the current device)."""
 
-    def wait_event(self, event: Any | None) -> None:
-        """Make the current stream wait for `event`."""
+    def wait_event(self, event: Any | None, device: torch.device | None = None) -> None:
+        """Make the current stream of `device` (None: of the current device) wait for `event`."""
 
-    def synchronize(self) -> None:
-        """Wait for all work on the device."""
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Wait for all work on `device` (None: the current device)."""
 
     def new_graph(self) -> Any:
         self.require(Feature.GRAPH_CAPTURE)

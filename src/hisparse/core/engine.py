@@ -60,9 +60,7 @@ def _bookkeeping(
 
     @functools.wraps(method)
     def locked(self: HiSparseCache, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        # A scheduler thread may have another device current (a new thread starts on device
-        # 0): the tables' streams and events are this cache's device's.
-        with self._lock, self.backend.device_scope(self.device):
+        with self._lock:
             return method(self, *args, **kwargs)
 
     return locked
@@ -436,8 +434,9 @@ class HiSparseCache:
         t = self.tables
         # The previous step's backup (maybe still running on its side stream) reads the batch
         # buffers, and the new token's slot H still holds the token it is copying out.
-        self.backend.wait_event(self._backup_done)
-        self.backend.wait_event(self._tables_changed)  # seeding done on another thread's stream
+        self.backend.wait_event(self._backup_done, self.device)
+        # Seeding may have run on another thread's stream.
+        self.backend.wait_event(self._tables_changed, self.device)
         self._req_slots.copy_(uploaded[0])
         self._num_real.copy_(uploaded[1])
         self._newest_rows.copy_(uploaded[2])
@@ -509,7 +508,8 @@ class HiSparseCache:
         plan = self._plans[group]
         if plan is not None:
             self._flush_replays(group)
-            self.backend.wait_event(self._replay_done[group])  # the side stream reads the plan
+            # The side stream reads the plan.
+            self.backend.wait_event(self._replay_done[group], self.device)
             counts_before = self.tables.counters[layer].clone()
             plan = self._anchor_plans[group] = plan.first_rows(rows)
         # The kernels run over the B rows the caller passed, not over `max_batch`: a caller
@@ -538,17 +538,17 @@ class HiSparseCache:
         for group in list(self._pending_replay):
             self._flush_replays(group)
         if self._backup_stream is not None:
-            self.backend.record_event(self._step_written)
+            self.backend.record_event(self._step_written, self.device)
             with self.backend.stream_scope(self._backup_stream):
-                self.backend.wait_event(self._step_written)
+                self.backend.wait_event(self._step_written, self.device)
                 self._backup(self.tables, self._newest_rows, self._newest_host_rows,
                              self._num_real)
-                self.backend.record_event(self._backup_done)
+                self.backend.record_event(self._backup_done, self.device)
             self._host_io_pending = True
         else:
             self._backup(self.tables, self._newest_rows, self._newest_host_rows, self._num_real)
         self._traffic.backed_up_tokens += step.batch_size
-        self.backend.record_event(self._step_done)
+        self.backend.record_event(self._step_done, self.device)
         self._step = None
         self._step_records = []
 
@@ -637,7 +637,7 @@ class HiSparseCache:
         """Wait for the device, then free the host pool. Later calls raise; idempotent."""
         if self._closed:
             return
-        self.backend.synchronize()
+        self.backend.synchronize(self.device)
         self._closed = True
         self._pool.close()
 
@@ -659,8 +659,9 @@ class HiSparseCache:
         else:
             pieces, lru_tokens = [(n - 1 - H, H, 0), (n - 1, 1, H)], (n - 1 - H, n - 1)
         t = self.tables
-        self.backend.wait_event(self._backup_done)  # the slot's last owner may be backing up
-        self.backend.wait_event(self._step_done)  # ... or still be read by the last step
+        # The slot's last owner may still be backing up, or be read by the last step.
+        self.backend.wait_event(self._backup_done, self.device)
+        self.backend.wait_event(self._step_done, self.device)
         t.page_table[r].fill_(-1)
         t.page_table[r, : len(record.extents)] = torch.tensor(record.extents, dtype=torch.int32)
         t.seq_lens[r] = n
@@ -677,7 +678,7 @@ class HiSparseCache:
                     t.device_kv[layer, device_row : device_row + length].copy_(
                         self._pool.layers[layer][row : row + length], non_blocking=True
                     )
-        self.backend.record_event(self._tables_changed)
+        self.backend.record_event(self._tables_changed, self.device)
         self._traffic.seeded_tokens += min(n, H + 1)
         record.state = RequestState.RUNNING
 
@@ -701,7 +702,8 @@ class HiSparseCache:
         if r is None:
             return
         t = self.tables
-        self.backend.wait_event(self._step_done)  # the last step's kernels read these tables
+        # The last step's kernels read these tables.
+        self.backend.wait_event(self._step_done, self.device)
         own_row = record.extents[0] * self.extent_tokens
         # Empty hot slots hold -1; point them at one of the request's own rows, cleared anyway,
         # so the scatter needs no host sync to filter them out.
@@ -711,7 +713,7 @@ class HiSparseCache:
         t.lru[:, r] = torch.arange(self.hot_slots, dtype=torch.int32, device=self.device)
         t.seq_lens[r] = 0
         t.page_table[r].fill_(-1)
-        self.backend.record_event(self._tables_changed)
+        self.backend.record_event(self._tables_changed, self.device)
         self._slots.release(r)
         record.slot = None
 
@@ -746,7 +748,7 @@ class HiSparseCache:
                 "so pass the anchor's top-k (or set index_group_size=1)"
             )
         if self._prefetch_stream is not None:
-            self.backend.wait_event(self._follower_ready[layer])
+            self.backend.wait_event(self._follower_ready[layer], self.device)
         elif layer in self._pending_replay.get(group, ()):
             self._replay(group, layer)
             self._pending_replay[group].discard(layer)
@@ -760,13 +762,13 @@ class HiSparseCache:
         if self._prefetch_stream is None:
             self._pending_replay[group] = set(self._followers(group))
             return
-        self.backend.record_event(self._planned[group])
+        self.backend.record_event(self._planned[group], self.device)
         with self.backend.stream_scope(self._prefetch_stream):
-            self.backend.wait_event(self._planned[group])
+            self.backend.wait_event(self._planned[group], self.device)
             for follower in self._followers(group):
                 self._replay(group, follower)
-                self.backend.record_event(self._follower_ready[follower])
-            self.backend.record_event(self._replay_done[group])
+                self.backend.record_event(self._follower_ready[follower], self.device)
+            self.backend.record_event(self._replay_done[group], self.device)
 
     def _flush_replays(self, group: int) -> None:
         for follower in sorted(self._pending_replay.pop(group, ())):
@@ -789,7 +791,7 @@ class HiSparseCache:
         work that may still read or write them (backups, and kernels of the last step reading
         rows a finish or abort just freed)."""
         if self._host_io_pending:
-            self.backend.synchronize()
+            self.backend.synchronize(self.device)
         elif self._rows_recycled:
             # Events of the GPU backends wait on the host; the CPU backend has none to wait for.
             wait = getattr(self._step_done, "synchronize", None)

@@ -1,19 +1,21 @@
 """NixlDecodeEndpoint bookkeeping when something raises, against a fake NIXL agent (no NIXL needed):
 outcomes of transfers that already ended are never lost, and a request is never forgotten while
-it still holds reserved rows."""
+it still holds reserved rows. On the prefill side, a failed WRITE frees the decode node's rows
+early (its failure notice) only once NIXL cancelled it."""
 
 from __future__ import annotations
 
 import sys
 import types
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import pd_workers
 from hisparse.errors import TransferError
-from hisparse.pd.nixl_adapter import _NOTIF_PREFIX
+from hisparse.pd.nixl_adapter import _NOTIF_PREFIX, PrefillWrite
 
 CONFIG = pd_workers.SMALL_CACHE
 
@@ -130,3 +132,37 @@ def test_a_timeout_that_never_expires_or_already_has_is_refused_before_reserving
     assert endpoint.pending == []
     assert cache.stats().occupancy.host_extents_used == 0
     endpoint.close()
+
+
+class FakeSenderAgent:
+    """A prefill agent whose posted WRITE failed, and which may refuse to cancel it."""
+
+    def __init__(self, cancels: bool) -> None:
+        self.cancels = cancels
+
+    def check_xfer_state(self, handle: object) -> str:
+        return "ERR"
+
+    def release_xfer_handle(self, handle: object) -> None:
+        if not self.cancels:
+            raise RuntimeError("NIXL: handle busy")
+
+
+@pytest.mark.parametrize("cancels", [True, False])
+def test_a_failed_write_sends_its_failure_notice_only_once_cancelled(cancels: bool) -> None:
+    """The notice frees the decode node's rows at once: sent while the WRITE may still be
+    landing, it would let those rows go to another request under it."""
+    notices: list[str] = []
+    sender = SimpleNamespace(
+        _agent=FakeSenderAgent(cancels),
+        _notify_failure=lambda ticket, reason: notices.append(reason),
+    )
+    ticket = SimpleNamespace(transfer_id="t1", request_id="r1", agent_name="decode")
+    write = PrefillWrite(sender, ticket, handle=object())  # type: ignore[arg-type]
+    with pytest.raises(TransferError, match="on the failure notice" if cancels
+                       else "at its deadline"):
+        write.poll()
+    assert notices == (["NIXL reported the transfer state ERR"] if cancels else [])
+    with pytest.raises(TransferError):  # the error sticks; nothing is sent twice
+        write.poll()
+    assert len(notices) == (1 if cancels else 0)

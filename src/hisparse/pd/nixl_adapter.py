@@ -433,13 +433,21 @@ class PrefillWrite:
     def _fail(self, reason: str, cause: BaseException | None) -> NoReturn:
         try:  # releasing an active handle asks NIXL to cancel it
             self._sender._agent.release_xfer_handle(self._handle)
+            cancelled = True
         except Exception:
             logger.warning("could not cancel NIXL transfer %s", self.ticket.transfer_id)
-        self._sender._notify_failure(self.ticket, reason)
+            cancelled = False
+        if cancelled:
+            self._sender._notify_failure(self.ticket, reason)
+            release = "on the failure notice"
+        else:
+            # The WRITE may still be landing: a notice now would free the rows for another
+            # request under it. The decode node's deadline releases them later instead.
+            release = "at its deadline (NIXL could not cancel the write, so no notice was sent)"
         self._error = TransferError(
             f"KV transfer {self.ticket.transfer_id} of request {self.ticket.request_id} to "
             f"{self.ticket.agent_name!r} failed: {reason}. The decode node releases the rows "
-            "on the failure notice or at its deadline; re-run prefill for this request."
+            f"{release}; re-run prefill for this request."
         )
         raise self._error from cause
 

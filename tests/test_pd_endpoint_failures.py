@@ -82,21 +82,25 @@ def test_poll_that_raises_keeps_the_outcomes_of_transfers_that_ended(
         complete(request_id)
 
     monkeypatch.setattr(cache, "complete_transfer", out_of_memory)
+    tickets["D"] = endpoint.prepare_request("D", 16)
     endpoint._agent.done(tickets["C"].transfer_id)
+    endpoint._agent.done(tickets["D"].transfer_id)  # in the same batch, behind C's
     with pytest.raises(RuntimeError, match="out of memory"):
         endpoint.poll()
     monkeypatch.setattr(cache, "complete_transfer", complete)
 
-    # B already runs in the cache: its outcome must still reach the scheduler.
-    [outcome] = endpoint.poll()
-    assert outcome.request_id == "B" and outcome.ready
+    # B already runs in the cache: its outcome must still reach the scheduler. D's rows
+    # landed too: its notification, unread when C's raised, is handled now.
+    outcomes = endpoint.poll()
+    assert [(o.request_id, o.ready) for o in outcomes] == [("B", True), ("D", True)]
     assert cache.request_state("B").name == "RUNNING"
+    assert cache.request_state("D").name == "RUNNING"
     # C still holds reserved rows: the endpoint must not forget it, so its deadline frees them.
     assert endpoint.pending == ["C"]
     now[0] = 5.0
     [outcome] = endpoint.poll()
     assert outcome.request_id == "C" and isinstance(outcome.error, TransferError)
-    for rid in ("A", "B"):
+    for rid in ("A", "B", "D"):
         cache.finish(rid)
     occupancy = cache.stats().occupancy
     assert occupancy.host_extents_used == 0 and occupancy.request_slots_used == 0

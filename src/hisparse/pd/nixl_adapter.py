@@ -22,6 +22,7 @@ Neither class is thread-safe: call each from one thread (the scheduler's).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import secrets
@@ -186,6 +187,7 @@ class NixlDecodeEndpoint:
         self._transfer_of: dict[Hashable, str] = {}
         self._retired: OrderedDict[str, str] = OrderedDict()
         self._undelivered: list[TransferOutcome] = []
+        self._unread: collections.deque[tuple[str, bytes]] = collections.deque()
 
     def publish(self) -> bytes:
         """This agent's NIXL metadata; every prefill node passes it to `connect` once."""
@@ -232,10 +234,14 @@ class NixlDecodeEndpoint:
         outcomes, self._undelivered = self._undelivered, []
         try:
             for sender, messages in self._agent.get_new_notifs().items():
-                for message in messages:
-                    outcome = self._on_notification(sender, message)
-                    if outcome is not None:
-                        outcomes.append(outcome)
+                self._unread.extend((sender, message) for message in messages)
+            # One at a time off the queue: if handling one raises, the rest (transfers whose
+            # rows landed) are handled by the next poll() rather than lost to their deadline.
+            while self._unread:
+                sender, message = self._unread.popleft()
+                outcome = self._on_notification(sender, message)
+                if outcome is not None:
+                    outcomes.append(outcome)
             now = self._clock()
             for transfer_id, pending in list(self._pending.items()):
                 if now >= pending.deadline:

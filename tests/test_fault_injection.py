@@ -311,3 +311,25 @@ def test_a_decode_step_whose_upload_fails_opens_nothing_and_the_retry_decodes(
         cache.begin_decode_step(["a", "b"])
     assert_same_state(before, full_snapshot(cache))
     run.decode(["a", "b"], steps=4)
+
+
+def test_a_reservation_whose_host_drain_fails_reserves_nothing(
+    backend: Any, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waiting for the device's last host copies fails (the device is gone, say): the PD
+    reservation must not stay behind for a caller that was told it failed."""
+    run = Lockstep(hisparse.HiSparseCache(config(), device=backend), seed)
+    run.admit("a", 6)
+    cache = run.cache
+    fault = FailOnce(cache.backend.synchronize)
+    monkeypatch.setattr(cache.backend, "synchronize", fault)
+    cache._host_io_pending = True  # as after a prefill written from device memory
+    before = full_snapshot(cache)
+    fault.armed = True
+    with pytest.raises(InjectedFault):
+        cache.reserve_host_slots("pd", 9)
+    assert_same_state(before, full_snapshot(cache))
+    reservation = cache.reserve_host_slots("pd", 9)
+    assert len(reservation.rows) == 9
+    cache.abort("pd")
+    run.decode(["a"], steps=2)

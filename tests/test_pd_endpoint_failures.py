@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import pd_workers
-from hisparse.errors import TransferError
+from hisparse.errors import RequestStateError, TransferError
 from hisparse.pd.nixl_adapter import _NOTIF_PREFIX, PrefillWrite
 
 CONFIG = pd_workers.SMALL_CACHE
@@ -170,3 +170,15 @@ def test_a_failed_write_sends_its_failure_notice_only_once_cancelled(cancels: bo
     with pytest.raises(TransferError):  # the error sticks; nothing is sent twice
         write.poll()
     assert len(notices) == (1 if cancels else 0)
+
+
+def test_a_closed_endpoint_reserves_nothing(fake_nixl: None, cache: Any) -> None:
+    from hisparse.pd import NixlDecodeEndpoint
+
+    endpoint = NixlDecodeEndpoint(cache, "decode", timeout_s=5.0)
+    endpoint.prepare_request("A", 16)
+    endpoint.close()
+    with pytest.raises(RequestStateError, match="closed; create a new one"):
+        endpoint.prepare_request("B", 16)
+    occupancy = cache.stats().occupancy
+    assert occupancy.host_extents_used == 0 and occupancy.requests_by_state == {}

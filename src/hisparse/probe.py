@@ -117,7 +117,8 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
 def format_report(report: dict) -> str:
     """The human-readable table `hisparse probe` prints."""
     state = "usable" if report["usable"] else "NOT usable"
-    lines = [f"hisparse {report['hisparse_version']} probe: backend {report['backend']} ({state})"]
+    backend = report["backend"] or "unresolved"  # an unknown name resolves to no backend
+    lines = [f"hisparse {report['hisparse_version']} probe: backend {backend} ({state})"]
     if report["reason"]:
         lines.append(f"  reason: {report['reason']}")
     lines.append(f"  usable backends here: {', '.join(report['available_backends'])}")

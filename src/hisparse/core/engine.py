@@ -241,12 +241,14 @@ class HiSparseCache:
         self._check_open()
         self._requests.check_new(request_id, "reserve host slots for")
         self._check_length(num_tokens, "reserve host slots for")
+        self._pool.check_free(self._pool.extents_for(num_tokens))
+        # The transfer engine writes the rows once this returns: a backup or a swap-in of
+        # their previous owner may still be touching them. Drained before anything is taken,
+        # so that a drain that fails leaves no reservation behind.
+        self._drain_host_io()
         extents = self._pool.allocate(self._pool.extents_for(num_tokens))
         record = RequestRecord(request_id, RequestState.RESERVED, num_tokens, num_tokens, extents)
         self._requests.add(record)
-        # The transfer engine writes the rows once this returns: a backup or a swap-in of
-        # their previous owner may still be touching them.
-        self._drain_host_io()
         E = self.extent_tokens
         return HostReservation(
             request_id=request_id,

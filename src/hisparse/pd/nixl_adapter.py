@@ -187,6 +187,7 @@ class NixlDecodeEndpoint:
         self._transfer_of: dict[Hashable, str] = {}
         self._retired: OrderedDict[str, str] = OrderedDict()
         self._undelivered: list[TransferOutcome] = []
+        self._closed = False
         self._unread: collections.deque[tuple[str, bytes]] = collections.deque()
 
     def publish(self) -> bytes:
@@ -204,8 +205,14 @@ class NixlDecodeEndpoint:
         """Reserve host rows for a request in all layers and describe them for the prefill node.
 
         Raises what `cache.reserve_host_slots` raises (nothing reserved then), or
-        `InvalidInputError` for a request already waiting for a transfer.
+        `InvalidInputError` for a request already waiting for a transfer, `RequestStateError`
+        after `close()`.
         """
+        if self._closed:  # the pool is deregistered: no prefill node could write the rows
+            raise RequestStateError(
+                f"cannot prepare request {request_id!r}: this NixlDecodeEndpoint is closed; "
+                "create a new one"
+            )
         if request_id in self._transfer_of:
             raise InvalidInputError(
                 f"request {request_id!r} already waits for transfer "
@@ -301,6 +308,7 @@ class NixlDecodeEndpoint:
         if self._registration is not None:
             self._agent.deregister_memory(self._registration)
             self._registration = None
+        self._closed = True
 
     # --- internals ---------------------------------------------------------------------------
     def _ticket(self, request_id: Hashable, reservation: Any) -> TransferTicket:

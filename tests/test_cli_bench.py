@@ -216,3 +216,26 @@ def test_a_cell_with_clean_cache_lines_and_an_unknown_flush_mode() -> None:
     assert cell.verified and cell.misses_per_step == 2 * 32
     with pytest.raises(InvalidInputError, match="unknown cache flush mode 'evict'"):
         benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed, flush="evict")
+
+
+@pytest.mark.parametrize("layout", benchmarking.LAYOUTS)
+def test_sw1_tables_are_row_major_and_agree_with_the_hot_buffers(layout: str) -> None:
+    """The Triton kernels index slot_row and page_table as contiguous rows (only the data
+    pointer reaches them): a column-major table would hand them other requests' rows, which the
+    CPU reference (torch indexing honours strides) would never show. Every seeded slot's host
+    row must be the row `resident` maps back to that slot."""
+    from hisparse.kernels.swap_in_triton import _check_tables
+
+    backend = get_backend("cpu")
+    sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128)
+    batch = 3
+    tables, host_rows = benchmarking.build_tables(backend, filled_pool(backend, batch), layout,
+                                                  batch, sizes, np.random.default_rng())
+    for name in ("page_table", "seq_lens", "slot_row", "lru", "resident", "counters"):
+        assert getattr(tables, name).is_contiguous(), name
+    _check_tables(tables)
+    slot_row = tables.slot_row[0].numpy()
+    hot = sizes.hot_slots
+    np.testing.assert_array_equal(slot_row, host_rows[:, sizes.seq_len - 1 - hot : -1])
+    np.testing.assert_array_equal(tables.resident[0, torch.from_numpy(slot_row).long()].numpy(),
+                                  np.broadcast_to(np.arange(hot), (batch, hot)))

@@ -196,9 +196,12 @@ def build_tables(
     tables = CacheTables(
         device_kv=device_kv,
         host_kv=[host],
-        page_table=torch.from_numpy(pages.astype(np.int32)).to(device),
+        # Row-major copies: the kernels index these tables as contiguous rows, and numpy's
+        # fancy indexing above can hand back column-major arrays (torch keeps their strides).
+        page_table=torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int32)).to(device),
         seq_lens=torch.full((batch,), n, **i32),
-        slot_row=torch.from_numpy(seeded[:, :hot].astype(np.int32)).to(device)[None],
+        slot_row=torch.from_numpy(
+            np.ascontiguousarray(seeded[:, :hot], dtype=np.int32)).to(device)[None],
         lru=torch.arange(hot, **i32).repeat(1, batch, 1),
         resident=resident,
         counters=torch.zeros(1, 3, dtype=torch.int64, device=device),

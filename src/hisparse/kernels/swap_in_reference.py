@@ -31,6 +31,10 @@ def swap_in_reference(
     dev = top_k.device
 
     real = torch.arange(batch_cap, device=dev) < num_real.to(dev).long()
+    # A real row with a request slot outside [0, R) is treated as padding, as the Triton
+    # kernels do: a negative slot would otherwise wrap around to another request's state.
+    slot_in_range = (req_slots >= 0) & (req_slots < t.page_table.shape[0])
+    real = real & slot_in_range.to(dev)
     r = torch.where(real, req_slots.long(), 0)
     n = t.seq_lens[r].long()[:, None]
     pos = top_k.long()
@@ -106,12 +110,18 @@ def swap_in_reference(
 
 def copy_planned_reference(tables: CacheTables, layer: int, plan: MissPlan) -> None:
     """Copy the rows a plan recorded into `layer`'s device rows (shared-index replay)."""
-    k = plan.src.shape[1]
-    take = torch.arange(k, device=plan.count.device)[None, :] < plan.count[:, None]
+    num_rows, k = plan.src.shape
+    count = plan.count[:num_rows]  # may be longer than the plan's rows, as in the Triton copy
+    take = torch.arange(k, device=plan.count.device)[None, :] < count[:, None]
     src = plan.src[take].long()
-    dst = plan.dst[take].long()
+    dst = plan.dst[:num_rows, :k][take].long()
+    host = tables.host_kv[layer]
+    # Entries outside the layer's rows (a plan the planner did not make) are skipped, as the
+    # Triton copy skips them, instead of wrapping a negative row around to the last one.
+    keep = (src >= 0) & (src < host.shape[0]) & (dst >= 0)
+    keep &= dst < tables.device_kv.shape[1]
+    src, dst = src[keep], dst[keep]
     if src.numel():
-        host = tables.host_kv[layer]
         rows = host[src.to(host.device)]
         tables.device_kv[layer][dst.to(tables.device_kv.device)] = rows.to(
             tables.device_kv.device, non_blocking=True
@@ -129,11 +139,19 @@ def backup_newest_reference(
     Reads the real count back to the host: fine on the CPU, a sync on accelerators, which
     bind a kernel that writes host memory directly instead.
     """
-    count = int(num_real.reshape(-1)[0])
+    # Rows b < num_real are real, as in the Triton backup: a negative count is none (as a
+    # slice bound it would count from the end).
+    count = max(0, int(num_real.reshape(-1)[0]))
     if count == 0:
         return
     device_rows = newest_rows[:count].long()
-    rows = tables.device_kv[:, device_rows]  # [L, B, W]
     targets = host_rows[:count].long()
+    # Out-of-range rows would be an engine bug; skipped, as the Triton backup skips them,
+    # rather than wrapped around (-1 is the last row) or raised on halfway through the layers.
+    num_host_rows = min((host.shape[0] for host in tables.host_kv), default=0)
+    keep = (device_rows >= 0) & (device_rows < tables.device_kv.shape[1]) & (targets >= 0)
+    keep &= targets < num_host_rows
+    device_rows, targets = device_rows[keep], targets[keep]
+    rows = tables.device_kv[:, device_rows]  # [L, B, W]
     for layer, host in enumerate(tables.host_kv):
         host[targets.to(host.device)] = rows[layer].to(host.device)

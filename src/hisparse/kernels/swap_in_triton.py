@@ -582,6 +582,8 @@ def _copy_kernel(
     device_ptr,  # [R*S, ROW_WORDS] int32: this layer's device rows
     num_rows,  # batch rows in the plan
     max_count,  # columns of the plan (K)
+    num_host_rows,  # N: rows of host_ptr
+    num_device_rows,  # rows of device_ptr
     ROW_WORDS: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
     BLOCK_BATCH: tl.constexpr,
@@ -614,6 +616,11 @@ def _copy_kernel(
         entry = owner * plan_stride + (flat - first)
         src = tl.load(plan_src_ptr + entry, mask=active, other=0).to(tl.int64)
         dst = tl.load(plan_dst_ptr + entry, mask=active, other=0).to(tl.int64)
+        # Our plan kernel writes only rows in range, but copy_planned replays any plan it is
+        # given: skipping a row outside the layer's rows (as the backup kernel does) keeps
+        # every access in bounds, for two compares per row of a few hundred bytes.
+        active = active & (src >= 0) & (src < num_host_rows) & (dst >= 0)
+        active = active & (dst < num_device_rows)
         mask = active[:, None] & in_row[None, :]
         data = tl.load(host_ptr + src[:, None] * ROW_WORDS + words[None, :], mask=mask)
         tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
@@ -818,6 +825,9 @@ def _get_scratch(tables: CacheTables, batch_cap: int, top_k: int) -> _Scratch:
     per_shape = _scratch.setdefault(tables, {})
     scratch = per_shape.get((batch_cap, top_k))
     if scratch is None:
+        # Checked here, once per allocation rather than per call (host time on every layer):
+        # the tables are never rebound (CacheTables).
+        _check_tables(tables)
         device = tables.lru.device
         hot = tables.hot_slots
         scratch = _Scratch(
@@ -833,6 +843,47 @@ def _get_scratch(tables: CacheTables, batch_cap: int, top_k: int) -> _Scratch:
 
 def _fail(what: str, seen: object, fix: str) -> InvalidInputError:
     return InvalidInputError(f"{what} (got {seen}); {fix}.")
+
+
+def _check_tables(tables: CacheTables) -> None:
+    """The kernels index every table with sizes taken from the others (R from the page table,
+    G from the LRU, H = hot_slots, N from resident, L from device_kv) and as contiguous rows:
+    a table that disagrees would be read or written past its end. Shapes only, no sync."""
+    t = tables
+    device = t.lru.device
+    if t.page_table.dim() != 2 or t.lru.dim() != 3 or t.resident.dim() != 2:
+        raise _fail("tables.page_table must be [R, P], tables.lru [G, R, H] and tables.resident "
+                    "[G, N]", [list(t.page_table.shape), list(t.lru.shape),
+                               list(t.resident.shape)],
+                    "build the tables as docs/ARCHITECTURE.md lays them out")
+    num_requests, num_groups = t.page_table.shape[0], t.lru.shape[0]
+    num_host_rows, num_layers = t.resident.shape[1], t.device_kv.shape[0]
+    grid = (num_groups, num_requests, t.hot_slots)
+    expected = (  # (name, tensor, shape, dtype or None where checked per call)
+        ("page_table", t.page_table, tuple(t.page_table.shape), torch.int32),
+        ("seq_lens", t.seq_lens, (num_requests,), torch.int32),
+        ("slot_row", t.slot_row, grid, torch.int32),
+        ("lru", t.lru, grid, torch.int32),
+        ("resident", t.resident, (num_groups, num_host_rows), None),
+        ("counters", t.counters, (num_layers, 3), torch.int64),
+    )
+    for name, tensor, shape, dtype in expected:
+        if (tuple(tensor.shape) != shape or not tensor.is_contiguous()
+                or tensor.device != device or dtype not in (None, tensor.dtype)):
+            raise _fail(f"tables.{name} must be a contiguous {list(shape)} "
+                        f"{dtype or 'int16/int32'} tensor on {device}",
+                        f"{tensor.dtype} {list(tensor.shape)} stride {tensor.stride()} on "
+                        f"{tensor.device}",
+                        "build the tables as docs/ARCHITECTURE.md lays them out")
+    device_rows = num_requests * t.slots_per_request
+    if t.device_kv.dim() != 3 or t.device_kv.shape[1] < device_rows:
+        raise _fail(f"tables.device_kv must be [L, >= R*S = {device_rows}, W]",
+                    list(t.device_kv.shape), "allocate one row per hot slot of every request")
+    for layer, host in enumerate(t.host_kv):
+        if host.dim() != 2 or host.shape[0] < num_host_rows:
+            raise _fail(f"tables.host_kv[{layer}] must hold at least N = {num_host_rows} rows "
+                        "(tables.resident's width)", list(host.shape),
+                        "allocate every layer's host pool with the rows resident maps")
 
 
 def _check_int32(name: str, tensor: torch.Tensor, shape: tuple[int, ...], device: torch.device):
@@ -858,6 +909,12 @@ def _check_plan(plan: MissPlan, batch_cap: int, top_k: int, device: torch.device
         if tensor.shape[0] < batch_cap or tensor.shape[1] < top_k or tensor.stride(1) != 1:
             raise _fail(f"{name} must hold at least [{batch_cap}, {top_k}] with unit column "
                         "stride", f"shape {list(tensor.shape)}, stride {tensor.stride()}",
+                        "allocate it with MissPlan.empty(batch_capacity, top_k, device)")
+        # Rows closer than their width (an expanded tensor) would share entries: one batch
+        # row's misses would overwrite another's and the copy would move the wrong rows.
+        if tensor.shape[0] > 1 and tensor.stride(0) < tensor.shape[1]:
+            raise _fail(f"{name}'s rows must not overlap (row stride >= its {tensor.shape[1]} "
+                        "columns)", f"stride {tensor.stride()}",
                         "allocate it with MissPlan.empty(batch_capacity, top_k, device)")
     if plan.src.stride(0) != plan.dst.stride(0):
         raise _fail("plan.src and plan.dst must have the same row stride",
@@ -985,7 +1042,7 @@ def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
     gate = total is not None
     _copy_kernel[grid](
         plan.src, plan.dst, plan.count, plan.src.stride(0), total if gate else plan.count,
-        host, device, num_rows, top_k,
+        host, device, num_rows, top_k, host.shape[0], device.shape[0],
         BLOCK_BATCH=triton.next_power_of_2(num_rows), TOTAL_GATE=gate, **options,
     )
 

@@ -31,8 +31,8 @@ def naive_attention(q, keys, scale):
     return out
 
 
-def test_reference_matches_naive_loops() -> None:
-    g = torch.Generator().manual_seed(1)
+def test_reference_matches_naive_loops(rng: torch.Generator) -> None:
+    g = rng
     kv = torch.randn(40, WIDTH, generator=g).to(torch.bfloat16)
     q = torch.randn(3, HEADS, WIDTH, generator=g)
     indices = torch.tensor([[3, -1, 7, 39], [-1, -1, -1, -1], [0, 1, 2, 5]], dtype=torch.int32)
@@ -45,13 +45,13 @@ def test_reference_matches_naive_loops() -> None:
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_attention_over_hot_rows_equals_full_kv(backend_name: str) -> None:
+def test_attention_over_hot_rows_equals_full_kv(backend_name: str, rng: torch.Generator) -> None:
     config = hisparse.HiSparseConfig.from_preset(
         "tiny", num_layers=2, index_group_size=2, row_bytes=2 * WIDTH, top_k=8,
         device_buffer_size=12, extent_tokens=4, max_requests=3, max_batch=3,
         host_pool_tokens=256, max_seq_len=128,
     )
-    g = torch.Generator().manual_seed(7)
+    g = rng
     cache = hisparse.HiSparseCache(config, device=backend_name)
     device = cache.device
     prompts = {"a": 30, "b": 9, "c": 17}  # long, short, long

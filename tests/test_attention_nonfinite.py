@@ -59,3 +59,19 @@ def test_an_index_outside_the_rows_is_refused_not_masked(bad: int, rng: torch.Ge
     q = torch.randn(3, HEADS, WIDTH, generator=rng).to(torch.bfloat16)
     with pytest.raises(InvalidInputError, match=f"indices hold {bad}"):
         sparse_mla_decode_reference(q, kv.view(torch.uint8), indices, 0.1)
+
+
+def test_a_non_finite_row_zero_does_not_reach_masked_entries(rng: torch.Generator) -> None:
+    """Masked entries (-1) must contribute nothing, whatever row 0 of kv_rows holds."""
+    kv = torch.randn(16, WIDTH, generator=rng).to(torch.bfloat16)
+    kv[0, int(torch.randint(0, 512, (1,), generator=rng))] = float("nan")
+    indices = torch.randint(1, 16, (3, 5), generator=rng, dtype=torch.int32)
+    indices[0, 1] = indices[1, 3] = -1
+    indices[2] = -1
+    q = torch.randn(3, HEADS, WIDTH, generator=rng).to(torch.bfloat16)
+    scale = 1 / math.sqrt(WIDTH)
+    got = sparse_mla_decode_reference(q, kv.view(torch.uint8), indices, scale)
+    expected = naive(q, kv, indices, scale).to(q.dtype)
+    assert torch.isfinite(got).all()
+    assert (got[2] == 0).all()
+    torch.testing.assert_close(got[:2], expected[:2], rtol=1e-2, atol=1e-2)

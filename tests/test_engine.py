@@ -155,12 +155,18 @@ def test_statistics_count_bytes_exactly() -> None:
     stats = cache.stats()
     for layer in stats.layers:  # "a": 0, 1 miss, 15 and newest 20 hit; "b": 0 hits
         assert (layer.hits, layer.misses, layer.invalid) == (3, 2, 1)
+        assert layer.hit_rate == 3 / 5
         assert layer.bytes_host_to_device == (2 + seeded) * W
         assert layer.bytes_device_to_host == (2 + 25) * W  # backups + prefill offload
+    assert stats.to_dict()["total"] == {
+        "hits": 4 * 3, "misses": 4 * 2, "invalid": 4 * 1,
+        "bytes_host_to_device": 4 * (2 + seeded) * W, "bytes_device_to_host": 4 * (2 + 25) * W,
+    }
     occupancy = stats.occupancy
     assert occupancy.host_rows_used == 21 + 6 and occupancy.host_extents_used == 6 + 2
     assert occupancy.internal_fragmentation_rows == 8 * 4 - 27
     assert occupancy.request_slots_used == 2
+    assert occupancy.requests_by_state == {"running": 2}
 
 
 def test_seeding_equals_appending_to_a_short_sequence() -> None:

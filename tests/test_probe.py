@@ -34,7 +34,8 @@ def test_the_report_describes_the_backend_and_proves_it(backend: Backend) -> Non
     assert statuses["host_buffer"] == "passed", report["checks"]
     expected_register = "passed" if backend.supports("register_host_memory") else "skipped"
     assert statuses["register_host"] == expected_register, report["checks"]
-    assert statuses["swap_in_roundtrip"] in ("passed", "skipped"), report["checks"]
+    # The engine imports on every backend: a skipped round trip would prove nothing.
+    assert statuses["swap_in_roundtrip"] == "passed", report["checks"]
     assert report["ok"] is True and report["reason"] is None
     json.dumps(report)  # everything in it serializes
 

@@ -60,6 +60,9 @@ def sparse_mla_decode_reference(
     kv = kv_rows.view(torch.bfloat16)  # [N, width]
     valid = indices >= 0
     keys = kv[torch.where(valid, indices, 0).long()].float()  # [B, K, width]
+    # Masked entries gathered row 0 as a stand-in: zero them, or a NaN or infinity in row 0
+    # (whatever bytes it holds) would reach every output through 0 * NaN.
+    keys = keys.masked_fill(~valid[..., None], 0.0)
     scores = torch.einsum("bhd,bkd->bhk", q.float(), keys) * softmax_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     # A row with nothing to attend to would be all -inf (NaN after softmax): give it zeros.

@@ -295,3 +295,13 @@ def test_swap_in_refuses_tables_whose_shapes_disagree(kind: str, rng: torch.Gene
                                       _int32([SIZES.batch_cap]), out)
     assert_same_state(tables, before)
     assert bool((out == POISON).all())
+
+
+def test_swap_in_refuses_a_top_k_without_columns(rng: torch.Generator) -> None:
+    tables = make_tables(SIZES, rng)
+    before = clone_tables(tables)
+    top_k = torch.empty((SIZES.batch_cap, 0), dtype=torch.int32, device=DEVICE)
+    with pytest.raises(InvalidInputError, match="at least one column"):
+        triton_kernels.swap_in_triton(tables, 0, 0, _int32(list(range(SIZES.batch_cap))),
+                                      top_k, _int32([SIZES.batch_cap]), torch.empty_like(top_k))
+    assert_same_state(tables, before)

@@ -1073,6 +1073,9 @@ def swap_in_triton(
     if top_k.dim() != 2:
         raise _fail("top_k must be [Bcap, K]", list(top_k.shape), "pass a 2-D tensor")
     batch_cap, k = top_k.shape
+    if k < 1:
+        raise _fail("top_k needs at least one column", list(top_k.shape),
+                    "pass [Bcap, K] positions with K >= 1 (-1 marks an unused entry)")
     _check_int32("top_k", top_k, (batch_cap, k), device)
     _check_int32("out", out, (batch_cap, k), device)
     _check_int32("req_slots", req_slots, (batch_cap,), device)

@@ -81,12 +81,12 @@ def test_random_shapes_against_an_independent_formula() -> None:
         [p] = planning.plan(shape, settings, [context])
         groups = -(-layers // group)
         extents = -(-context // extent)
-        per_request = ((hot + 1) * layers * row + context * layers * indexer
+        per_request = ((hot + 1) * layers * row + context * groups * indexer
                        + 8 * groups * hot + 4 * extents + 4
                        + (2 if hot < 32768 else 4) * groups * extents * extent)
         assert p.hisparse_request_bytes == per_request
         assert p.hisparse_max_requests == settings.available_bytes // per_request
-        baseline = context * layers * (row + indexer)
+        baseline = context * (layers * row + groups * indexer)
         assert p.baseline_max_requests == settings.available_bytes // baseline
         misses = settings.miss_rate * top_k if context > hot else 0
         assert math.isclose(p.h2d_bytes_per_step,
@@ -181,7 +181,7 @@ def test_help_shows_an_example_and_the_formulas(capsys: pytest.CaptureFixture[st
         main(["plan", "--help"])
     text = capsys.readouterr().out
     assert "hisparse plan --preset deepseek-v3.2" in text
-    assert "C * L * (W + I)" in text
+    assert "C * (L * W + G * I)" in text
 
 
 def test_resident_entry_bytes_match_the_engines_table_dtype() -> None:

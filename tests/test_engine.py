@@ -245,3 +245,10 @@ def test_side_stream_paths_and_skip_io_match_the_plain_path(skip_io: bool) -> No
         same_rows = torch.equal(plain.tables.device_kv, other.tables.device_kv)
         assert same_rows != skip_io or plain.stats().misses == 0
     assert [s.misses for s in plain.stats().layers] == [s.misses for s in other.stats().layers]
+    # The probe moves no miss bytes, and must not report any: only the seeding crossed.
+    plain_h2d = [s.bytes_host_to_device for s in plain.stats().layers]
+    misses_h2d = [s.misses * W for s in plain.stats().layers]
+    expected = [b - m for b, m in zip(plain_h2d, misses_h2d, strict=True)] if skip_io \
+        else plain_h2d
+    assert [s.bytes_host_to_device for s in other.stats().layers] == expected
+    assert any(misses_h2d)

@@ -16,17 +16,19 @@ from hisparse.errors import InvalidInputError
 GIB = 1 << 30
 INT32_BYTES = 4
 # The DSA indexer key of DeepSeek-V3.2 and GLM-5: 128 FP8 values + one fp32 scale, per token
-# per layer (vLLM's mla/indexer.py). It stays on the device with or without HiSparse.
+# per indexer (vLLM's mla/indexer.py). It stays on the device with or without HiSparse. Layers
+# that share an indexer's top-k (IndexShare, IndexCache) have no indexer, so no keys: one per
+# index group.
 DSA_INDEXER_KEY_BYTES = 132
 
 FORMULAS = """\
-Arithmetic (per request; W = row bytes, I = indexer-key bytes, L = layers,
-G = ceil(L / index-group-size), H = hot slots, E = extent tokens, C = context tokens,
-C_E = C rounded up to whole extents, K = top-k, m = miss rate):
+Arithmetic (per request; W = row bytes, L = layers, G = ceil(L / index-group-size),
+I = indexer-key bytes (one indexer per group), H = hot slots, E = extent tokens,
+C = context tokens, C_E = C rounded up to whole extents, K = top-k, m = miss rate):
   available device bytes   = gpu-mem - weights - reserve
-  without HiSparse         = C * L * (W + I)                   (full KV + indexer keys)
+  without HiSparse         = C * (L * W + G * I)               (full KV + indexer keys)
   with HiSparse            = (H+1) * L * W                     (hot buffer + newest slot)
-                           + C * L * I                         (indexer keys, full context)
+                           + C * G * I                         (indexer keys, full context)
                            + 2 * G * H * 4                     (lru + slot_row, int32)
                            + ceil(C/E) * 4 + 4                 (page table + seq_len)
                            + G * C_E * 2                       (resident map, 2 B per host row;
@@ -45,7 +47,7 @@ class ModelShape:
     name: str
     num_layers: int
     row_bytes: int  # one token, one layer, in the KV dtype
-    indexer_key_bytes: int = DSA_INDEXER_KEY_BYTES
+    indexer_key_bytes: int = DSA_INDEXER_KEY_BYTES  # per token, for each group's indexer
     index_group_size: int = 1  # layers sharing one indexer top-k share one residency table
 
     @property
@@ -128,7 +130,9 @@ def round_up(value: int, multiple: int) -> int:
 
 
 def baseline_request_bytes(shape: ModelShape, context_tokens: int) -> int:
-    return context_tokens * shape.num_layers * (shape.row_bytes + shape.indexer_key_bytes)
+    return context_tokens * (
+        shape.num_layers * shape.row_bytes + shape.num_groups * shape.indexer_key_bytes
+    )
 
 
 def hisparse_footprint(
@@ -137,7 +141,7 @@ def hisparse_footprint(
     groups = shape.num_groups
     return HiSparseFootprint(
         hot_rows=(settings.hot_slots + 1) * shape.num_layers * shape.row_bytes,
-        indexer_keys=context_tokens * shape.num_layers * shape.indexer_key_bytes,
+        indexer_keys=context_tokens * groups * shape.indexer_key_bytes,
         lru_tables=2 * groups * settings.hot_slots * INT32_BYTES,
         page_table=(math.ceil(context_tokens / settings.extent_tokens) + 1) * INT32_BYTES,
         resident_map=groups * round_up(context_tokens, settings.extent_tokens)

@@ -55,7 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8",
                        help="KV cache dtype; picks the row size (default: %(default)s)")
     model.add_argument("--indexer-bytes", type=out.non_negative_int, default=None,
-                       help="indexer key bytes per token per layer (default: the preset's, "
+                       help="indexer key bytes per token per indexer, one per index group "
+                       "(default: the preset's, "
                        f"else {DSA_INDEXER_KEY_BYTES}, the DSA key of DeepSeek-V3.2 and GLM-5)")
     model.add_argument("--index-group-size", type=out.positive_int, default=None,
                        help="layers sharing one indexer (default: the preset's)")
@@ -215,9 +216,12 @@ def to_document(
 def render(
     shape: ModelShape, config: Any, settings: PlanSettings, plans: list[ContextPlan]
 ) -> str:
+    # Layers that share a top-k have no indexer, so no indexer keys: one per index group.
+    indexers = "layer" if shape.num_groups == shape.num_layers else (
+        f"index group ({shape.num_groups} indexers)")
     header = (
         f"{shape.name} {config.kv_dtype}: {shape.num_layers} layers, {shape.row_bytes} B rows "
-        f"+ {shape.indexer_key_bytes} B indexer key per token per layer; top-k "
+        f"+ {shape.indexer_key_bytes} B indexer key per token per {indexers}; top-k "
         f"{settings.top_k}, hot buffer {settings.hot_slots}+1 slots\n"
         f"device budget {out.format_bytes(settings.available_bytes)} for KV; miss rate "
         f"{settings.miss_rate:g}; link {out.format_rate(settings.link_bytes_per_s)}"

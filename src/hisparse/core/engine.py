@@ -631,7 +631,8 @@ class HiSparseCache:
             request_slots_total=self.max_requests,
             requests_by_state=by_state,
         )
-        layers = self._traffic.layer_stats(self.tables.counters, self.row_bytes)
+        layers = self._traffic.layer_stats(self.tables.counters, self.row_bytes,
+                                           misses_copied=not self.config.skip_io)
         return CacheStats(layers, occupancy, list(self.disabled_features))
 
     @_bookkeeping

@@ -90,7 +90,10 @@ class TrafficCounters:
         self.offloaded_tokens = np.zeros(num_layers, dtype=np.int64)
         self.backed_up_tokens = np.zeros(num_layers, dtype=np.int64)
 
-    def layer_stats(self, device_counters: torch.Tensor, row_bytes: int) -> list[LayerStats]:
+    def layer_stats(self, device_counters: torch.Tensor, row_bytes: int,
+                    misses_copied: bool = True) -> list[LayerStats]:
+        """`misses_copied=False` (the skip-IO probe): misses are planned and counted, but no
+        byte of theirs crosses the link, so none is reported."""
         counts = device_counters.cpu().tolist()  # the one host sync of statistics
         return [
             LayerStats(
@@ -98,7 +101,9 @@ class TrafficCounters:
                 hits=hits,
                 misses=misses,
                 invalid=invalid,
-                bytes_host_to_device=(misses + int(self.seeded_tokens[layer])) * row_bytes,
+                bytes_host_to_device=(
+                    (misses if misses_copied else 0) + int(self.seeded_tokens[layer])
+                ) * row_bytes,
                 bytes_device_to_host=(
                     int(self.backed_up_tokens[layer]) + int(self.offloaded_tokens[layer])
                 )

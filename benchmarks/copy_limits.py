@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = int(args.pool_gib * GIB) // ROW_BYTES
     pool = alloc_registered(rows * ROW_BYTES).view(rows, ROW_BYTES)
-    results = measure(pool)
+    results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "triton": triton.__version__, "command": " ".join(["python", *sys.argv]),
+               **measure(pool)}
     print(json.dumps(results, indent=1))
     if args.out:
         with open(args.out, "w") as f:

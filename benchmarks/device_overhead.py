@@ -5,6 +5,7 @@ current-device check of `begin_decode_step`. Decides how the engine keeps to its
 
     PYTHONPATH=src python benchmarks/device_overhead.py > benchmarks/results/device-overhead.json
 """
+import argparse
 import importlib.metadata
 import json
 import sys
@@ -14,6 +15,10 @@ import torch
 
 import hisparse
 
+argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help
+if not torch.cuda.is_available():
+    print("device_overhead.py: needs a CUDA GPU; none is visible", file=sys.stderr)
+    sys.exit(2)
 dev = torch.device("cuda", torch.cuda.current_device())
 n = 50_000
 

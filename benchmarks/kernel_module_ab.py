@@ -21,6 +21,8 @@ from types import ModuleType
 
 import torch
 
+from hisparse import benchmarking
+
 # (layout, B, churn): the copy-bound cells, a large miss-free step and a small-batch step.
 DEFAULT_CELLS = [("extents", 128, 0.2), ("extents", 128, 1.0), ("scattered", 128, 0.2),
                  ("scattered", 64, 0.05), ("extents", 128, 0.0), ("scattered", 1, 0.2)]
@@ -38,6 +40,8 @@ def load_module(path: Path) -> ModuleType:
 
 def cell_arg(text: str) -> tuple[str, int, float]:
     layout, batch, churn = text.split(":")
+    if layout not in (*benchmarking.LAYOUTS, benchmarking.SWEEP_LAYOUT):
+        raise ValueError(f"layout {layout!r}")
     return layout, int(batch), float(churn)
 
 
@@ -49,10 +53,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--flush", default="write")
+    parser.add_argument("--flush", choices=benchmarking.FLUSH_MODES, default="write")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if not args.base.is_file():
+        parser.error(f"argument --base: {args.base} is not a file")
     if not torch.cuda.is_available():
         print("kernel_module_ab.py: needs a CUDA device; none is visible", file=sys.stderr)
         return 2

@@ -162,7 +162,7 @@ def resident_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     parser.add_argument("--churns", type=float, nargs="+", default=[0.0],
                         help="churns for the library variants (the maps run churn 0 only)")

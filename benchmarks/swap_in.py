@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -33,7 +34,9 @@ import torch
 
 from hisparse import benchmarking
 from hisparse.backends.registry import get_backend
+from hisparse.cli._output import non_negative_int, positive_int
 from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.errors import InvalidInputError
 
 SIZES = benchmarking.SW1Sizes()  # DESIGN.md 8; extent_tokens: HiSparseConfig's default
 
@@ -550,11 +553,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="threads per request for SGLang's kernel (its coordinator's)")
     parser.add_argument("--peer-build-dir", default="/tmp/hisparse-sglang-peer",
                         help="where the SGLang kernel's library is built")
-    parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=non_negative_int, default=8)
+    parser.add_argument("--steps", type=positive_int, default=40)
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.vs_sglang is not None:  # now, not after the pool is built and filled
+        import sglang_peer
+
+        try:
+            source = sglang_peer.find_source(args.vs_sglang or None)
+            sglang_peer.device_code(source.read_text())  # refuses a signature it cannot launch
+            if shutil.which("nvcc") is None:
+                raise InvalidInputError("nvcc is not on PATH; the SGLang kernel is CUDA source "
+                                        "and needs the CUDA toolkit's compiler")
+        except InvalidInputError as exc:
+            parser.error(f"argument --vs-sglang: {exc}")
     if not torch.cuda.is_available():
         print("swap_in.py needs a CUDA GPU (the Triton kernels read registered host memory); "
               "none is visible", file=sys.stderr)

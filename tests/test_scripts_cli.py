@@ -1,0 +1,282 @@
+"""scripts/ and benchmarks/ as a user meets them on a machine without a GPU: bad arguments are
+usage errors (exit 2, one line, no traceback) before any work runs, GPU-only entry points
+refuse at once, and the JSON they write says what produced it (card, torch, triton, command)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS, BENCHMARKS = ROOT / "scripts", ROOT / "benchmarks"
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
+
+
+def load_script(name: str) -> ModuleType:
+    loader = importlib.machinery.SourceFileLoader(f"{name.replace('-', '_')}_script",
+                                                  str(SCRIPTS / name))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module
+
+
+def run(argv: list[str], timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**ENV, **env})
+
+
+def assert_usage_error(code: object, err: str, option: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    words = last.partition("error: ")[2].replace(":", " ").split()
+    assert option in words[:2], err  # "error: argument --x: ..." or "error: --x must ..."
+
+
+# --- scripts/soak ---------------------------------------------------------------------------
+SOAK_SMALL = ["--device", "cpu", "--requests", "2", "--pool-tokens", "16384", "--min-prompt",
+              "300", "--max-prompt", "600", "--min-life", "2", "--max-life", "4"]
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--device", "nope"], "--device"),
+    (["--requests", "0"], "--requests"),
+    (["--steps", "-1"], "--steps"),
+    (["--verify-every", "0"], "--verify-every"),
+    (["--min-prompt", "200"], "--min-prompt"),
+    (["--min-prompt", "500", "--max-prompt", "400"], "--max-prompt"),
+    (["--min-life", "10", "--max-life", "5"], "--max-life"),
+    (["--pool-tokens", "100"], "--pool-tokens"),
+])
+def test_soak_usage_errors(capsys: pytest.CaptureFixture[str], args: list[str],
+                           option: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("soak").main([*SOAK_SMALL, "--steps", "2", *args])
+    assert_usage_error(exit_info.value.code, capsys.readouterr().err, option)
+
+
+@NO_CUDA
+def test_soak_on_a_missing_cuda_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("soak").main([*SOAK_SMALL, "--steps", "2", "--device", "cuda"])
+    assert_usage_error(exit_info.value.code, capsys.readouterr().err, "--device")
+
+
+def test_soak_refuses_an_unwritable_json_before_running(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    soak = load_script("soak")
+    monkeypatch.setattr(soak.Soak, "run", lambda self: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        soak.main([*SOAK_SMALL, "--steps", "2", "--json", str(tmp_path)])
+    assert_usage_error(exit_info.value.code, capsys.readouterr().err, "--json")
+
+
+def test_soak_json_says_what_produced_it(tmp_path: Path, seed: int) -> None:
+    out = tmp_path / "soak.json"
+    argv = [*SOAK_SMALL, "--steps", "3", "--seed", str(seed), "--json", str(out)]
+    assert load_script("soak").main(argv) == 0
+    summary = json.loads(out.read_text())
+    assert summary["command"] == " ".join(["scripts/soak", *argv])
+    assert summary["torch"] == torch.__version__
+    assert {"card", "triton", "python"} <= summary.keys()
+
+
+# --- scripts/fuzz-long ----------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "option"), [
+    (["--jobs", "0"], "--jobs"),
+    (["--jobs", "-1"], "--jobs"),
+    (["--steps", "-1"], "--steps"),
+    (["--full-check-every", "0"], "--full-check-every"),
+    (["--seed", "-1"], "--seed"),
+    (["--backend", "nope"], "--backend"),
+])
+def test_fuzz_long_usage_errors(capsys: pytest.CaptureFixture[str], args: list[str],
+                                option: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("fuzz-long").main(["--backend", "cpu", "--steps", "1", "--jobs", "1", *args])
+    assert_usage_error(exit_info.value.code, capsys.readouterr().err, option)
+
+
+@NO_CUDA
+def test_fuzz_long_on_a_missing_cuda_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("fuzz-long").main(["--backend", "cuda", "--steps", "1", "--jobs", "1"])
+    assert_usage_error(exit_info.value.code, capsys.readouterr().err, "--backend")
+
+
+def test_fuzz_long_refuses_an_unwritable_json_before_running(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path,
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("fuzz-long").main(["--backend", "cpu", "--steps", "1", "--jobs", "1",
+                                       "--json", str(tmp_path)])
+    assert_usage_error(exit_info.value.code, capsys.readouterr().err, "--json")
+
+
+def test_fuzz_long_bad_steps_in_the_environment_is_a_usage_error() -> None:
+    result = run([sys.executable, str(SCRIPTS / "fuzz-long"), "--backend", "cpu", "--jobs",
+                  "1"], HISPARSE_FUZZ_STEPS="many")
+    assert_usage_error(result.returncode, result.stderr, "--steps")
+    assert "HISPARSE_FUZZ_STEPS" in result.stderr
+
+
+def test_fuzz_long_json_says_what_produced_it(tmp_path: Path, seed: int) -> None:
+    out = tmp_path / "fuzz.json"
+    argv = ["--backend", "cpu", "--steps", "2", "--jobs", "1", "--seed", str(seed),
+            "--json", str(out)]
+    # In a process of its own: the jobs are spawned, and import the script's module by name.
+    result = run([sys.executable, str(SCRIPTS / "fuzz-long"), *argv])
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["command"] == " ".join(["scripts/fuzz-long", *argv])
+    assert summary["torch"] == torch.__version__
+    assert {"triton", "python"} <= summary.keys()
+    assert "card" in summary["backends"]["cpu"]
+
+
+# --- scripts/test, scripts/quickstart -------------------------------------------------------
+def test_scripts_test_names_the_missing_test_dependencies(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")],
+                   check=True)
+    result = run([str(SCRIPTS / "test"), "-x"], PYTHON=str(tmp_path / "bare" / "bin" / "python"))
+    assert result.returncode == 1
+    assert "pip install -e '.[dev]'" in result.stderr, result.stderr
+
+
+STUB_PYTHON = """#!/bin/sh
+# `python -m venv ... DIR`: a venv whose pip and hisparse log their arguments.
+echo "python $*" >> "$LOG"
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then
+    for last; do :; done
+    mkdir -p "$last/bin"
+    for tool in pip hisparse; do
+        printf '#!/bin/sh\\necho "%s $*" >> "$LOG"\\n' "$tool" > "$last/bin/$tool"
+        chmod +x "$last/bin/$tool"
+    done
+    printf '#!/bin/sh\\nexit 0\\n' > "$last/bin/python"
+    chmod +x "$last/bin/python"
+fi
+"""
+
+
+def quickstart_in(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A copy of scripts/quickstart in `tmp_path` and the environment that runs it with a
+    stub python (no installs): returns the copy and that environment."""
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "quickstart"
+    script.write_text((SCRIPTS / "quickstart").read_text())
+    script.chmod(0o755)
+    stub = tmp_path / "python-stub"
+    stub.write_text(STUB_PYTHON)
+    stub.chmod(0o755)
+    return script, {**ENV, "PYTHON": str(stub), "LOG": str(tmp_path / "log")}
+
+
+def test_quickstart_installs_what_scripts_test_needs(tmp_path: Path) -> None:
+    script, env = quickstart_in(tmp_path)
+    result = subprocess.run([str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    installs = [line for line in (tmp_path / "log").read_text().splitlines()
+                if line.startswith("pip install") and "-e" in line]
+    assert installs and "dev" in installs[-1], installs
+
+
+def test_quickstart_repairs_a_venv_left_without_pip(tmp_path: Path) -> None:
+    # Debian without python3-venv: `python3 -m venv` fails after making .venv/bin/python.
+    script, env = quickstart_in(tmp_path)
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / ".venv" / "bin" / "python").chmod(0o755)
+    result = subprocess.run([str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "python -m venv" in (tmp_path / "log").read_text()
+
+
+# --- GPU-only entry points without a GPU ----------------------------------------------------
+@NO_CUDA
+@pytest.mark.parametrize("script", ["gpu-check", "gpu-kernel-check"])
+def test_gpu_scripts_refuse_at_once_without_cuda(tmp_path: Path, script: str) -> None:
+    # Before, gpu-check ran its stages anyway (a 200 s CPU fuzz among them) and failed after.
+    process = subprocess.Popen(
+        [str(SCRIPTS / script), str(tmp_path / "out")], cwd=tmp_path, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        env={**ENV, "PYTHON": sys.executable})
+    try:
+        out, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail(f"{script} kept running without CUDA")
+    assert process.returncode == 2, out + err
+    assert "CUDA" in err.strip().splitlines()[-1]
+
+
+def test_position_map_probe_help_is_not_cut_mid_sentence() -> None:
+    result = run([sys.executable, str(BENCHMARKS / "position_map_probe.py"), "--help"])
+    assert result.returncode == 0 and result.stdout.startswith("usage:"), result.stderr
+    description = " ".join(result.stdout.split("\n\n")[1].split())
+    assert description.endswith("costs."), description
+
+
+@NO_CUDA
+def test_device_overhead_refuses_without_cuda_and_has_help() -> None:
+    script = str(BENCHMARKS / "device_overhead.py")
+    result = run([sys.executable, script])
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "CUDA" in result.stderr
+    helped = run([sys.executable, script, "--help"])
+    assert helped.returncode == 0 and helped.stdout.startswith("usage:"), helped.stderr
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--vs-sglang", "/nonexistent/hisparse.cuh"], "--vs-sglang"),
+    (["--steps", "0"], "--steps"),
+])
+def test_swap_in_usage_errors_come_before_the_gpu(args: list[str], option: str) -> None:
+    result = run([sys.executable, str(BENCHMARKS / "swap_in.py"), *args])
+    assert_usage_error(result.returncode, result.stderr, option)
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--base", "/nonexistent/swap_in_triton.py"], "--base"),
+    (["--flush", "sometimes"], "--flush"),
+    (["--cells", "diagonal:1:0.2"], "--cells"),
+])
+def test_kernel_module_ab_usage_errors_come_before_the_gpu(args: list[str],
+                                                           option: str) -> None:
+    base = ["--base", str(ROOT / "src" / "hisparse" / "kernels" / "swap_in_triton.py")]
+    result = run([sys.executable, str(BENCHMARKS / "kernel_module_ab.py"), *base, *args])
+    assert_usage_error(result.returncode, result.stderr, option)
+
+
+def test_copy_limits_json_says_what_produced_it(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import copy_limits
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Stub GPU")
+    monkeypatch.setattr(copy_limits, "alloc_registered",
+                        lambda size: torch.zeros(size, dtype=torch.uint8))
+    monkeypatch.setattr(copy_limits, "measure", lambda pool: {"bulk_h2d_GBps": 1.0})
+    out = tmp_path / "limits.json"
+    assert copy_limits.main(["--pool-gib", "0.0001", "--out", str(out)]) == 0
+    document = json.loads(out.read_text())
+    assert document["card"] == "Stub GPU" and document["torch"] == torch.__version__
+    assert document["command"].startswith("python ") and "triton" in document
+    assert document["bulk_h2d_GBps"] == 1.0

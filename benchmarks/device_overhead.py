@@ -3,7 +3,10 @@ step's host work (begin, write_newest per layer, end; tiny preset, batch 8) with
 current-device check of `begin_decode_step`. Decides how the engine keeps to its device
 (docs/reliability.md, "Threads").
 
-    PYTHONPATH=src python benchmarks/device_overhead.py > benchmarks/results/device-overhead.json
+    PYTHONPATH=src python benchmarks/device_overhead.py > device-overhead.json
+
+(`benchmarks/results/device-overhead-h200.json` holds two such runs, one of an earlier version
+of this script that also switched devices per call, gathered into one file by hand.)
 """
 import argparse
 import importlib.metadata

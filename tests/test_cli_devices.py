@@ -46,11 +46,11 @@ def test_probe_runs_its_checks_on_the_requested_device(
     from hisparse import probe as probe_module
 
     fake_env("cuda", gpus=2)
-    entered: list[int] = []
+    entered: list[torch.device] = []
 
     class Scope:
-        def __init__(self, index: int) -> None:
-            entered.append(index)
+        def __init__(self, device: torch.device) -> None:
+            entered.append(device)
 
         def __enter__(self) -> None:
             return None
@@ -62,7 +62,7 @@ def test_probe_runs_its_checks_on_the_requested_device(
     monkeypatch.setattr(probe_module, "_run_check", lambda name, check, backend: {
         "name": name, "status": "passed", "detail": "", "seconds": 0.0})
     assert hisparse.probe("cuda:1")["ok"] is True
-    assert entered == [1]
+    assert entered == [torch.device("cuda", 1)]
 
 
 @pytest.mark.parametrize("command", [

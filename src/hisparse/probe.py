@@ -100,7 +100,10 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
     report["versions"] = _versions(backend)
     report["devices"] = [{"index": i, "name": n} for i, n in enumerate(backend.device_names())]
     if run_checks:
-        with _current_device(backend, index):
+        # The requested device current while the checks run on `backend.device()`.
+        scope = (contextlib.nullcontext() if index is None
+                 else backend.device_scope(backend.device(index)))
+        with scope:
             for name, check in (
                 ("host_buffer", _check_host_buffer),
                 ("register_host", _check_register_host),
@@ -207,13 +210,6 @@ def _run_check(name: str, check: Callable[[Backend], str], backend: Backend) -> 
         status, detail = "failed", f"{type(exc).__name__}: {exc}"
     return {"name": name, "status": status, "detail": detail,
             "seconds": round(time.perf_counter() - start, 6)}
-
-
-def _current_device(backend: Backend, index: int | None) -> contextlib.AbstractContextManager:
-    """The requested device as the current one while the checks run on `backend.device()`."""
-    if index is None:
-        return contextlib.nullcontext()
-    return getattr(torch, backend.torch_device_type).device(index)
 
 
 def _random_bytes(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:

@@ -6,32 +6,22 @@ without one it runs on CPU tensors under TRITON_INTERPRET=1 at small sizes.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    # Must be set before the kernels are decorated: triton.jit picks the interpreter then.
-    os.environ["TRITON_INTERPRET"] = "1"
+from hisparse.core.tables import CacheTables
+from hisparse.errors import InvalidInputError
+from hisparse.kernels.swap_in_reference import backup_newest_reference
+from interpreted_kernels import (  # sets TRITON_INTERPRET before kernels compile
+    DEVICE,
+    KERNEL_MARK,
+    ON_GPU,
+    backup_triton,
+)
 
-pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
-
-from hisparse.core.tables import CacheTables  # noqa: E402
-from hisparse.errors import InvalidInputError  # noqa: E402
-from hisparse.kernels import backup_triton  # noqa: E402
-from hisparse.kernels.swap_in_reference import backup_newest_reference  # noqa: E402
-
-if not ON_GPU and type(backup_triton._backup_kernel).__name__ != "InterpretedFunction":
-    # Another test imported the module before TRITON_INTERPRET was set.
-    backup_triton = importlib.reload(backup_triton)
-
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 POISON_BYTE = 0xA5  # host rows start with it: a row the kernel must not touch keeps it
 
-pytestmark = pytest.mark.gpu if ON_GPU else pytest.mark.interpreter
+pytestmark = KERNEL_MARK
 
 # (layers, device rows per layer, host rows per layer, row bytes, batch capacity)
 SIZES = [(3, 21, 40, 16, 5), (2, 9, 12, 1152, 4)]

@@ -9,31 +9,25 @@ inside larger guard buffers where a write past them would otherwise go unnoticed
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    # Must be set before the kernels are decorated: triton.jit picks the interpreter then.
-    os.environ["TRITON_INTERPRET"] = "1"
-
-pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
-
-import test_backup_triton as backup_helpers  # noqa: E402
-from hisparse.core.tables import CacheTables, MissPlan  # noqa: E402
-from hisparse.errors import InvalidInputError  # noqa: E402
-from hisparse.kernels import backup_triton  # noqa: E402
-from hisparse.kernels import swap_in_triton as triton_kernels  # noqa: E402
-from hisparse.kernels.swap_in_reference import (  # noqa: E402
+import test_backup_triton as backup_helpers
+from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.errors import InvalidInputError
+from hisparse.kernels.swap_in_reference import (
     backup_newest_reference,
     copy_planned_reference,
     swap_in_reference,
 )
-from test_swap_in_triton import (  # noqa: E402
+from interpreted_kernels import (  # sets TRITON_INTERPRET before kernels compile
     DEVICE,
+    KERNEL_MARK,
+    ON_GPU,
+    backup_triton,
+)
+from interpreted_kernels import swap_in_triton as triton_kernels
+from test_swap_in_triton import (
     POISON,
     SMALL,
     VARIANTS,
@@ -43,13 +37,7 @@ from test_swap_in_triton import (  # noqa: E402
     poisoned_plan,
 )
 
-if not ON_GPU:  # another test may have imported the modules before TRITON_INTERPRET was set
-    if type(triton_kernels._plan_kernel).__name__ != "InterpretedFunction":
-        triton_kernels = importlib.reload(triton_kernels)
-    if type(backup_triton._backup_kernel).__name__ != "InterpretedFunction":
-        backup_triton = importlib.reload(backup_triton)
-
-pytestmark = pytest.mark.gpu if ON_GPU else pytest.mark.interpreter
+pytestmark = KERNEL_MARK
 
 SIZES = SMALL[0]
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1

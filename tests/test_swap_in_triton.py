@@ -6,7 +6,6 @@ under TRITON_INTERPRET=1 at small sizes (the interpreter costs about 1 ms per pr
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 from dataclasses import dataclass
@@ -14,30 +13,20 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    # Must be set before the kernels are decorated: triton.jit picks the interpreter then.
-    os.environ["TRITON_INTERPRET"] = "1"
-
-pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
-
-from hisparse.core.tables import CacheTables, MissPlan  # noqa: E402
-from hisparse.errors import InvalidInputError  # noqa: E402
-from hisparse.kernels import swap_in_triton as triton_kernels  # noqa: E402
-from hisparse.kernels.swap_in_reference import (  # noqa: E402
-    copy_planned_reference,
-    swap_in_reference,
+from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.errors import InvalidInputError
+from hisparse.kernels.swap_in_reference import copy_planned_reference, swap_in_reference
+from interpreted_kernels import (  # sets TRITON_INTERPRET before kernels compile
+    DEVICE,
+    KERNEL_MARK,
+    ON_GPU,
 )
+from interpreted_kernels import swap_in_triton as triton_kernels
 
-if not ON_GPU and type(triton_kernels._plan_kernel).__name__ != "InterpretedFunction":
-    # Another test imported the module before TRITON_INTERPRET was set.
-    triton_kernels = importlib.reload(triton_kernels)
-
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 POISON = -7  # never a valid output: every entry must be written over it
 LAYER_GROUPS = (0, 0, 1)  # layer 1 replays layer 0's plan; layer 2 has its own group
 
-pytestmark = pytest.mark.gpu if ON_GPU else pytest.mark.interpreter
+pytestmark = KERNEL_MARK
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,32 @@
+"""The Triton kernel modules for the kernel tests: native on a GPU, interpreted without one.
+
+Import this before anything else from `hisparse.kernels`: TRITON_INTERPRET=1 must be set before
+the kernels are decorated (triton.jit picks the interpreter then), and a module another test
+imported earlier, compiled, is reloaded here. Without Triton the importing module is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
+
+from hisparse.kernels import backup_triton, swap_in_triton  # noqa: E402
+
+if not ON_GPU:
+    if type(swap_in_triton._plan_kernel).__name__ != "InterpretedFunction":
+        swap_in_triton = importlib.reload(swap_in_triton)
+    if type(backup_triton._backup_kernel).__name__ != "InterpretedFunction":
+        backup_triton = importlib.reload(backup_triton)
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+# The marker of every test in a kernel test module (`pytestmark = KERNEL_MARK`).
+KERNEL_MARK = pytest.mark.gpu if ON_GPU else pytest.mark.interpreter

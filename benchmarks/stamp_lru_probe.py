@@ -53,7 +53,7 @@ from hisparse.kernels.swap_in_triton import (
     gdc_wait,
 )
 
-_NO_STAMP = 2147483647
+_NO_STAMP = tl.constexpr(2147483647)
 
 
 @triton.jit
@@ -66,6 +66,7 @@ def _select_victims(
     plan_src_ptr, plan_dst_ptr, plan_stride,
     K, H, N,
     CACHE: tl.constexpr,  # ".cg" where other programs of this kernel wrote what we read
+    RADIX_BITS: tl.constexpr,  # bits of the threshold settled per block reduction: 1 or 4
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -73,36 +74,63 @@ def _select_victims(
     id), in slot order, and install them."""
     h = tl.arange(0, BLOCK_H)
     in_h = h < H
+    k = tl.arange(0, BLOCK_K)
     stamp_row = stamp_ptr + r.to(tl.int64) * H
     stamps = tl.load(stamp_row + h, mask=in_h, other=0, cache_modifier=CACHE)
+    if RADIX_BITS > 1:  # everything else this row reads, in flight with the stamps
+        rows_by_slot = tl.load(slot_row_ptr + r.to(tl.int64) * H + h, mask=in_h, other=-1)
+        row = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1, cache_modifier=CACHE)
     candidate = in_h & (stamps < t)  # this step's hits carry t
     lowest = tl.min(tl.where(candidate, stamps, _NO_STAMP), axis=0)
-    age = tl.where(candidate, stamps - lowest, 0)
-    highest = tl.max(age, axis=0)
+    # Slots that are no candidate get an age no trial threshold exceeds.
+    age = tl.where(candidate, stamps - lowest, _NO_STAMP)
+    highest = tl.max(tl.where(candidate, age, 0), axis=0)
     installed = tl.minimum(num_misses, tl.sum(candidate.to(tl.int32), axis=0))
-    # The installed-th smallest age: the largest value with fewer than `installed` below it.
+    # The installed-th smallest age: the largest value with fewer than `installed` below it,
+    # settled from the top bit down.
     threshold = 0
-    for bit in range(30, -1, -1):
-        trial = threshold | (1 << bit)
-        if trial <= highest:  # a larger trial has every candidate below it: never taken
-            below = tl.sum((candidate & (age < trial)).to(tl.int32), axis=0)
-            if below < installed:
-                threshold = trial
-    older = candidate & (age < threshold)
+    if RADIX_BITS == 1:
+        for bit in range(30, -1, -1):
+            trial = threshold | (1 << bit)
+            if trial <= highest:  # a larger trial has every candidate below it: never taken
+                below = tl.sum((age < trial).to(tl.int32), axis=0)
+                if below < installed:
+                    threshold = trial
+    else:
+        # One digit per reduction: the counts below all 2^RADIX_BITS - 1 trials of a digit
+        # at once, then the largest digit whose count stays under `installed`.
+        # Digits past highest's own are never taken; at the top digit they would overflow.
+        digits = tl.arange(0, 1 << RADIX_BITS)
+        for low in range(32 - RADIX_BITS, -1, -RADIX_BITS):
+            if (1 << low) <= highest:
+                trials = threshold | (digits << low)
+                below = tl.sum((age[None, :] < trials[:, None]).to(tl.int32), axis=1)
+                taken = (below < installed) & (digits > 0) & (digits <= (highest >> low))
+                threshold = threshold | (tl.sum(taken.to(tl.int32), axis=0) << low)
+    older = age < threshold
     need = installed - tl.sum(older.to(tl.int32), axis=0)
-    tied = candidate & (age == threshold)
-    victim = older | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
-    victim_rank = tl.cumsum(victim.to(tl.int32), axis=0) - 1
+    tied = age == threshold
+    if RADIX_BITS == 1:
+        victim = older | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
+        victim_rank = tl.cumsum(victim.to(tl.int32), axis=0) - 1
+        rows_by_slot = tl.load(slot_row_ptr + r.to(tl.int64) * H + h, mask=victim, other=-1)
+    else:
+        # One scan for both prefix counts (each < 2^16): a victim's rank is the older slots
+        # before it plus the tied ones before it, at most `need` of those.
+        packed = tl.cumsum(older.to(tl.int32) * 65536 + tied.to(tl.int32), axis=0)
+        tied_through = packed & 65535
+        victim = older | (tied & (tied_through <= need))
+        victim_rank = (packed >> 16) + tl.minimum(tied_through, need) - 1
     tl.store(order_ptr + b * H + victim_rank, h, mask=victim)
-    old_rows = tl.load(slot_row_ptr + r.to(tl.int64) * H + h, mask=victim, other=-1)
     # A victim's old row is in no top-k entry of this step (it was not hit, and a miss row is
     # held by no slot), so this never touches a row a miss installs below.
-    tl.store(resident_ptr + old_rows, tl.full(old_rows.shape, -1, resident_ptr.dtype.element_ty),
-             mask=victim & (old_rows >= 0) & (old_rows < N))
+    tl.store(resident_ptr + rows_by_slot,
+             tl.full(rows_by_slot.shape, -1, resident_ptr.dtype.element_ty),
+             mask=victim & (rows_by_slot >= 0) & (rows_by_slot < N))
     tl.store(stamp_row + h, tl.full(h.shape, 0, tl.int32) + t, mask=victim)
     tl.debug_barrier()  # the victims in `order` are visible to every thread
-    k = tl.arange(0, BLOCK_K)
-    row = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1, cache_modifier=CACHE)
+    if RADIX_BITS == 1:
+        row = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1, cache_modifier=CACHE)
     miss = row >= 0
     rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
     miss = miss & (rank < installed)
@@ -121,6 +149,7 @@ def _finish_row(
     miss_row_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr, plan_count_ptr, plan_stride,
     K, H, N,
     CACHE: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -130,7 +159,7 @@ def _finish_row(
             installed = _select_victims(
                 b, r, t, num_misses, base, stamp_ptr, slot_row_ptr, resident_ptr,
                 miss_row_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr, plan_stride,
-                K, H, N, CACHE, BLOCK_K, BLOCK_H,
+                K, H, N, CACHE, RADIX_BITS, BLOCK_K, BLOCK_H,
             )
         tl.store(step_ptr + r, t + 1)
     tl.store(plan_count_ptr + b, installed)
@@ -151,6 +180,7 @@ def _classify_stamp_kernel(
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,
     FUSED: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
     CHUNK_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -184,7 +214,7 @@ def _classify_stamp_kernel(
             _finish_row(
                 b, r, n, real, base, t, num_misses, step_ptr, stamp_ptr, slot_row_ptr,
                 resident_ptr, miss_row_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr,
-                plan_count_ptr, plan_stride, K, H, N, ".cg", BLOCK_K, BLOCK_H,
+                plan_count_ptr, plan_stride, K, H, N, ".cg", RADIX_BITS, BLOCK_K, BLOCK_H,
             )
     else:
         tl.atomic_add(miss_count_ptr + b, chunk_misses, mask=chunk_misses > 0, sem="relaxed")
@@ -198,6 +228,7 @@ def _select_kernel(
     EARLY_LOADS: tl.constexpr,
     USE_PDL: tl.constexpr,
     DEPENDENTS_READ_LOOKUPS: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -217,14 +248,14 @@ def _select_kernel(
     _finish_row(
         b, r, n, real, base, t, num_misses, step_ptr, stamp_ptr, slot_row_ptr, resident_ptr,
         miss_row_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr, plan_count_ptr,
-        plan_stride, K, H, N, "", BLOCK_K, BLOCK_H,
+        plan_stride, K, H, N, "", RADIX_BITS, BLOCK_K, BLOCK_H,
     )
 
 
 class StampLRU:
     """A swap-in with the SwapInFn signature that keeps its LRU as stamps (group 0 only)."""
 
-    def __init__(self, tables: CacheTables, fused: bool) -> None:
+    def __init__(self, tables: CacheTables, fused: bool, radix_bits: int = 4) -> None:
         lru = tables.lru[0]
         num_requests, hot = lru.shape
         device = lru.device
@@ -233,6 +264,7 @@ class StampLRU:
         self.stamps = torch.empty_like(lru).scatter_(1, lru.long(), ranks.contiguous())
         self.step = torch.zeros(num_requests, dtype=torch.int32, device=device)
         self.fused = fused
+        self.radix_bits = radix_bits
         self.scratch: dict[tuple[int, int], dict[str, object]] = {}
 
     def _scratch(self, batch_cap: int, k: int, device: torch.device) -> dict[str, object]:
@@ -281,7 +313,8 @@ class StampLRU:
             scratch["arrivals"], scratch["order"], used_plan.src, used_plan.dst,
             used_plan.count, used_plan.src.stride(0), t.counters[layer], *sizes,
             EARLY_LOADS=tune.early_loads, USE_PDL=pdl, COUNTER_SEM=counter_sem,
-            FUSED=self.fused, CHUNK_K=chunk, BLOCK_K=block_k, BLOCK_H=block_h,
+            FUSED=self.fused, RADIX_BITS=self.radix_bits, CHUNK_K=chunk, BLOCK_K=block_k,
+            BLOCK_H=block_h,
             num_warps=tune.plan_warps if self.fused else tune.classify_warps,
         )
         if not self.fused:
@@ -291,7 +324,8 @@ class StampLRU:
                 used_plan.src, used_plan.dst, used_plan.count, used_plan.src.stride(0),
                 num_requests, t.slots_per_request, k, hot, num_host_rows,
                 EARLY_LOADS=tune.early_loads, USE_PDL=pdl,
-                DEPENDENTS_READ_LOOKUPS=prefetch and pdl_copy, BLOCK_K=block_k,
+                DEPENDENTS_READ_LOOKUPS=prefetch and pdl_copy, RADIX_BITS=self.radix_bits,
+                BLOCK_K=block_k,
                 BLOCK_H=block_h, num_warps=tune.plan_warps,
                 **({"launch_pdl": True} if pdl else {}),
             )
@@ -356,7 +390,7 @@ def self_check(device: torch.device, trials: int = 6, seed: int | None = None) -
     num_requests, pages = 4, 64
     num_rows = num_requests * pages * extent
     for trial in range(trials):
-        for fused in (False, True):
+        for fused, radix_bits in ((False, 4), (True, 4), (False, 1)):
             host = torch.from_numpy(rng.integers(-2**31, 2**31 - 1, (num_rows, row_words),
                                                  dtype=np.int64).astype(np.int32))
             host_bytes = host.view(torch.uint8).view(num_rows, row_words * 4)
@@ -375,8 +409,13 @@ def self_check(device: torch.device, trials: int = 6, seed: int | None = None) -
                 for slot, pos in enumerate(positions[: rng.integers(hot // 2, hot + 1)]):
                     row = int(page_table[r, pos // extent]) * extent + pos % extent
                     resident[row], slot_row[r, slot] = slot, row
-            step = rng.integers(3, 6, num_requests).astype(np.int64)
-            stamps = rng.integers(0, 3, (num_requests, hot)).astype(np.int64)  # ties, all < t
+            if trial % 2:  # a few far-apart stamps (every radix digit), ties among them
+                values = rng.integers(-2**30, 2**30, 12)
+                stamps = rng.choice(values, (num_requests, hot)).astype(np.int64)
+                step = np.full(num_requests, 2**30 + 3, dtype=np.int64)
+            else:  # a narrow range: ties decide most victims
+                stamps = rng.integers(0, 3, (num_requests, hot)).astype(np.int64)
+                step = rng.integers(3, 6, num_requests).astype(np.int64)
             batch_cap = 4
             num_real = int(rng.integers(1, batch_cap + 1))
             req_slots = rng.permutation(num_requests)[:batch_cap].astype(np.int32)
@@ -407,14 +446,14 @@ def self_check(device: torch.device, trials: int = 6, seed: int | None = None) -
                 counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
                 hot_slots=hot, extent_tokens=extent,
             )
-            probe = StampLRU(tables, fused=fused)
+            probe = StampLRU(tables, fused=fused, radix_bits=radix_bits)
             probe.stamps.copy_(on(stamps))
             probe.step.copy_(on(step))
             poison = -7
             out = torch.full((batch_cap, k), poison, dtype=torch.int32, device=device)
             probe(tables, 0, 0, on(req_slots), on(top_k),
                   torch.tensor([num_real], dtype=torch.int32, device=device), out)
-            name = f"trial {trial} {'fused' if fused else 'three kernels'}"
+            name = f"trial {trial} {'fused' if fused else 'three kernels'} radix {radix_bits}"
             got_out = out.cpu().numpy()
             expected = np.where(np.arange(batch_cap)[:, None] < num_real, expected_out, -1)
             if not np.array_equal(got_out, expected):
@@ -431,6 +470,14 @@ def self_check(device: torch.device, trials: int = 6, seed: int | None = None) -
                   "match the model", flush=True)
 
 
+VARIANTS: dict[str, Callable[[CacheTables, np.ndarray], object] | None] = {
+    "library": None,
+    "stamps-3": lambda tables, rows: StampLRU(tables, fused=False),
+    "stamps-3-bitwise": lambda tables, rows: StampLRU(tables, fused=False, radix_bits=1),
+    "stamps-fused": lambda tables, rows: StampLRU(tables, fused=True),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
@@ -438,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="each variant this many times")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--output", default="stamp-lru-probe-cuda.json")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--self-check-only", action="store_true",
                         help="compare with the model and stop (any device; CPU: interpreter)")
     args = parser.parse_args(argv)
@@ -450,11 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     backend = get_backend("cuda")
     sizes = benchmarking.SW1Sizes()
-    variants: dict[str, Callable[[CacheTables, np.ndarray], object] | None] = {
-        "library": None,
-        "stamps-3": lambda tables, rows: StampLRU(tables, fused=False),
-        "stamps-fused": lambda tables, rows: StampLRU(tables, fused=True),
-    }
+    variants = {name: VARIANTS[name] for name in args.variants}
     records = []
     with benchmarking.sw1_pool(backend, max(args.batches), sizes) as pool:
         mirror = pool.to("cuda")

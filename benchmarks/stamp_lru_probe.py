@@ -66,7 +66,7 @@ def _select_victims(
     plan_src_ptr, plan_dst_ptr, plan_stride,
     K, H, N,
     CACHE: tl.constexpr,  # ".cg" where other programs of this kernel wrote what we read
-    RADIX_BITS: tl.constexpr,  # bits of the threshold settled per block reduction: 1 or 4
+    FAST_ROUNDS: tl.constexpr,  # stamp values taken oldest first before the radix search
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -76,51 +76,49 @@ def _select_victims(
     in_h = h < H
     k = tl.arange(0, BLOCK_K)
     stamp_row = stamp_ptr + r.to(tl.int64) * H
+    # Everything this row reads, in flight together.
     stamps = tl.load(stamp_row + h, mask=in_h, other=0, cache_modifier=CACHE)
-    if RADIX_BITS > 1:  # everything else this row reads, in flight with the stamps
-        rows_by_slot = tl.load(slot_row_ptr + r.to(tl.int64) * H + h, mask=in_h, other=-1)
-        row = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1, cache_modifier=CACHE)
+    rows_by_slot = tl.load(slot_row_ptr + r.to(tl.int64) * H + h, mask=in_h, other=-1)
+    row = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1, cache_modifier=CACHE)
     candidate = in_h & (stamps < t)  # this step's hits carry t
-    lowest = tl.min(tl.where(candidate, stamps, _NO_STAMP), axis=0)
-    # Slots that are no candidate get an age no trial threshold exceeds.
-    age = tl.where(candidate, stamps - lowest, _NO_STAMP)
-    highest = tl.max(tl.where(candidate, age, 0), axis=0)
     installed = tl.minimum(num_misses, tl.sum(candidate.to(tl.int32), axis=0))
-    # The installed-th smallest age: the largest value with fewer than `installed` below it,
-    # settled from the top bit down.
-    threshold = 0
-    if RADIX_BITS == 1:
+    # The threshold stamp: every candidate below it is a victim, and the first `installed -
+    # below` (by slot id) of those at it. A step stamps all the slots it uses alike, so a few
+    # stamp values hold the oldest slots: take them oldest first, one value per round...
+    threshold = tl.min(tl.where(candidate, stamps, _NO_STAMP), axis=0)
+    below = 0
+    at = tl.sum((candidate & (stamps == threshold)).to(tl.int32), axis=0)
+    for _ in tl.static_range(FAST_ROUNDS):
+        if below + at < installed:
+            below += at
+            threshold = tl.min(tl.where(candidate & (stamps > threshold), stamps, _NO_STAMP),
+                               axis=0)
+            at = tl.sum((candidate & (stamps == threshold)).to(tl.int32), axis=0)
+    if below + at < installed:
+        # ...and where that does not settle it, search the ages' bits from the top: the
+        # largest age with fewer than `installed` candidates below it.
+        lowest = tl.min(tl.where(candidate, stamps, _NO_STAMP), axis=0)
+        age = tl.where(candidate, stamps - lowest, _NO_STAMP)  # no trial exceeds _NO_STAMP
+        highest = tl.max(tl.where(candidate, age, 0), axis=0)
+        found = 0
         for bit in range(30, -1, -1):
-            trial = threshold | (1 << bit)
-            if trial <= highest:  # a larger trial has every candidate below it: never taken
-                below = tl.sum((age < trial).to(tl.int32), axis=0)
-                if below < installed:
-                    threshold = trial
-    else:
-        # One digit per reduction: the counts below all 2^RADIX_BITS - 1 trials of a digit
-        # at once, then the largest digit whose count stays under `installed`.
-        # Digits past highest's own are never taken; at the top digit they would overflow.
-        digits = tl.arange(0, 1 << RADIX_BITS)
-        for low in range(32 - RADIX_BITS, -1, -RADIX_BITS):
-            if (1 << low) <= highest:
-                trials = threshold | (digits << low)
-                below = tl.sum((age[None, :] < trials[:, None]).to(tl.int32), axis=1)
-                taken = (below < installed) & (digits > 0) & (digits <= (highest >> low))
-                threshold = threshold | (tl.sum(taken.to(tl.int32), axis=0) << low)
-    older = age < threshold
-    need = installed - tl.sum(older.to(tl.int32), axis=0)
-    tied = age == threshold
-    if RADIX_BITS == 1:
-        victim = older | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
-        victim_rank = tl.cumsum(victim.to(tl.int32), axis=0) - 1
-        rows_by_slot = tl.load(slot_row_ptr + r.to(tl.int64) * H + h, mask=victim, other=-1)
-    else:
-        # One scan for both prefix counts (each < 2^16): a victim's rank is the older slots
-        # before it plus the tied ones before it, at most `need` of those.
-        packed = tl.cumsum(older.to(tl.int32) * 65536 + tied.to(tl.int32), axis=0)
-        tied_through = packed & 65535
-        victim = older | (tied & (tied_through <= need))
-        victim_rank = (packed >> 16) + tl.minimum(tied_through, need) - 1
+            trial = found | (1 << bit)
+            # A larger trial has every candidate below it: never taken. (Nested, so that the
+            # reduction is skipped: a joined condition would evaluate it always.)
+            if trial <= highest:  # noqa: SIM102
+                if tl.sum((age < trial).to(tl.int32), axis=0) < installed:
+                    found = trial
+        threshold = lowest + found
+        below = tl.sum((candidate & (stamps < threshold)).to(tl.int32), axis=0)
+    older = candidate & (stamps < threshold)
+    tied = candidate & (stamps == threshold)
+    need = installed - below
+    # One scan for both prefix counts (each < 2^16): a victim's rank is the older slots
+    # before it plus the tied ones before it, at most `need` of those.
+    packed = tl.cumsum(older.to(tl.int32) * 65536 + tied.to(tl.int32), axis=0)
+    tied_through = packed & 65535
+    victim = older | (tied & (tied_through <= need))
+    victim_rank = (packed >> 16) + tl.minimum(tied_through, need) - 1
     tl.store(order_ptr + b * H + victim_rank, h, mask=victim)
     # A victim's old row is in no top-k entry of this step (it was not hit, and a miss row is
     # held by no slot), so this never touches a row a miss installs below.
@@ -129,8 +127,6 @@ def _select_victims(
              mask=victim & (rows_by_slot >= 0) & (rows_by_slot < N))
     tl.store(stamp_row + h, tl.full(h.shape, 0, tl.int32) + t, mask=victim)
     tl.debug_barrier()  # the victims in `order` are visible to every thread
-    if RADIX_BITS == 1:
-        row = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1, cache_modifier=CACHE)
     miss = row >= 0
     rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
     miss = miss & (rank < installed)
@@ -149,7 +145,7 @@ def _finish_row(
     miss_row_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr, plan_count_ptr, plan_stride,
     K, H, N,
     CACHE: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
+    FAST_ROUNDS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -159,7 +155,7 @@ def _finish_row(
             installed = _select_victims(
                 b, r, t, num_misses, base, stamp_ptr, slot_row_ptr, resident_ptr,
                 miss_row_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr, plan_stride,
-                K, H, N, CACHE, RADIX_BITS, BLOCK_K, BLOCK_H,
+                K, H, N, CACHE, FAST_ROUNDS, BLOCK_K, BLOCK_H,
             )
         tl.store(step_ptr + r, t + 1)
     tl.store(plan_count_ptr + b, installed)
@@ -180,7 +176,7 @@ def _classify_stamp_kernel(
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,
     FUSED: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
+    FAST_ROUNDS: tl.constexpr,
     CHUNK_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -214,7 +210,7 @@ def _classify_stamp_kernel(
             _finish_row(
                 b, r, n, real, base, t, num_misses, step_ptr, stamp_ptr, slot_row_ptr,
                 resident_ptr, miss_row_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr,
-                plan_count_ptr, plan_stride, K, H, N, ".cg", RADIX_BITS, BLOCK_K, BLOCK_H,
+                plan_count_ptr, plan_stride, K, H, N, ".cg", FAST_ROUNDS, BLOCK_K, BLOCK_H,
             )
     else:
         tl.atomic_add(miss_count_ptr + b, chunk_misses, mask=chunk_misses > 0, sem="relaxed")
@@ -228,7 +224,7 @@ def _select_kernel(
     EARLY_LOADS: tl.constexpr,
     USE_PDL: tl.constexpr,
     DEPENDENTS_READ_LOOKUPS: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
+    FAST_ROUNDS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -248,23 +244,27 @@ def _select_kernel(
     _finish_row(
         b, r, n, real, base, t, num_misses, step_ptr, stamp_ptr, slot_row_ptr, resident_ptr,
         miss_row_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr, plan_count_ptr,
-        plan_stride, K, H, N, "", RADIX_BITS, BLOCK_K, BLOCK_H,
+        plan_stride, K, H, N, "", FAST_ROUNDS, BLOCK_K, BLOCK_H,
     )
 
 
 class StampLRU:
     """A swap-in with the SwapInFn signature that keeps its LRU as stamps (group 0 only)."""
 
-    def __init__(self, tables: CacheTables, fused: bool, radix_bits: int = 4) -> None:
+    def __init__(self, tables: CacheTables, fused: bool, fast_rounds: int = 2) -> None:
         lru = tables.lru[0]
         num_requests, hot = lru.shape
         device = lru.device
         # The list's order becomes distinct stamps below every step counter: the same LRU.
         ranks = (torch.arange(hot, device=device, dtype=torch.int32) - hot).expand_as(lru)
         self.stamps = torch.empty_like(lru).scatter_(1, lru.long(), ranks.contiguous())
+        # A list in slot order is one stamp for all (ties go by slot id): the state the engine
+        # would leave after seeding a hot buffer in position order, as SW-1's tables are.
+        in_slot_order = (lru == torch.arange(hot, device=device, dtype=lru.dtype)).all(dim=1)
+        self.stamps[in_slot_order] = -1
         self.step = torch.zeros(num_requests, dtype=torch.int32, device=device)
         self.fused = fused
-        self.radix_bits = radix_bits
+        self.fast_rounds = fast_rounds
         self.scratch: dict[tuple[int, int], dict[str, object]] = {}
 
     def _scratch(self, batch_cap: int, k: int, device: torch.device) -> dict[str, object]:
@@ -313,7 +313,7 @@ class StampLRU:
             scratch["arrivals"], scratch["order"], used_plan.src, used_plan.dst,
             used_plan.count, used_plan.src.stride(0), t.counters[layer], *sizes,
             EARLY_LOADS=tune.early_loads, USE_PDL=pdl, COUNTER_SEM=counter_sem,
-            FUSED=self.fused, RADIX_BITS=self.radix_bits, CHUNK_K=chunk, BLOCK_K=block_k,
+            FUSED=self.fused, FAST_ROUNDS=self.fast_rounds, CHUNK_K=chunk, BLOCK_K=block_k,
             BLOCK_H=block_h,
             num_warps=tune.plan_warps if self.fused else tune.classify_warps,
         )
@@ -324,7 +324,7 @@ class StampLRU:
                 used_plan.src, used_plan.dst, used_plan.count, used_plan.src.stride(0),
                 num_requests, t.slots_per_request, k, hot, num_host_rows,
                 EARLY_LOADS=tune.early_loads, USE_PDL=pdl,
-                DEPENDENTS_READ_LOOKUPS=prefetch and pdl_copy, RADIX_BITS=self.radix_bits,
+                DEPENDENTS_READ_LOOKUPS=prefetch and pdl_copy, FAST_ROUNDS=self.fast_rounds,
                 BLOCK_K=block_k,
                 BLOCK_H=block_h, num_warps=tune.plan_warps,
                 **({"launch_pdl": True} if pdl else {}),
@@ -390,7 +390,7 @@ def self_check(device: torch.device, trials: int = 6, seed: int | None = None) -
     num_requests, pages = 4, 64
     num_rows = num_requests * pages * extent
     for trial in range(trials):
-        for fused, radix_bits in ((False, 4), (True, 4), (False, 1)):
+        for fused, fast_rounds in ((False, 2), (True, 2), (False, 0)):
             host = torch.from_numpy(rng.integers(-2**31, 2**31 - 1, (num_rows, row_words),
                                                  dtype=np.int64).astype(np.int32))
             host_bytes = host.view(torch.uint8).view(num_rows, row_words * 4)
@@ -446,14 +446,15 @@ def self_check(device: torch.device, trials: int = 6, seed: int | None = None) -
                 counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
                 hot_slots=hot, extent_tokens=extent,
             )
-            probe = StampLRU(tables, fused=fused, radix_bits=radix_bits)
+            probe = StampLRU(tables, fused=fused, fast_rounds=fast_rounds)
             probe.stamps.copy_(on(stamps))
             probe.step.copy_(on(step))
             poison = -7
             out = torch.full((batch_cap, k), poison, dtype=torch.int32, device=device)
             probe(tables, 0, 0, on(req_slots), on(top_k),
                   torch.tensor([num_real], dtype=torch.int32, device=device), out)
-            name = f"trial {trial} {'fused' if fused else 'three kernels'} radix {radix_bits}"
+            variant = "fused" if fused else "three kernels"
+            name = f"trial {trial} {variant}, {fast_rounds} fast rounds"
             got_out = out.cpu().numpy()
             expected = np.where(np.arange(batch_cap)[:, None] < num_real, expected_out, -1)
             if not np.array_equal(got_out, expected):
@@ -473,7 +474,7 @@ def self_check(device: torch.device, trials: int = 6, seed: int | None = None) -
 VARIANTS: dict[str, Callable[[CacheTables, np.ndarray], object] | None] = {
     "library": None,
     "stamps-3": lambda tables, rows: StampLRU(tables, fused=False),
-    "stamps-3-bitwise": lambda tables, rows: StampLRU(tables, fused=False, radix_bits=1),
+    "stamps-3-bitwise": lambda tables, rows: StampLRU(tables, fused=False, fast_rounds=0),
     "stamps-fused": lambda tables, rows: StampLRU(tables, fused=True),
 }
 

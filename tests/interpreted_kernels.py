@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'hisp
 from hisparse.kernels import backup_triton, swap_in_triton  # noqa: E402
 
 if not ON_GPU:
-    if type(swap_in_triton._plan_kernel).__name__ != "InterpretedFunction":
+    if type(swap_in_triton._select_kernel).__name__ != "InterpretedFunction":
         swap_in_triton = importlib.reload(swap_in_triton)
     if type(backup_triton._backup_kernel).__name__ != "InterpretedFunction":
         backup_triton = importlib.reload(backup_triton)

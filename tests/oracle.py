@@ -1,8 +1,8 @@
 """A plain-Python model of the cache: the oracle the engine is compared with step by step.
 
 It knows nothing of tensors, extents or kernels. Per request it keeps each layer's token rows
-(bytes) and length; per (request, index group) a dict position -> hot slot and the LRU list,
-following docs/ARCHITECTURE.md word for word. Device rows are `request_slot * S + slot`; the
+(bytes) and length; per (request, index group) a dict position -> hot slot, each slot's last
+use and the LRU clock, following docs/ARCHITECTURE.md word for word. Device rows are `request_slot * S + slot`; the
 request slot comes from the engine, everything else is predicted here.
 """
 
@@ -16,10 +16,16 @@ NONE = -1
 
 @dataclass
 class HotBuffer:
-    """One (request, group): which positions the LRU slots hold, and the LRU order."""
+    """One (request, group): which positions the LRU slots hold, and when each was last used."""
 
     slot_of: dict[int, int] = field(default_factory=dict)  # position -> slot 0..H-1
-    lru: list[int] = field(default_factory=list)  # slot ids, least recently used first
+    last_use: list[int] = field(default_factory=list)  # per slot: the clock at its last use
+    clock: int = 0  # advanced by every long-regime swap-in
+
+    @property
+    def lru(self) -> list[int]:
+        """Slot ids, least recently used first (ties by slot id)."""
+        return sorted(range(len(self.last_use)), key=lambda s: (self.last_use[s], s))
 
     def position_of(self, slot: int) -> int | None:
         return next((p for p, s in self.slot_of.items() if s == slot), None)
@@ -60,12 +66,13 @@ class CacheModel:
         self.requests[request_id] = ModelRequest(rows=[list(r) for r in rows])
 
     def seed(self, request_id: Hashable) -> None:
-        """Slots 0..H-1 get the H tokens before the newest, oldest first; lru = 0..H-1."""
+        """Slots 0..H-1 get the H tokens before the newest, oldest first; every slot's last use
+        is -1 and the clock 0, so the LRU order is 0..H-1."""
         request = self.requests[request_id]
         n, hot = request.length, self.hot
         first = max(0, n - 1 - hot)
         held = {first + s: s for s in range(min(n, hot))}
-        request.buffers = [HotBuffer(dict(held), list(range(hot))) for _ in range(self.num_groups)]
+        request.buffers = [HotBuffer(dict(held), [-1] * hot) for _ in range(self.num_groups)]
         request.running = True
 
     def release(self, request_id: Hashable) -> None:
@@ -141,15 +148,19 @@ class CacheModel:
             delta.hits += 1
         if n <= hot:
             return out
-        evictable = [s for s in buffer.lru if s not in hit_slots]
-        for rank, index in enumerate(misses):
-            victim = evictable[rank]
+        clock = buffer.clock
+        for slot in hit_slots:
+            buffer.last_use[slot] = clock
+        # The misses take the least recently used slots not hit this step, in slot-id order.
+        evictable = [s for s in buffer.lru if buffer.last_use[s] < clock]
+        victims = sorted(evictable[: len(misses)])
+        for index, victim in zip(misses, victims, strict=True):
             old = buffer.position_of(victim)
             if old is not None:
                 del buffer.slot_of[old]
             buffer.slot_of[positions[index]] = victim
+            buffer.last_use[victim] = clock
             out[index] = victim
         delta.misses += len(misses)
-        used = len(misses)
-        buffer.lru = evictable[used:] + evictable[:used] + [s for s in buffer.lru if s in hit_slots]
+        buffer.clock = clock + 1
         return out

@@ -231,7 +231,8 @@ def test_sw1_tables_are_row_major_and_agree_with_the_hot_buffers(layout: str) ->
     batch = 3
     tables, host_rows = benchmarking.build_tables(backend, filled_pool(backend, batch), layout,
                                                   batch, sizes, np.random.default_rng())
-    for name in ("page_table", "seq_lens", "slot_row", "lru", "resident", "counters"):
+    for name in ("page_table", "seq_lens", "slot_row", "last_use", "lru_clock", "resident",
+                 "counters"):
         assert getattr(tables, name).is_contiguous(), name
     _check_tables(tables)
     slot_row = tables.slot_row[0].numpy()

@@ -29,11 +29,12 @@ def test_deepseek_v32_fp8_at_32k_matches_the_hand_calculation() -> None:
     f = p.hisparse_footprint
     assert f.hot_rows == 163_945_552  # 4097 slots x 61 x 656
     assert f.indexer_keys == 263_847_936  # 32768 x 61 x 132
-    assert f.lru_tables == 1_998_848  # 2 tables x 61 groups x 4096 x 4 B
+    # last_use and slot_row: 2 x 61 groups x 4096 x 4 B, and 61 LRU clocks of 4 B.
+    assert f.lru_tables == 1_999_092
     assert f.page_table == 260  # 64 extents x 4 B + seq_len
     assert f.resident_map == 3_997_696  # 61 groups x 32768 host rows x 2 B (int16 slot ids)
-    assert p.hisparse_request_bytes == 433_790_292
-    assert p.hisparse_max_requests == 123  # 53,687,091,200 / 433,790,292 = 123.8
+    assert p.hisparse_request_bytes == 433_790_536
+    assert p.hisparse_max_requests == 123  # 53,687,091,200 / 433,790,536 = 123.8
     assert p.limited_by == "device"
     assert p.host_request_bytes == 1_311_244_288  # 32768 x 61 x 656
     assert p.host_pool_bytes == 123 * 1_311_244_288
@@ -58,7 +59,7 @@ def test_index_groups_shrink_only_the_tables() -> None:
     glm_shared = ModelShape("glm-5", num_layers=78, row_bytes=656, index_group_size=4)
     [p] = planning.plan(glm_shared, ONE_H200, [1000])
     assert glm_shared.num_groups == 20  # ceil(78 / 4)
-    assert p.hisparse_footprint.lru_tables == 2 * 20 * 4096 * 4
+    assert p.hisparse_footprint.lru_tables == 20 * (2 * 4096 + 1) * 4
     assert p.hisparse_footprint.resident_map == 20 * 1024 * 2  # 1000 tokens -> 2 extents
     assert p.hisparse_footprint.hot_rows == 4097 * 78 * 656
 
@@ -82,7 +83,7 @@ def test_random_shapes_against_an_independent_formula() -> None:
         groups = -(-layers // group)
         extents = -(-context // extent)
         per_request = ((hot + 1) * layers * row + context * groups * indexer
-                       + 8 * groups * hot + 4 * extents + 4
+                       + 4 * groups * (2 * hot + 1) + 4 * extents + 4
                        + (2 if hot < 32768 else 4) * groups * extents * extent)
         assert p.hisparse_request_bytes == per_request
         assert p.hisparse_max_requests == settings.available_bytes // per_request
@@ -125,7 +126,7 @@ def test_plan_json_for_the_deepseek_preset(capsys: pytest.CaptureFixture[str]) -
     assert first["context_tokens"] == 32768 and second["context_tokens"] == 8192
     assert first["baseline_max_requests"] == 34
     assert first["hisparse_max_requests"] == 123
-    assert first["hisparse_footprint"]["total"] == 433_790_292
+    assert first["hisparse_footprint"]["total"] == 433_790_536
     assert set(first) >= {"host_pool_bytes", "h2d_bytes_per_step", "h2d_seconds_per_step",
                           "d2h_bytes_per_step", "limited_by", "gain"}
 

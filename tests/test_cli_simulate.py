@@ -31,14 +31,16 @@ def lru_model_counts(
 ) -> list[tuple[int, int]]:
     """Hits and misses per step over all layers, from an exact LRU over token positions.
 
-    Independent of the engine: it knows only DESIGN.md section 3 (seeding, the newest token's
-    own slot, m-th miss takes the m-th least recently used non-hit slot).
+    Independent of the engine: it knows only DESIGN.md section 3 and docs/ARCHITECTURE.md
+    (seeding, the newest token's own slot, the misses take the least recently used non-hit
+    slots, slots used in the same step ordered by slot id). It keeps, per (request, group),
+    the tokens in LRU order, each with its slot.
     """
     hot, groups = TINY["hot"], TINY["layers"] // TINY["group_size"]
     traces = make_traces(trace, requests, groups, seed)
-    # After seeding, the LRU holds the H tokens before the newest, oldest first.
-    lru = [[list(range(context - 1 - hot, context - 1)) for _ in range(groups)]
-           for _ in range(requests)]
+    # After seeding, slot s holds the s-th of the H tokens before the newest, oldest first.
+    lru = [[[(token, slot) for slot, token in enumerate(range(context - 1 - hot, context - 1))]
+            for _ in range(groups)] for _ in range(requests)]
     counts = []
     for step in range(steps):
         seq_len = context + step + 1
@@ -47,11 +49,16 @@ def lru_model_counts(
             for group in range(groups):
                 order = lru[request][group]
                 top_k = traces[request][group].step(seq_len)
-                hit_tokens = {p for p in top_k if p in order}
+                held = {token for token, _ in order}
+                hit_tokens = {p for p in top_k if p in held}
                 missed = [p for p in top_k if p != seq_len - 1 and p not in hit_tokens]
-                evictable = [t for t in order if t not in hit_tokens]
+                evictable = [(t, s) for t, s in order if t not in hit_tokens]
+                victims = sorted(s for _, s in evictable[: len(missed)])
                 kept = evictable[len(missed):]
-                lru[request][group] = kept + missed + [t for t in order if t in hit_tokens]
+                # Everything used this step is newest, in slot-id order among itself.
+                used = [(t, s) for t, s in order if t in hit_tokens]
+                used += list(zip(missed, victims, strict=True))
+                lru[request][group] = kept + sorted(used, key=lambda entry: entry[1])
                 hits += (len(top_k) - len(missed)) * TINY["group_size"]
                 misses += len(missed) * TINY["group_size"]
         counts.append((hits, misses))

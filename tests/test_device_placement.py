@@ -23,13 +23,13 @@ TWO_GPUS = pytest.mark.skipif(
 def test_the_cache_device_is_the_one_its_tables_live_on(backend_name: str) -> None:
     config = hisparse.HiSparseConfig.from_preset("tiny", max_requests=2)
     with hisparse.HiSparseCache(config, device=backend_name) as cache:
-        assert cache.device == cache.device_kv(0).device == cache.tables.lru.device
+        assert cache.device == cache.device_kv(0).device == cache.tables.last_use.device
 
 
 def test_the_default_device_is_the_one_its_tables_live_on() -> None:
     config = hisparse.HiSparseConfig.from_preset("tiny", max_requests=2)
     with hisparse.HiSparseCache(config) as cache:
-        assert cache.device == cache.device_kv(0).device == cache.tables.lru.device
+        assert cache.device == cache.device_kv(0).device == cache.tables.last_use.device
 
 
 @TWO_GPUS

@@ -193,7 +193,8 @@ def test_seeding_equals_appending_to_a_short_sequence() -> None:
         to_position[name] = [[rows_of.get(int(r), -1) for r in t.slot_row[g, slot]]
                              for g in range(cache.num_groups)]
     assert to_position["grown"] == to_position["seeded"]
-    assert torch.equal(t.lru[:, grown], t.lru[:, seeded])
+    assert torch.equal(t.last_use[:, grown], t.last_use[:, seeded])
+    assert torch.equal(t.lru_clock[:, grown], t.lru_clock[:, seeded])
     assert torch.equal(t.device_kv[:, grown * S : (grown + 1) * S],
                        t.device_kv[:, seeded * S : (seeded + 1) * S])
 
@@ -235,7 +236,8 @@ def test_side_stream_paths_and_skip_io_match_the_plain_path(skip_io: bool) -> No
             cache.end_decode_step()
             cache.outs = outs
         assert all(torch.equal(x, y) for x, y in zip(plain.outs, other.outs, strict=True))
-        assert torch.equal(plain.tables.lru, other.tables.lru)
+        assert torch.equal(plain.tables.last_use, other.tables.last_use)
+        assert torch.equal(plain.tables.lru_clock, other.tables.lru_clock)
         assert torch.equal(plain.tables.resident, other.tables.resident)
         for request_id in ("a", "b"):  # backups landed (skip_io leaves them alone)
             rows = torch.from_numpy(plain.host_rows(request_id))

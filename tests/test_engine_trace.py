@@ -64,7 +64,8 @@ def snapshot(cache) -> dict[str, object]:
     """Everything a rejected call must leave unchanged."""
     t = cache.tables
     tensors = {name: getattr(t, name).clone().cpu() for name in
-               ("page_table", "seq_lens", "slot_row", "lru", "resident", "counters")}
+               ("page_table", "seq_lens", "slot_row", "last_use", "lru_clock", "resident",
+                "counters")}
     tensors["device_kv"] = t.device_kv[:, : cache.max_requests * cache.slots_per_request].clone()
     tensors["host_kv"] = [h.clone() for h in t.host_kv]
     requests = {r.request_id: (r.state, r.num_tokens, list(r.extents), r.slot)
@@ -392,7 +393,8 @@ def check_against_model(cache, model: CacheModel) -> None:
     # numpy copies: indexing them row by row is far cheaper than indexing tensors.
     expected_resident = torch.full_like(t.resident, -1).cpu()
     resident = expected_resident.numpy()
-    lru, slot_row = t.lru.cpu().numpy(), t.slot_row.cpu().numpy()
+    last_use, lru_clock = t.last_use.cpu().numpy(), t.lru_clock.cpu().numpy()
+    slot_row = t.slot_row.cpu().numpy()
     seq_lens, device_kv = t.seq_lens.cpu().numpy(), t.device_kv.cpu().numpy()
     assert {r.request_id for r in cache._requests} == set(model.requests)
     for request_id, request in model.requests.items():
@@ -408,7 +410,8 @@ def check_against_model(cache, model: CacheModel) -> None:
         r = cache.request_slot(request_id)
         assert int(seq_lens[r]) == n
         for group, buffer in enumerate(request.buffers):
-            assert lru[group, r].tolist() == buffer.lru
+            assert last_use[group, r].tolist() == buffer.last_use
+            assert int(lru_clock[group, r]) == buffer.clock
             want = [-1] * H
             for position, slot in buffer.slot_of.items():
                 want[slot] = int(rows[position])

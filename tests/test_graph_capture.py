@@ -31,9 +31,9 @@ from test_swap_in_triton import (
 pytestmark = pytest.mark.gpu
 
 
-# Every planning variant that could become the default, captured and replayed.
-GRAPH_VARIANTS = ["default", "three-pass", "split", "direct", "direct-split", "no-pdl",
-                  "prefetched-copy", "pdl-copy-wide"]
+# Every launch variant that could become the default, captured and replayed.
+GRAPH_VARIANTS = ["default", "no-pdl", "bit-search", "prefetched-copy", "no-prefetched-copy",
+                  "pdl-copy-wide"]
 
 
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"K{s.top_k}-H{s.hot}-W{s.row_bytes}")

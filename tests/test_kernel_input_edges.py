@@ -41,8 +41,8 @@ pytestmark = KERNEL_MARK
 
 SIZES = SMALL[0]
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-# A few planning variants: the fused lookups, the split classify kernel, both plan kernels.
-EDGE_VARIANTS = ("default", "three-pass", "split", "direct")
+# The default, and the selection's bit search alone (the fallback of its oldest-values rounds).
+EDGE_VARIANTS = ("default", "bit-search")
 
 
 def _int32(values: list[int]) -> torch.Tensor:
@@ -245,15 +245,17 @@ def _mismatch(tables: CacheTables, kind: str) -> None:
     """Make one of `tables`' tensors disagree with the others (still inside its allocation,
     so that a kernel that does not notice reads or writes neighbouring memory, not a wild
     address)."""
-    _, requests, hot = tables.lru.shape
+    _, requests, hot = tables.last_use.shape
     if kind == "seq-lens-short":
         tables.seq_lens = tables.seq_lens[: requests - 1]
-    elif kind == "lru-rows-short":
-        tables.lru = tables.lru[:, : requests - 1]
+    elif kind == "last-use-rows-short":
+        tables.last_use = tables.last_use[:, : requests - 1]
+    elif kind == "clock-rows-short":
+        tables.lru_clock = tables.lru_clock[:, : requests - 1]
     elif kind == "slot-row-narrow":
         tables.slot_row = tables.slot_row[:, :, : hot - 1]
-    elif kind == "lru-not-contiguous":
-        tables.lru = tables.lru.transpose(1, 2).contiguous().transpose(1, 2)
+    elif kind == "last-use-not-contiguous":
+        tables.last_use = tables.last_use.transpose(1, 2).contiguous().transpose(1, 2)
     elif kind == "device-rows-short":
         tables.device_kv = tables.device_kv[:, : requests * (hot + 1) - 1]
     elif kind == "host-rows-short":
@@ -262,9 +264,9 @@ def _mismatch(tables: CacheTables, kind: str) -> None:
         tables.counters = tables.counters[:, :2]
 
 
-@pytest.mark.parametrize("kind", ["seq-lens-short", "lru-rows-short", "slot-row-narrow",
-                                  "lru-not-contiguous", "device-rows-short", "host-rows-short",
-                                  "counters-narrow"])
+@pytest.mark.parametrize("kind", ["seq-lens-short", "last-use-rows-short", "clock-rows-short",
+                                  "slot-row-narrow", "last-use-not-contiguous",
+                                  "device-rows-short", "host-rows-short", "counters-narrow"])
 def test_swap_in_refuses_tables_whose_shapes_disagree(kind: str, rng: torch.Generator) -> None:
     """The kernels index every table with sizes taken from the others (R from the page table,
     H from hot_slots, N from resident): a table smaller than that, or laid out otherwise, is

@@ -19,11 +19,12 @@ ROW_BYTES = 8
 
 
 def make_tables(backend, requests, hot, extent, num_rows, layers=1, seed=0):
-    """`requests`: list of (seq_len, {position: slot}, lru, extents) per request slot."""
+    """`requests`: list of (seq_len, {position: slot}, last_use, clock, extents) per request
+    slot."""
     g = torch.Generator().manual_seed(seed)
     device = backend.device()
     num_requests, slots = len(requests), hot + 1
-    pages = max(len(r[3]) for r in requests)
+    pages = max(len(r[4]) for r in requests)
     # Host rows from the backend: fused kernels read them in place (registered memory).
     host = [backend.alloc_host(num_rows * ROW_BYTES).view(num_rows, ROW_BYTES)
             for _ in range(layers)]
@@ -36,13 +37,14 @@ def make_tables(backend, requests, hot, extent, num_rows, layers=1, seed=0):
         page_table=torch.full((num_requests, pages), -1, dtype=torch.int32),
         seq_lens=torch.tensor([r[0] for r in requests], dtype=torch.int32),
         slot_row=torch.full((1, num_requests, hot), -1, dtype=torch.int32),
-        lru=torch.tensor([[r[2] for r in requests]], dtype=torch.int32),
+        last_use=torch.tensor([[r[2] for r in requests]], dtype=torch.int32),
+        lru_clock=torch.tensor([[r[3] for r in requests]], dtype=torch.int32),
         resident=torch.full((1, num_rows), -1, dtype=torch.int32),
         counters=torch.zeros(layers, 3, dtype=torch.int64),
         hot_slots=hot,
         extent_tokens=extent,
     )
-    for r, (_, slot_of, _, extents) in enumerate(requests):
+    for r, (_, slot_of, _, _, extents) in enumerate(requests):
         t.page_table[r, : len(extents)] = torch.tensor(extents, dtype=torch.int32)
         for position, slot in slot_of.items():
             row = extents[position // extent] * extent + position % extent
@@ -50,7 +52,8 @@ def make_tables(backend, requests, hot, extent, num_rows, layers=1, seed=0):
             t.resident[0, row] = slot
             for layer in range(layers):
                 t.device_kv[layer, r * slots + slot] = host[layer][row].to(device)
-    for name in ("page_table", "seq_lens", "slot_row", "lru", "resident", "counters"):
+    for name in ("page_table", "seq_lens", "slot_row", "last_use", "lru_clock", "resident",
+                 "counters"):
         setattr(t, name, getattr(t, name).to(device))
     return t
 
@@ -65,18 +68,26 @@ def run_swap_in(backend, t, req_slots, top_k, num_real, plan=None):
     return out.cpu()
 
 
+def lru_order(t: CacheTables, r: int) -> list[int]:
+    """Request slot r's hot slots, least recently used first (ties by slot id)."""
+    stamps = t.last_use[0, r].tolist()
+    return sorted(range(len(stamps)), key=lambda s: (stamps[s], s))
+
+
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_worked_example(backend_name: str) -> None:
     """H = 4, slots hold tokens 1, 4, 2, 5; {4, 2, newest} then {6} (SGLang's kernel test)."""
     backend = hisparse.get_backend(backend_name)
-    t = make_tables(backend, [(8, {1: 0, 4: 1, 2: 2, 5: 3}, [0, 1, 2, 3], [0, 1])], hot=4,
+    t = make_tables(backend, [(8, {1: 0, 4: 1, 2: 2, 5: 3}, [-1] * 4, 0, [0, 1])], hot=4,
                     extent=4, num_rows=16)
     out = run_swap_in(backend, t, [0], [[4, 2, 7]], 1)
     assert out.tolist() == [[1, 2, 4]]  # hits in slots 1 and 2, the newest in slot H = 4
-    assert t.lru[0, 0].tolist() == [0, 3, 1, 2]
+    assert t.last_use[0, 0].tolist() == [-1, 0, 0, -1] and t.lru_clock[0, 0].item() == 1
+    assert lru_order(t, 0) == [0, 3, 1, 2]
     out = run_swap_in(backend, t, [0], [[6, -1, -1]], 1)
     assert out.tolist() == [[0, -1, -1]]  # slot 0 (token 1) is evicted for token 6
-    assert t.lru[0, 0].tolist() == [3, 1, 2, 0]
+    assert t.last_use[0, 0].tolist() == [1, 0, 0, -1] and t.lru_clock[0, 0].item() == 2
+    assert lru_order(t, 0) == [3, 1, 2, 0]
     assert t.resident[0, 1].item() == -1 and t.resident[0, 6].item() == 0
     assert torch.equal(t.device_kv[0, 0].cpu(), t.host_kv[0][6])
     assert t.counters[0].tolist() == [3, 1, 0]
@@ -96,16 +107,17 @@ def test_random_states_match_model(backend_name: str, case: int, seed: int) -> N
     for r in range(num_requests):
         n = int(rng.integers(1, pages * extent + 1))
         model.add(r, [[b""] * n])
-        if n > hot:  # long: any older positions in any slots, any LRU order
+        clock = int(rng.integers(0, 4))
+        if n > hot:  # long: any older positions in any slots, any stamps below the clock
             held = rng.permutation(n - 1)[: rng.integers(0, hot + 1)]
             slot_of = {int(p): int(s) for p, s in zip(held, rng.permutation(hot), strict=False)}
-            lru = rng.permutation(hot).tolist()
+            last_use = rng.integers(-2, clock, hot).tolist()  # ties included
         else:  # short: the identity layout
-            slot_of, lru = {p: p for p in range(n)}, list(range(hot))
+            slot_of, last_use = {p: p for p in range(n)}, [-1] * hot
         model.seed(r)
-        model.requests[r].buffers[0].slot_of = dict(slot_of)
-        model.requests[r].buffers[0].lru = list(lru)
-        requests.append((n, slot_of, lru, extents[r]))
+        buffer = model.requests[r].buffers[0]
+        buffer.slot_of, buffer.last_use, buffer.clock = dict(slot_of), list(last_use), clock
+        requests.append((n, slot_of, last_use, clock, extents[r]))
     t = make_tables(backend, requests, hot, extent, num_requests * pages * extent,
                     seed=seed + case)
     plan = MissPlan.empty(capacity, k, device)
@@ -130,7 +142,8 @@ def test_random_states_match_model(backend_name: str, case: int, seed: int) -> N
         assert (out[len(batch):] == -1).all()
         for r in range(num_requests):
             buffer = model.requests[r].buffers[0]
-            assert t.lru[0, r].tolist() == buffer.lru
+            assert t.last_use[0, r].tolist() == buffer.last_use
+            assert t.lru_clock[0, r].item() == buffer.clock
             for position, slot in buffer.slot_of.items():
                 row = extents[r][position // extent] * extent + position % extent
                 assert t.slot_row[0, r, slot].item() == row

@@ -121,7 +121,8 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
     t = cache.tables
     H = cache.hot_slots
     seq_lens, page_table = t.seq_lens.cpu(), t.page_table.cpu()
-    slot_row, lru, resident = t.slot_row.cpu(), t.lru.cpu(), t.resident.cpu()
+    slot_row, resident = t.slot_row.cpu(), t.resident.cpu()
+    last_use, lru_clock = t.last_use.cpu(), t.lru_clock.cpu()
     expected_resident = torch.full_like(resident, -1)
     used_slots = set()
     for record in cache._requests:
@@ -137,7 +138,9 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
         assert all(p == -1 for p in pages[len(record.extents):])
         own_rows = set(cache.host_rows(record.request_id).tolist())
         for group in range(cache.num_groups):
-            assert sorted(lru[group, r].tolist()) == list(range(H)), "lru is a permutation"
+            # Every slot was last used before the clock's current step (seeding: -1 and 0).
+            assert bool((last_use[group, r] < lru_clock[group, r]).all()), "stamps < clock"
+            assert last_use[group, r].shape == (H,)
             for slot, row in enumerate(slot_row[group, r].tolist()):
                 if row >= 0:
                     assert row in own_rows, (record.request_id, group, slot, row)
@@ -148,6 +151,7 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
     for r in free:
         assert int(seq_lens[r]) == 0 and (page_table[r] == -1).all()
         assert (slot_row[:, r] == -1).all()
+        assert (last_use[:, r] == -1).all() and (lru_clock[:, r] == 0).all()
     assert cache._pool.allocator.used_extents == sum(len(r.extents) for r in cache._requests)
 
 
@@ -169,7 +173,8 @@ def _small_cache() -> hisparse.HiSparseCache:
 MUTATIONS: dict[str, Callable[[hisparse.HiSparseCache], None]] = {
     "a host byte": lambda c: c.tables.host_kv[1][3].add_(1),
     "the sink row": lambda c: c.tables.device_kv[0, -1].add_(1),
-    "the lru order": lambda c: c.tables.lru[0, 0, :2].copy_(torch.tensor([1, 0])),
+    "an LRU stamp": lambda c: c.tables.last_use[0, 0, 1].fill_(-2),
+    "an LRU clock": lambda c: c.tables.lru_clock[0, 0].add_(1),
     "a counter": lambda c: c.tables.counters[1, 2].add_(1),
     "a batch buffer": lambda c: c._top_k[1, 1].fill_(5),
     "a request record": lambda c: setattr(next(iter(c._requests)), "admitted_tokens", 9),

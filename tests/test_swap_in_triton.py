@@ -94,6 +94,19 @@ def make_tables(sizes: Sizes, gen: torch.Generator) -> CacheTables:
     )
     slot_row = torch.full((num_groups, num_req, hot), -1, dtype=torch.int32)
     resident = torch.full((num_groups, num_host_rows), -1, dtype=sizes.resident_dtype)
+    # Seeded (-1, clock 0) or later states: stamps below the clock, in a narrow range (ties
+    # decide most victims) or spread over 2^20 steps (the selection's bit search decides).
+    last_use = torch.full((num_groups, num_req, hot), -1, dtype=torch.int32)
+    lru_clock = torch.zeros(num_groups, num_req, dtype=torch.int32)
+    for g in range(num_groups):
+        for r, n in enumerate(seq_lens):
+            kind = int(torch.randint(0, 3, (1,), generator=gen)) if n > hot else 0
+            if kind:
+                clock = int(torch.randint(1, 6 if kind == 1 else 1 << 20, (1,), generator=gen))
+                low = -2 if kind == 1 else -(1 << 20)
+                lru_clock[g, r] = clock
+                last_use[g, r] = torch.randint(low, clock, (hot,), generator=gen,
+                                               dtype=torch.int32)
 
     def host_row(r: int, pos: int) -> int:
         return int(page_table[r, pos // ext]) * ext + pos % ext
@@ -119,7 +132,8 @@ def make_tables(sizes: Sizes, gen: torch.Generator) -> CacheTables:
         page_table=page_table.to(DEVICE),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         slot_row=slot_row.to(DEVICE),
-        lru=torch.arange(hot, dtype=torch.int32).repeat(num_groups, num_req, 1).to(DEVICE),
+        last_use=last_use.to(DEVICE),
+        lru_clock=lru_clock.to(DEVICE),
         resident=resident.to(DEVICE),
         counters=torch.zeros(num_layers, 3, dtype=torch.int64, device=DEVICE),
         hot_slots=hot,
@@ -134,7 +148,8 @@ def clone_tables(t: CacheTables) -> CacheTables:
         page_table=t.page_table,
         seq_lens=t.seq_lens,
         slot_row=t.slot_row.clone(),
-        lru=t.lru.clone(),
+        last_use=t.last_use.clone(),
+        lru_clock=t.lru_clock.clone(),
         resident=t.resident.clone(),
         counters=t.counters.clone(),
         hot_slots=t.hot_slots,
@@ -189,7 +204,7 @@ def poisoned_plan(sizes: Sizes) -> MissPlan:
 
 
 def assert_same_state(got: CacheTables, want: CacheTables) -> None:
-    for name in ("lru", "slot_row", "resident", "counters"):
+    for name in ("last_use", "lru_clock", "slot_row", "resident", "counters"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert torch.equal(got.device_kv, want.device_kv), "device rows differ"
 
@@ -209,55 +224,27 @@ def assert_rows_match_host(
     assert torch.equal(device_rows, tables.host_kv[layer][host_rows].cpu())
 
 
-# Planning variants (swap_in_triton.Tuning), each against the reference. The three-pass ones
-# run with small chunks so that every loop of the kernels runs several times at small sizes;
-# the direct ones need K and H in one block each, which the default chunk sizes give.
-_OLD = {"plan_direct": False, "early_loads": False, "copy_total_gate": False}
-_LANE_MAJOR = {"lane_major_plan": True, "plan_direct": True,
-               **({} if ON_GPU else {"plan_warps": 1})}
-VARIANTS = {  # every flag spelled out, so that a name means the same whatever the defaults
-    "three-pass": {**_OLD, "lookup_in_plan": True},
-    "split": {**_OLD, "lookup_in_plan": False},
-    "early": {**_OLD, "lookup_in_plan": True, "early_loads": True, "copy_total_gate": True},
-    "direct": {"plan_direct": True, "lookup_in_plan": True, "early_loads": True,
-               "copy_total_gate": True},
+# Launch variants (swap_in_triton.Tuning), each against the reference; every flag spelled
+# out, so that a name means the same whatever the defaults.
+VARIANTS = {
     "default": {},  # what ships (Tuning's defaults)
-    "direct-split": {**_OLD, "plan_direct": True, "lookup_in_plan": False, "early_loads": True},
     # Without programmatic dependent launch (the default uses it where the GPU can), and the
-    # large-batch copy grid; both change only how kernels launch, so nothing else may change.
+    # large-batch copy grids; they change only how kernels launch, so nothing else may change.
     "no-pdl": {"pdl": False},
     "large-batch-copy": {"large_batch_copy_min_batch": 1},
     "fine-extent-copy": {"large_batch_copy_min_batch": 1, "fine_extent_copy_programs_per_unit": 4,
                          "fine_extent_max_tokens": 1 << 30},
-    # The direct plan as it was before its memory transactions were cut, and other choices.
-    "direct-gather-all": {"slot_row_reads": "all", "contiguous_flag_clear": False,
-                          "skip_unmoved_lru_writes": False},
-    "direct-victim-rows": {"slot_row_reads": "victims"},
-    "direct-rows-with-misses": {"slot_row_reads": "rows-with-misses"},
-    # Flag and slot rows permuted into LRU order on chip, fused and split lookups.
-    "on-chip-gathers": {"on_chip_gathers": True},
-    "on-chip-gathers-split": {"on_chip_gathers": True, "lookup_in_plan": False},
-    "on-chip-rows-with-misses": {"on_chip_gathers": True, "slot_row_reads": "rows-with-misses"},
-    "relaxed-counters": {"relaxed_counters": True},
-    "relaxed-counters-split": {"relaxed_counters": True, "lookup_in_plan": False},
-    # The copy by top-k entry (host rows fetched before the plan is done), at every batch
-    # size; with the lookups in the plan it must fall back to the copy by plan.
-    "prefetched-copy": {"prefetch_copy_max_batch": None, "lookup_in_plan": False},
-    "prefetched-copy-three-pass": {**_OLD, "prefetch_copy_max_batch": None,
-                                   "lookup_in_plan": False},
-    "prefetched-copy-fused-lookups": {"prefetch_copy_max_batch": None, "lookup_in_plan": True},
+    "late-loads": {"early_loads": False},
+    "fenced-counters": {"relaxed_counters": False},
+    # The victim selection: the bit search alone, and one round of oldest values before it.
+    "bit-search": {"select_fast_rounds": 0},
+    "one-fast-round": {"select_fast_rounds": 1},
+    # The copy by top-k entry (host rows fetched before the selection is done) at every
+    # batch size, and never.
+    "prefetched-copy": {"prefetch_copy_max_batch": None},
+    "no-prefetched-copy": {"prefetch_copy_max_batch": 0},
     # Small batches classify in their own chunk size (two chunks of a K=16 row).
     "small-batch-chunk": {"small_batch_classify_chunk_k": 8, "small_batch_max": 64},
-    # The plan counts hits, misses and invalid entries from the classify kernel's codes.
-    "counts-in-plan": {"counts_in_plan": True, "lookup_in_plan": False},
-    "counts-in-plan-three-pass": {**_OLD, "counts_in_plan": True, "lookup_in_plan": False},
-    # Lane-major positions in the direct plan. Under the interpreter with one warp, so that
-    # the small rows give every thread a run of several positions (both levels of the scans);
-    # on a GPU with the default warps (a single warp would hold a 4096-slot row alone).
-    "lane-major-plan": _LANE_MAJOR,
-    "lane-major-plan-on-chip": {**_LANE_MAJOR, "on_chip_gathers": True,
-                                "slot_row_reads": "rows-with-misses"},
-    "lane-major-plan-fused": {**_LANE_MAJOR, "lookup_in_plan": True},
     # The copy launched early at every batch size, its programs 32 warps wide.
     "pdl-copy-wide": {"pdl_copy_max_batch": None, "large_batch_copy_min_batch": 1,
                       "large_batch_copy_warps": 32},
@@ -273,8 +260,8 @@ def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, rng: torch.G
     previous: dict[int, list[int]] = {}
     overrides: dict[str, object] = {"classify_chunk_k": 16, "small_batch_classify_chunk_k": None,
                                     **VARIANTS[variant]}
-    if sizes in SMALL and not overrides.get("plan_direct"):
-        overrides.update(plan_chunk_k=16, plan_chunk_h=32, copy_rows=4)
+    if sizes in SMALL:
+        overrides.setdefault("copy_rows", 4)
     with triton_kernels.tuning(**overrides):
         for step in range(5):
             if step != 3:  # step 3 repeats step 2's batch: all hits, a miss-free plan
@@ -292,9 +279,8 @@ def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, rng: torch.G
                     assert torch.equal(getattr(plan_got, name), getattr(plan_want, name)), name
                 if step == 3:
                     assert int(plan_got.count.sum()) == 0, "a repeated batch must all hit"
-                total = triton_kernels._get_scratch(got, sizes.batch_cap, sizes.top_k).total
-                if overrides.get("copy_total_gate"):  # published, and reset for the next call
-                    assert total.tolist() == [0, 0, int(plan_want.count.sum())]
+                scratch = triton_kernels._get_scratch(got, sizes.batch_cap, sizes.top_k)
+                assert int(scratch.miss_count.abs().sum()) == 0, "miss counts reset per call"
                 if layer == 0:  # follower layer 1 of group 0 replays the anchor's plan
                     copy_planned_reference(want, 1, plan_want)
                     triton_kernels.copy_planned_triton(got, 1, plan_got)

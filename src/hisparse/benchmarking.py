@@ -202,7 +202,9 @@ def build_tables(
         seq_lens=torch.full((batch,), n, **i32),
         slot_row=torch.from_numpy(
             np.ascontiguousarray(seeded[:, :hot], dtype=np.int32)).to(device)[None],
-        lru=torch.arange(hot, **i32).repeat(1, batch, 1),
+        # The engine's seeded state: one stamp for all, ties by slot id (oldest token first).
+        last_use=torch.full((1, batch, hot), -1, **i32),
+        lru_clock=torch.zeros(1, batch, **i32),
         resident=resident,
         counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
         hot_slots=hot,
@@ -562,7 +564,8 @@ def _gather_tables(pool: torch.Tensor, rows: int, device: torch.device) -> Cache
         page_table=one[0],
         seq_lens=one[0, 0],
         slot_row=one,
-        lru=one,
+        last_use=one,
+        lru_clock=one[0],
         resident=one[0],
         counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
         hot_slots=1,

@@ -29,7 +29,8 @@ C = context tokens, C_E = C rounded up to whole extents, K = top-k, m = miss rat
   without HiSparse         = C * (L * W + G * I)               (full KV + indexer keys)
   with HiSparse            = (H+1) * L * W                     (hot buffer + newest slot)
                            + C * G * I                         (indexer keys, full context)
-                           + 2 * G * H * 4                     (lru + slot_row, int32)
+                           + G * (2 * H + 1) * 4               (last_use + slot_row + LRU
+                                                                clock, int32)
                            + ceil(C/E) * 4 + 4                 (page table + seq_len)
                            + G * C_E * 2                       (resident map, 2 B per host row;
                                                                 4 B when H > 32767)
@@ -142,7 +143,7 @@ def hisparse_footprint(
     return HiSparseFootprint(
         hot_rows=(settings.hot_slots + 1) * shape.num_layers * shape.row_bytes,
         indexer_keys=context_tokens * groups * shape.indexer_key_bytes,
-        lru_tables=2 * groups * settings.hot_slots * INT32_BYTES,
+        lru_tables=groups * (2 * settings.hot_slots + 1) * INT32_BYTES,
         page_table=(math.ceil(context_tokens / settings.extent_tokens) + 1) * INT32_BYTES,
         resident_map=groups * round_up(context_tokens, settings.extent_tokens)
         * resident_entry_bytes(settings.hot_slots),

@@ -146,7 +146,8 @@ class HiSparseCache:
                     page_table=torch.full((R, pages), -1, **i32),
                     seq_lens=torch.zeros(R, **i32),
                     slot_row=torch.full((G, R, H), -1, **i32),
-                    lru=torch.arange(H, **i32).repeat(G, R, 1),
+                    last_use=torch.full((G, R, H), -1, **i32),
+                    lru_clock=torch.zeros(G, R, **i32),
                     resident=torch.full((G, self._pool.num_rows), -1, dtype=residency_dtype(H),
                                         device=dev),
                     counters=torch.zeros(L, 3, dtype=torch.int64, device=dev),
@@ -673,7 +674,9 @@ class HiSparseCache:
         t.slot_row[:, r, : lru_rows.numel()] = lru_rows.to(torch.int32)
         t.resident[:, lru_rows] = torch.arange(lru_rows.numel(), dtype=t.resident.dtype,
                                                device=self.device)
-        t.lru[:, r] = torch.arange(H, dtype=torch.int32, device=self.device)
+        # One stamp for all, below the clock: ties go by slot id, so the oldest token goes first.
+        t.last_use[:, r].fill_(-1)
+        t.lru_clock[:, r] = 0
         for first, count, slot in pieces:
             for token, row, length in token_runs(record.extents, E, first, first + count):
                 device_row = r * S + slot + token - first
@@ -713,7 +716,8 @@ class HiSparseCache:
         held = t.slot_row[:, r].long()
         t.resident.scatter_(1, torch.where(held >= 0, held, own_row), -1)
         t.slot_row[:, r].fill_(-1)
-        t.lru[:, r] = torch.arange(self.hot_slots, dtype=torch.int32, device=self.device)
+        t.last_use[:, r].fill_(-1)
+        t.lru_clock[:, r] = 0
         t.seq_lens[r] = 0
         t.page_table[r].fill_(-1)
         self.backend.record_event(self._tables_changed, self.device)

@@ -28,7 +28,11 @@ class CacheTables:
     page_table: torch.Tensor  # [R, P] int32: extent id per E tokens, -1 = none
     seq_lens: torch.Tensor  # [R] int32
     slot_row: torch.Tensor  # [G, R, H] int32: host row per hot slot, -1 = empty
-    lru: torch.Tensor  # [G, R, H] int32: slot ids, index 0 = least recently used
+    # The LRU, as a clock per (group, request) that every long-regime swap-in advances, and
+    # the clock's value when each hot slot was last used (hit or filled): oldest first, ties
+    # by slot id. Seeding sets the stamps to -1 and the clock to 0.
+    last_use: torch.Tensor  # [G, R, H] int32
+    lru_clock: torch.Tensor  # [G, R] int32
     resident: torch.Tensor  # [G, N] int16 or int32 (residency_dtype): hot slot holding host
     # row n, -1 = none
     counters: torch.Tensor  # [L, 3] int64: hits, misses, invalid entries

@@ -56,33 +56,34 @@ def swap_in_reference(
     miss = candidate & (resident_slot < 0)
     result = torch.where(hit, base + resident_slot, result)
 
-    # Exact LRU over the long-regime rows; everything below only touches those rows.
-    lru = t.lru[group, r].long()  # [B, H]
+    # Exact LRU over the long-regime rows; everything below only touches those rows. Hits take
+    # the clock's value; the evictable slots are those below it, oldest first, ties by slot id.
+    update = real & ~short[:, 0]
+    clock = t.lru_clock[group, r].long()[:, None]  # [B, 1]
+    stamps = t.last_use[group, r].long()  # [B, H]
+    slot_ids = torch.arange(hot, device=dev)
     hit_slot = torch.zeros(batch_cap, hot + 1, dtype=torch.bool, device=dev)
     hit_slot.scatter_(1, torch.where(hit, resident_slot, hot), True)
-    hit_in_lru = hit_slot[:, :hot].gather(1, lru)
-    evictable = ~hit_in_lru
-    evict_rank = evictable.long().cumsum(1) - 1
-    hit_rank = hit_in_lru.long().cumsum(1) - 1
-    num_evictable = evictable.sum(1, keepdim=True)
-
-    evict_order = torch.full((batch_cap, hot + 1), -1, dtype=torch.long, device=dev)
-    evict_order.scatter_(1, torch.where(evictable, evict_rank, hot), lru)
-    miss_rank = miss.long().cumsum(1) - 1
+    stamps = torch.where(hit_slot[:, :hot], clock, stamps)
+    evictable = stamps < clock
+    # (stamp, slot id) as one key: stamps are int32, slot ids < H.
+    key = torch.where(evictable, stamps * hot + slot_ids, torch.iinfo(torch.int64).max)
+    by_age = key.argsort(dim=1)
     num_miss = miss.sum(1, keepdim=True)
-    victim = evict_order.gather(1, miss_rank.clamp(min=0))
+    installed = torch.minimum(num_miss, evictable.sum(1, keepdim=True))
+    oldest_rank = torch.empty_like(by_age).scatter_(1, by_age, slot_ids.expand_as(by_age))
+    chosen = evictable & (oldest_rank < installed)
+    # The chosen slots go to the misses in slot-id order: miss m (top-k order) takes the m-th.
+    chosen_rank = chosen.long().cumsum(1) - 1
+    victims = torch.zeros(batch_cap, hot + 1, dtype=torch.long, device=dev)
+    victims.scatter_(1, torch.where(chosen, chosen_rank, hot), slot_ids.expand_as(chosen_rank))
+    miss_rank = miss.long().cumsum(1) - 1
+    miss = miss & (miss_rank < installed)
+    victim = victims.gather(1, miss_rank.clamp(min=0))
     result = torch.where(miss, base + victim, result)
-
-    new_position = torch.where(
-        evictable,
-        torch.where(
-            evict_rank >= num_miss, evict_rank - num_miss, num_evictable - num_miss + evict_rank
-        ),
-        num_evictable + hit_rank,
-    )
-    new_lru = torch.empty_like(lru).scatter_(1, new_position, lru)
-    update = real & ~short[:, 0]
-    t.lru[group, r[update]] = new_lru[update].to(t.lru.dtype)
+    stamps = torch.where(chosen, clock, stamps)
+    t.last_use[group, r[update]] = stamps[update].to(t.last_use.dtype)
+    t.lru_clock[group, r[update]] += 1
 
     miss_b, miss_k = miss.nonzero(as_tuple=True)
     miss_req = r[miss_b]
@@ -98,7 +99,7 @@ def swap_in_reference(
         t.device_kv[layer][miss_dst] = host[miss_row.to(host.device)].to(dev, non_blocking=True)
 
     if plan is not None:
-        plan.count[:batch_cap].copy_(torch.where(update, num_miss[:, 0], 0).to(plan.count.dtype))
+        plan.count[:batch_cap].copy_(torch.where(update, installed[:, 0], 0).to(plan.count.dtype))
         plan.src[miss_b, miss_rank[miss_b, miss_k]] = miss_row.to(plan.src.dtype)
         plan.dst[miss_b, miss_rank[miss_b, miss_k]] = miss_dst.to(plan.dst.dtype)
 

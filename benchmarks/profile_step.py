@@ -6,7 +6,7 @@ the last one in the NVTX range "step", which Nsight Compute can select:
 
     ncu --clock-control none --nvtx --nvtx-include "step/" \\
         python benchmarks/profile_step.py --batch 128 --churn 0 --layout extents
-    python benchmarks/profile_step.py --tuning '{"lookup_in_plan": false}' ...  # a variant
+    python benchmarks/profile_step.py --tuning '{"select_fast_rounds": 0}' ...  # a variant
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def peer_tables(tables: CacheTables, host_rows: np.ndarray, layer: int = 0) -> P
 
     A slot's token is found by inverting `host_rows` at the slot's host row, so this holds
     for any layout; the newest slot holds position seq_len - 1 (DESIGN.md 3)."""
-    device = tables.lru.device
+    device = tables.last_use.device
     requests, seq_len = host_rows.shape
     position_of_row = np.full(int(host_rows.max()) + 1, -1, dtype=np.int64)
     position_of_row[host_rows.reshape(-1)] = np.tile(np.arange(seq_len), requests)
@@ -219,8 +219,16 @@ def peer_tables(tables: CacheTables, host_rows: np.ndarray, layer: int = 0) -> P
         buffer_tokens=torch.from_numpy(buffer_tokens.astype(np.int32)).to(device).contiguous(),
         buffer_locs=torch.from_numpy(buffer_locs.astype(np.int32)).to(device).contiguous(),
         host_locs=torch.from_numpy(host_rows.astype(np.int64)).to(device).contiguous(),
-        lru=tables.lru[layer].to(torch.int16).contiguous(),
+        lru=lru_order(tables, layer).to(torch.int16).contiguous(),
     )
+
+
+def lru_order(tables: CacheTables, group: int = 0) -> torch.Tensor:
+    """[R, H] hot slots of each request, least recently used first: hisparse's stamps in the
+    list form SGLang keeps (ascending last use, ties by slot id)."""
+    stamps = tables.last_use[group].long()
+    slot_ids = torch.arange(stamps.shape[1], device=stamps.device)
+    return (stamps * stamps.shape[1] + slot_ids).argsort(dim=1)
 
 
 class PeerSwapIn:

@@ -39,9 +39,9 @@ from hisparse.kernels import swap_in_triton as kernels
 
 @contextlib.contextmanager
 def classify_only() -> Iterator[None]:
-    """The swap-in launcher with its plan and copy launches turned into no-ops."""
+    """The swap-in launcher with its selection and copy launches turned into no-ops."""
     saved = {name: getattr(kernels, name) for name in
-             ("_plan_direct_kernel", "_plan_kernel", "_launch_copy", "_launch_prefetched_copy")}
+             ("_select_kernel", "_launch_copy", "_launch_prefetched_copy")}
 
     class NoLaunch:
         def __getitem__(self, grid: object) -> Callable[..., None]:
@@ -77,7 +77,6 @@ def time_parts(backend, pool: torch.Tensor, mirror: torch.Tensor, layout: str, b
 
     swap_in()  # the first step misses its whole top-k: compiles, allocates, installs
     swap_in()  # miss-free from here on
-    hit_flag = kernels._get_scratch(tables, batch, sizes.top_k).hit_flag
     parts: dict[str, tuple[Callable[[], None], bool]] = {
         "empty": (lambda: num_real.add_(0), False),
         "top-k copy": (lambda: top_k.copy_(source), False),
@@ -94,10 +93,8 @@ def time_parts(backend, pool: torch.Tensor, mirror: torch.Tensor, layout: str, b
         graph = backend.new_graph()
         with classify_only() if name == "classify" else contextlib.nullcontext():
             call()  # compiles what this part launches
-            hit_flag.zero_()
             with backend.graph_capture(graph):
                 call()
-        hit_flag.zero_()
         wrong = torch.zeros((), dtype=torch.int64, device=device)
         times = []
         for _ in range(steps):
@@ -105,8 +102,6 @@ def time_parts(backend, pool: torch.Tensor, mirror: torch.Tensor, layout: str, b
             times.append(timer.record(graph.replay))
             if checked:
                 wrong += benchmarking.wrong_rows(tables, mirror, rows_on_device, top_k, out)
-            if name == "classify":
-                hit_flag.zero_()  # the plan would have cleared them
             backend.synchronize()
         seconds = sorted(elapsed() for elapsed in times)
         record = {"layout": layout, "B": batch, "part": name,

@@ -11,7 +11,7 @@ the host pool.
 
     PYTHONPATH=src python benchmarks/swap_in.py              # full SW-1 + extent sweep
     PYTHONPATH=src python benchmarks/swap_in.py --quick      # smoke run, a few cells
-    PYTHONPATH=src python benchmarks/swap_in.py --ab launch  # a round of variants (AB_ROUNDS)
+    PYTHONPATH=src python benchmarks/swap_in.py --ab selection  # a round of variants (AB_ROUNDS)
     PYTHONPATH=src python benchmarks/swap_in.py --padding  # small batches padded to capacities
     PYTHONPATH=src python benchmarks/swap_in.py --vs-sglang  # SGLang's kernel side by side
 """
@@ -40,210 +40,36 @@ from hisparse.errors import InvalidInputError
 
 SIZES = benchmarking.SW1Sizes()  # DESIGN.md 8; extent_tokens: HiSparseConfig's default
 
-# SGLang 0.5.23's fused swap-in on SW-1 scattered, H200 (issue 4; quoted, not re-measured here).
-# Variant rounds for --ab ROUND (swap_in_triton.Tuning overrides), every flag spelled out so a
-# name means the same whatever the defaults. Round "planning" chose the plan kernel
-# (results/sw1-cuda-ab-planning.json: "direct-copy8" plus the automatic lookup split won);
-# round "launch" compares programmatic dependent launch and the copy grid's width on top.
-_THREE_PASS = {"plan_direct": False, "early_loads": False, "lookup_in_plan": True,
-               "copy_total_gate": False, "copy_programs_per_unit": 32, "pdl": False,
-               "pdl_copy_max_batch": None, "large_batch_copy_min_batch": None, "plan_warps": 8,
-               "copy_rows": 2, "copy_warps": 2, "slot_row_reads": "all",
-               "contiguous_flag_clear": False, "skip_unmoved_lru_writes": False,
-               "on_chip_gathers": False, "relaxed_counters": False,
-               "prefetch_copy_max_batch": 0, "classify_chunk_k": 256,
-               "small_batch_classify_chunk_k": None, "small_batch_max": 16,
-               "large_batch_copy_warps": None, "fine_extent_copy_programs_per_unit": None}
-_DIRECT = {**_THREE_PASS, "plan_direct": True, "early_loads": True}
-_PLANNING_WINNER = {**_DIRECT, "lookup_in_plan": None, "copy_programs_per_unit": 8}
-_PDL = {**_PLANNING_WINNER, "pdl": True}
-_PDL_LE16 = {**_PDL, "pdl_copy_max_batch": 16}  # round "launch-edges" chose this
-_FLAG_CLEAR = {**_PDL_LE16, "contiguous_flag_clear": True}  # round "plan-transactions"
-_CHOSEN = {**_FLAG_CLEAR, "skip_unmoved_lru_writes": True}  # round "plan-transactions-2"
-_COLD_BASE = {**_CHOSEN, "lookup_in_plan": False, "large_batch_copy_min_batch": 64,
-              "large_batch_copy_programs_per_unit": 2}  # round "cold-step"
-_COLD_CHOSEN = {**_COLD_BASE, "relaxed_counters": True,
-                "large_batch_copy_programs_per_unit": 1}  # round "cold-step-2"
-_PREFETCH_CHOSEN = {**_COLD_CHOSEN, "prefetch_copy_max_batch": 1,
-                    "small_batch_classify_chunk_k": 64}  # round "prefetch"
-_NINTH_CHOSEN = {**_PREFETCH_CHOSEN, "counts_in_plan": False, "lane_major_plan": False,
-                 "plan_warps": 8, "slot_row_reads": "all"}  # rounds counts-in-plan, lane-major
+# Variant rounds for --ab ROUND (swap_in_triton.Tuning overrides on top of the shipped
+# defaults; "chosen" is the defaults, run first and last as a noise control). The rounds of
+# the ordered-list LRU (planning ... fine-extent-copy, benchmarks/NOTES.md passes 2-11) needed
+# its plan kernels, which the stamp LRU replaced; they are in git history before commit
+# "LRU kept as per-slot stamps", their results in benchmarks/results/sw1-cuda-ab-*.json.
 AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
-    "planning": {
-        "three-pass": _THREE_PASS,
-        "split": {**_THREE_PASS, "lookup_in_plan": False},
-        "early": {**_THREE_PASS, "early_loads": True},
-        "direct": _DIRECT,
-        "direct-split": {**_DIRECT, "lookup_in_plan": False},
-        "direct-gate": {**_DIRECT, "copy_total_gate": True},
-        "direct-copy8": {**_DIRECT, "copy_programs_per_unit": 8},
+    # The victim selection (NOTES.md, thirteenth pass): rounds of oldest stamp values before
+    # the bit search, and the width of its programs.
+    "selection": {
+        "chosen": {},
+        "bit-search": {"select_fast_rounds": 0},
+        "one-round": {"select_fast_rounds": 1},
+        "four-rounds": {"select_fast_rounds": 4},
+        "select-warps4": {"select_warps": 4},
+        "select-warps16": {"select_warps": 16},
+        "chosen-again": {},
     },
-    "launch": {
-        "before": _PLANNING_WINNER,
-        "pdl": _PDL,
-        "pdl-fused": {**_PDL, "lookup_in_plan": True},
-        "pdl-split": {**_PDL, "lookup_in_plan": False},
-        "pdl-wide16": {**_PDL, "large_batch_copy_min_batch": 64,
-                       "large_batch_copy_programs_per_unit": 16},
-        "pdl-wide32": {**_PDL, "large_batch_copy_min_batch": 64,
-                       "large_batch_copy_programs_per_unit": 32},
-        "pdl-copy4": {**_PDL, "copy_programs_per_unit": 4},
-        "pdl-rows4": {**_PDL, "copy_rows": 4, "copy_warps": 4},
-        "default": {},
-    },
-    "launch-edges": {
-        "before": _PLANNING_WINNER,
-        "pdl": _PDL,
-        "pdl-plan-only": {**_PDL, "pdl_copy_max_batch": 0},
-        "pdl-copy-le16": {**_PDL, "pdl_copy_max_batch": 16},
-        "pdl-copy-le64": {**_PDL, "pdl_copy_max_batch": 64},
-        "pdl-le16-warps16": {**_PDL, "pdl_copy_max_batch": 16, "plan_warps": 16},
-        "pdl-le16-rows4": {**_PDL, "pdl_copy_max_batch": 16, "copy_rows": 4, "copy_warps": 4},
-        "before-again": _PLANNING_WINNER,
-    },
-    "plan-transactions": {
-        "before": _PDL_LE16,
-        "victim-rows": {**_PDL_LE16, "slot_row_reads": "victims"},
-        "flag-clear": {**_PDL_LE16, "contiguous_flag_clear": True},
-        "both": {**_PDL_LE16, "slot_row_reads": "victims", "contiguous_flag_clear": True},
-        "both-split": {**_PDL_LE16, "slot_row_reads": "victims", "contiguous_flag_clear": True,
-                       "lookup_in_plan": False},
-        "both-fused": {**_PDL_LE16, "slot_row_reads": "victims", "contiguous_flag_clear": True,
-                       "lookup_in_plan": True},
-        "before-again": _PDL_LE16,
-    },
-    "plan-transactions-2": {
-        "flag-clear": _FLAG_CLEAR,
-        "rows-with-misses": {**_FLAG_CLEAR, "slot_row_reads": "rows-with-misses"},
-        "skip-unmoved": {**_FLAG_CLEAR, "skip_unmoved_lru_writes": True},
-        "with-misses+skip": {**_FLAG_CLEAR, "slot_row_reads": "rows-with-misses",
-                             "skip_unmoved_lru_writes": True},
-        "victims+skip": {**_FLAG_CLEAR, "slot_row_reads": "victims",
-                         "skip_unmoved_lru_writes": True},
-        "default": {},
-        "flag-clear-again": _FLAG_CLEAR,
-    },
-    # The copy's in-flight window at large batches (benchmarks/NOTES.md, third pass, "what is
-    # left" (1)): fewer rows in flight keep them within fewer requests' extents.
+    # The copy's launch and in-flight window behind the new selection kernel.
     "copy-window": {
-        "chosen": _CHOSEN,
-        "large-batch-copy4": {**_CHOSEN, "large_batch_copy_min_batch": 64,
-                              "large_batch_copy_programs_per_unit": 4},
-        "large-batch-copy2": {**_CHOSEN, "large_batch_copy_min_batch": 64,
-                              "large_batch_copy_programs_per_unit": 2},
-        "large-batch-copy4-rows4": {**_CHOSEN, "large_batch_copy_min_batch": 64,
-                                    "large_batch_copy_programs_per_unit": 4, "copy_rows": 4},
-        "large-batch-copy16": {**_CHOSEN, "large_batch_copy_min_batch": 64,
-                               "large_batch_copy_programs_per_unit": 16},
-        "default": {},
-        "chosen-again": _CHOSEN,
-    },
-    # The miss-free step as SW-1 measures it, on a cold L2 (NOTES.md, fourth pass): lookups
-    # split out at every batch size, flag and slot rows permuted on chip, and the copy window.
-    "cold-step": {
-        "chosen": _CHOSEN,
-        "split": {**_CHOSEN, "lookup_in_plan": False},
-        "on-chip": {**_CHOSEN, "on_chip_gathers": True},
-        "on-chip-split": {**_CHOSEN, "on_chip_gathers": True, "lookup_in_plan": False},
-        "on-chip-with-misses": {**_CHOSEN, "on_chip_gathers": True,
-                                "slot_row_reads": "rows-with-misses"},
-        "large-batch-copy4": {**_CHOSEN, "large_batch_copy_min_batch": 64,
-                              "large_batch_copy_programs_per_unit": 4},
-        "large-batch-copy2": {**_CHOSEN, "large_batch_copy_min_batch": 64,
-                              "large_batch_copy_programs_per_unit": 2},
-        "chosen-again": _CHOSEN,
-    },
-    # After "cold-step": lookups split and a narrow copy grid at large batches together, the
-    # counters' fences, and how narrow and from which batch the copy grid should be.
-    "cold-step-2": {
-        "chosen": _CHOSEN,
-        "split-copy2": _COLD_BASE,
-        "split-copy2-relaxed": {**_COLD_BASE, "relaxed_counters": True},
-        "relaxed": {**_CHOSEN, "relaxed_counters": True},
-        "split-copy1": {**_COLD_BASE, "large_batch_copy_programs_per_unit": 1},
-        "split-copy2-pdl": {**_COLD_BASE, "pdl_copy_max_batch": None},
-        "split-copy2-from16": {**_COLD_BASE, "large_batch_copy_min_batch": 16},
-        "split-copy2-again": _COLD_BASE,
-    },
-    # After "cold-step-2" (defaults = _COLD_CHOSEN): the widths of the two latency-bound
-    # kernels of a miss-free step, and skipping the slot-row reads of miss-free rows.
-    "cold-step-3": {
-        "chosen": _COLD_CHOSEN,
-        "classify-chunk512": {**_COLD_CHOSEN, "classify_chunk_k": 512},
-        "classify-chunk128": {**_COLD_CHOSEN, "classify_chunk_k": 128},
-        "classify-warps8": {**_COLD_CHOSEN, "classify_warps": 8},
-        "plan-warps16": {**_COLD_CHOSEN, "plan_warps": 16},
-        "rows-with-misses": {**_COLD_CHOSEN, "slot_row_reads": "rows-with-misses"},
-        "chosen-again": _COLD_CHOSEN,
-    },
-    # The copy by top-k entry that fetches host rows while the plan runs (NOTES.md, fifth
-    # pass), at B=1 alone and through B=16, and a wider classify grid at small batches.
-    "prefetch": {
-        "chosen": _COLD_CHOSEN,
-        "prefetch-b1": {**_COLD_CHOSEN, "prefetch_copy_max_batch": 1},
-        "prefetch-b16": {**_COLD_CHOSEN, "prefetch_copy_max_batch": 16},
-        "prefetch-b1-chunk64": {**_COLD_CHOSEN, "prefetch_copy_max_batch": 1,
-                                "classify_chunk_k": 64},
-        "chunk64": {**_COLD_CHOSEN, "classify_chunk_k": 64},
-        "chosen-again": _COLD_CHOSEN,
-    },
-    # The copy launched early (PDL) at large batches too, with programs too wide to crowd onto
-    # the SMs the plan leaves idle (NOTES.md, eighth pass).
-    "copy-pdl-wide": {
-        "chosen": _PREFETCH_CHOSEN,
-        "pdl-copy-all": {**_PREFETCH_CHOSEN, "pdl_copy_max_batch": None},
-        "pdl-copy-all-warps32": {**_PREFETCH_CHOSEN, "pdl_copy_max_batch": None,
-                                 "large_batch_copy_warps": 32},
-        "pdl-copy-all-warps16": {**_PREFETCH_CHOSEN, "pdl_copy_max_batch": None,
-                                 "large_batch_copy_warps": 16},
-        "warps32": {**_PREFETCH_CHOSEN, "large_batch_copy_warps": 32},
-        "chosen-again": _PREFETCH_CHOSEN,
-    },
-    # Hit/miss/invalid counts added once per batch row by the plan, from the classify
-    # kernel's entry codes, instead of by every classify program (NOTES.md, ninth pass).
-    "counts-in-plan": {
-        "chosen": {**_PREFETCH_CHOSEN, "counts_in_plan": False},
-        "counts-in-plan": {**_PREFETCH_CHOSEN, "counts_in_plan": True},
-        "chosen-again": {**_PREFETCH_CHOSEN, "counts_in_plan": False},
-    },
-    # The direct plan's positions lane-major, so its prefix sums scan each thread's own run
-    # (NOTES.md, ninth pass).
-    "lane-major": {
-        "chosen": {**_PREFETCH_CHOSEN, "counts_in_plan": False, "lane_major_plan": False},
-        "lane-major": {**_PREFETCH_CHOSEN, "counts_in_plan": False, "lane_major_plan": True},
-        "chosen-again": {**_PREFETCH_CHOSEN, "counts_in_plan": False,
-                         "lane_major_plan": False},
-    },
-    # The direct plan over 16 warps, now that its miss-free path is shorter (ninth pass).
-    "plan-warps": {
-        "chosen": _NINTH_CHOSEN,
-        "warps16": {**_NINTH_CHOSEN, "plan_warps": 16},
-        "warps16-victims": {**_NINTH_CHOSEN, "plan_warps": 16, "slot_row_reads": "victims"},
-        "chosen-again": _NINTH_CHOSEN,
-    },
-    # Eleventh pass: a wider large-batch copy for token-granular (scattered) page tables.
-    "fine-extent-copy": {
-        "chosen": _NINTH_CHOSEN,
-        **{f"fine-{width}": {**_NINTH_CHOSEN, "fine_extent_copy_programs_per_unit": width}
-           for width in (2, 4, 8)},
-        "chosen-again": _NINTH_CHOSEN,
+        "chosen": {},
+        "large-batch-copy2": {"large_batch_copy_programs_per_unit": 2},
+        "large-batch-copy4": {"large_batch_copy_programs_per_unit": 4},
+        "pdl-copy-all": {"pdl_copy_max_batch": None},
+        "prefetch-b16": {"prefetch_copy_max_batch": 16},
+        "chosen-again": {},
     },
 }
-AB_GRIDS = {"planning": ([1, 128], [0.0, 0.2, 1.0]),
-            "launch": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "launch-edges": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "plan-transactions": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "plan-transactions-2": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "copy-window": ([1, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "cold-step": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "cold-step-2": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "cold-step-3": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "prefetch": ([1, 16], [0.0, 0.05, 0.2, 1.0]),
-            "copy-pdl-wide": ([64, 128], [0.0, 0.2, 1.0]),
-            "counts-in-plan": ([1, 16, 64, 128], [0.0, 0.2, 1.0]),
-            "lane-major": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "plan-warps": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "fine-extent-copy": ([64, 128], [0.05, 0.2, 1.0])}
+AB_GRIDS = {"selection": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "copy-window": ([1, 16, 64, 128], [0.05, 0.2, 1.0])}
+# SGLang 0.5.23's fused swap-in on SW-1 scattered, H200 (issue 4; quoted, not re-measured here).
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
     (16, 0.05): 63, (16, 0.2): 181, (16, 1.0): 808,
@@ -340,7 +166,7 @@ def miss_free_warm(pool: Pool, rng: np.random.Generator, args) -> dict[str, floa
     batch = min(128, pool.host.shape[0] // SIZES.seq_len)  # --quick sizes the pool smaller
     cell = build_cell(pool, batch, 0.0, "extents", SIZES.extent_tokens, rng)
     t = cell.tables
-    dev = t.lru.device
+    dev = t.last_use.device
     req_slots = torch.arange(batch, dtype=torch.int32, device=dev)
     num_real = torch.tensor([batch], dtype=torch.int32, device=dev)
     top_k = cell.next_top_k()
@@ -671,9 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                          args.seed))
             save()
     if args.variants:
-        variants = {"lookup-fused": {"lookup_in_plan": True},
-                    "lookup-split": {"lookup_in_plan": False},
-                    "three-pass": AB_ROUNDS["planning"]["three-pass"],
+        variants = {"bit-search": AB_ROUNDS["selection"]["bit-search"],
+                    "no-pdl": {"pdl": False},
                     "copy-32-per-sm": {"copy_programs_per_unit": 32}}
         results["variants"] = []
         for name, overrides in variants.items():

@@ -2,8 +2,9 @@
 
 It knows nothing of tensors, extents or kernels. Per request it keeps each layer's token rows
 (bytes) and length; per (request, index group) a dict position -> hot slot, each slot's last
-use and the LRU clock, following docs/ARCHITECTURE.md word for word. Device rows are `request_slot * S + slot`; the
-request slot comes from the engine, everything else is predicted here.
+use and the LRU clock, following docs/ARCHITECTURE.md word for word. Device rows are
+`request_slot * S + slot`; the request slot comes from the engine, everything else is
+predicted here.
 """
 
 from __future__ import annotations

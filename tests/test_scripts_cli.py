@@ -225,13 +225,6 @@ def test_gpu_scripts_refuse_at_once_without_cuda(tmp_path: Path, script: str) ->
     assert "CUDA" in err.strip().splitlines()[-1]
 
 
-def test_position_map_probe_help_is_not_cut_mid_sentence() -> None:
-    result = run([sys.executable, str(BENCHMARKS / "position_map_probe.py"), "--help"])
-    assert result.returncode == 0 and result.stdout.startswith("usage:"), result.stderr
-    description = " ".join(result.stdout.split("\n\n")[1].split())
-    assert description.endswith("costs."), description
-
-
 @NO_CUDA
 def test_device_overhead_refuses_without_cuda_and_has_help() -> None:
     script = str(BENCHMARKS / "device_overhead.py")

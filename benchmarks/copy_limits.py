@@ -75,7 +75,8 @@ def planned_copy_us(host_pool: torch.Tensor, rows: torch.Tensor, **tuning: objec
     tables = CacheTables(
         device_kv=device_kv, host_kv=[host_pool],
         page_table=torch.zeros(1, 1, dtype=torch.int32, device=device),
-        seq_lens=torch.zeros(1, dtype=torch.int32, device=device), slot_row=unused, lru=unused,
+        seq_lens=torch.zeros(1, dtype=torch.int32, device=device), slot_row=unused,
+        last_use=unused, lru_clock=torch.zeros(1, 1, dtype=torch.int32, device=device),
         resident=torch.zeros(1, 1, dtype=torch.int32, device=device),
         counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
         hot_slots=2048, extent_tokens=1,

@@ -432,3 +432,22 @@ def test_copy_width_follows_batch_and_extent_size(extent_tokens: int,
     # The interpreter's grid stays tiny whatever the layout.
     assert triton_kernels._copy_grid(host, torch.device("cpu"), 64, entries, extent_tokens)[0] \
         == triton_kernels._tuning.interpreter_copy_programs
+
+
+def test_hot_buffers_past_16384_slots_scan_their_counts_separately(rng: torch.Generator) -> None:
+    """The selection packs its two prefix counts into one int32 scan up to 16384 slots; a wider
+    row (here 16400 slots, a 32768-slot block) scans them apart. Both must match the
+    reference."""
+    sizes = Sizes(top_k=16, hot=16400, row_bytes=16, extent=1024, batch_cap=2, num_requests=2)
+    want = make_tables(sizes, rng)
+    got = clone_tables(want)
+    previous: dict[int, list[int]] = {}
+    for step in range(3):
+        req_slots, top_k, num_real = next_top_k(want, sizes, previous, rng)
+        out_want, out_got = torch.full_like(top_k, POISON), torch.full_like(top_k, POISON)
+        swap_in_reference(want, 0, 0, req_slots, top_k, num_real, out_want)
+        triton_kernels.swap_in_triton(got, 0, 0, req_slots, top_k, num_real, out_got)
+        assert torch.equal(out_got, out_want), f"step {step}"
+        assert_same_state(got, want)
+        assert_rows_match_host(got, 0, req_slots, top_k, out_got)
+    assert int(got.counters[0, 1]) > 0, "no misses: the selection never ran"

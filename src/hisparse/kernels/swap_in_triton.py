@@ -276,9 +276,10 @@ def _select_victims(
     older = candidate & (stamps < threshold)
     tied = candidate & (stamps == threshold)
     need = installed - below
-    # One scan for both prefix counts (each < 2^16 while H < 65536, else two): a victim's rank
-    # is the older slots before it plus the tied ones before it, at most `need` of those.
-    if BLOCK_H < 65536:
+    # One scan for both prefix counts, packed in one int32 while they fit (each <= H <= 2^14:
+    # the older count times 2^16 stays below 2^31), else two: a victim's rank is the older
+    # slots before it plus the tied ones before it, at most `need` of those.
+    if BLOCK_H <= 16384:
         packed = tl.cumsum(older.to(tl.int32) * 65536 + tied.to(tl.int32), axis=0)
         older_through = packed >> 16
         tied_through = packed & 65535

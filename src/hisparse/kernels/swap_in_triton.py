@@ -387,8 +387,8 @@ def _copy_kernel(
         entry = owner * plan_stride + (flat - first)
         src = tl.load(plan_src_ptr + entry, mask=active, other=0).to(tl.int64)
         dst = tl.load(plan_dst_ptr + entry, mask=active, other=0).to(tl.int64)
-        # Our plan kernel writes only rows in range, but copy_planned replays any plan it is
-        # given: skipping a row outside the layer's rows (as the backup kernel does) keeps
+        # Our selection kernel writes only rows in range, but copy_planned replays any plan it
+        # is given: skipping a row outside the layer's rows (as the backup kernel does) keeps
         # every access in bounds, for two compares per row of a few hundred bytes.
         active = active & (src >= 0) & (src < num_host_rows) & (dst >= 0)
         active = active & (dst < num_device_rows)
@@ -432,9 +432,9 @@ def _copy_prefetched_kernel(
     # grid left it
 ):
     """The copy by top-k entry instead of by plan: a miss's host row depends on the lookups
-    alone, so each program fetches its first rows over the link while the plan still chooses
-    victims, and waits for the plan only to learn where they go. Launched behind a plan kernel
-    that lets it start once the classify grid is done (DEPENDENTS_READ_LOOKUPS)."""
+    alone, so each program fetches its first rows over the link while the selection still
+    chooses victims, and waits for it only to learn where they go. Launched behind a selection
+    kernel that lets it start once the classify grid is done (DEPENDENTS_READ_LOOKUPS)."""
     words = tl.arange(0, BLOCK_WORDS)
     in_row = words < ROW_WORDS
     first = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -741,8 +741,8 @@ def _copy_grid(host: torch.Tensor, device: torch.device, num_rows: int,
 def _copy_launch(tables: CacheTables, layer: int, num_rows: int, num_entries: int, pdl: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[int], dict[str, object]]:
     """What both copy kernels launch with: this layer's host and device rows, the grid, and
-    the options they share. `pdl`: a programmatic dependent launch behind our plan kernel on
-    the same stream."""
+    the options they share. `pdl`: a programmatic dependent launch behind our selection kernel
+    on the same stream."""
     host, device = _layer_rows(tables, layer)
     row_words = tables.row_bytes // 4
     programs, warps = _copy_grid(host, device.device, num_rows, num_entries,
@@ -757,8 +757,8 @@ def _copy_launch(tables: CacheTables, layer: int, num_rows: int, num_entries: in
 
 def _launch_prefetched_copy(tables: CacheTables, layer: int, miss_row: torch.Tensor,
                             out: torch.Tensor, pdl: bool) -> None:
-    """The copy of `_copy_prefetched_kernel`; `pdl`: launched behind a plan kernel compiled
-    with DEPENDENTS_READ_LOOKUPS."""
+    """The copy of `_copy_prefetched_kernel`; `pdl`: launched behind a selection kernel
+    compiled with DEPENDENTS_READ_LOOKUPS."""
     num_rows, top_k = out.shape
     host, device, grid, options = _copy_launch(tables, layer, num_rows, num_rows * top_k, pdl)
     # Only a launch behind a running plan needs the L2 read; after an ordinary kernel boundary

@@ -157,8 +157,8 @@ def _lookup_chunk(
 @triton.jit
 def _entry_codes(miss, row, served, invalid):
     """What `miss_row` holds per top-k entry: a miss's host row (>= 0); else -3 served (hit,
-    short regime or newest token), -2 invalid, -1 no entry. The plan reads the misses from it
-    and, with COUNTS_IN_PLAN, the statistics too (`_count_codes`)."""
+    short regime or newest token), -2 invalid, -1 no entry. The selection and the prefetching
+    copy read the misses from it."""
     return tl.where(miss, row, tl.where(served, -3, tl.where(invalid, -2, -1)))
 
 
@@ -176,13 +176,6 @@ def _add_counters(counters_ptr, n_hit, n_miss, n_invalid, SEM: tl.constexpr):
     tl.atomic_add(counters_ptr + 0, n_hit.to(tl.int64), mask=n_hit != 0, sem=SEM)
     tl.atomic_add(counters_ptr + 1, n_miss.to(tl.int64), mask=n_miss != 0, sem=SEM)
     tl.atomic_add(counters_ptr + 2, n_invalid.to(tl.int64), mask=n_invalid != 0, sem=SEM)
-
-
-@triton.jit
-def _add_code_counts(counters_ptr, code, SEM: tl.constexpr):
-    """Add the hits, misses and invalid entries among `code` to this layer's counters."""
-    n_hit, n_miss, n_invalid = _count_codes(code)
-    _add_counters(counters_ptr, n_hit, n_miss, n_invalid, SEM)
 
 
 @triton.jit
@@ -207,7 +200,7 @@ def _classify_kernel(
                                     EARLY_LOADS)
     clock = tl.load(lru_clock_ptr + r)
     k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
-    in_k, result, hit, slot, miss, _, code = _lookup_chunk(
+    in_k, result, hit, slot, _, _, code = _lookup_chunk(
         b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
         K, H, E, P, N, EARLY_LOADS,
     )
@@ -216,9 +209,10 @@ def _classify_kernel(
     # A hit is the whole LRU update of its slot: it takes the clock's value.
     tl.store(last_use_ptr + r.to(tl.int64) * H + slot, tl.zeros(slot.shape, tl.int32) + clock,
              mask=hit)
-    _add_code_counts(counters_ptr, code, COUNTER_SEM)
-    chunk_misses = tl.sum(miss.to(tl.int32), axis=0)
-    tl.atomic_add(miss_count_ptr + b, chunk_misses, mask=chunk_misses > 0, sem=COUNTER_SEM)
+    # One count of the chunk's codes serves the layer's counters and the row's miss count.
+    n_hit, n_miss, n_invalid = _count_codes(code)
+    _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
+    tl.atomic_add(miss_count_ptr + b, n_miss, mask=n_miss > 0, sem=COUNTER_SEM)
 
 
 @triton.jit
@@ -248,7 +242,8 @@ def _select_victims(
     # The threshold stamp: every candidate below it is a victim, and the first `installed -
     # below` (by slot id) of those at it. A step stamps all the slots it uses alike, so a few
     # stamp values hold the oldest slots: take them oldest first, one value per round...
-    threshold = tl.min(tl.where(candidate, stamps, _NO_STAMP), axis=0)
+    lowest = tl.min(tl.where(candidate, stamps, _NO_STAMP), axis=0)
+    threshold = lowest
     below = 0
     at = tl.sum((candidate & (stamps == threshold)).to(tl.int32), axis=0)
     for _ in tl.static_range(FAST_ROUNDS):
@@ -260,7 +255,6 @@ def _select_victims(
     if below + at < installed:
         # ...and where that does not settle it, search the ages' bits from the top: the
         # largest age with fewer than `installed` candidates below it.
-        lowest = tl.min(tl.where(candidate, stamps, _NO_STAMP), axis=0)
         age = tl.where(candidate, stamps - lowest, _NO_STAMP)  # no trial exceeds _NO_STAMP
         highest = tl.max(tl.where(candidate, age, 0), axis=0)
         found = 0

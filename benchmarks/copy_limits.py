@@ -62,14 +62,19 @@ def alloc_registered(num_bytes: int) -> torch.Tensor:
     return get_backend("cuda").alloc_host(num_bytes)
 
 
-def planned_copy_us(host_pool: torch.Tensor, rows: torch.Tensor, **tuning: object) -> float:
-    """The library's planned copy of `rows` (as 2048-miss batch rows), checked, in us."""
+def planned_copy_us(host_pool: torch.Tensor, rows: torch.Tensor, batch: int | None = None,
+                    **tuning: object) -> float:
+    """The library's planned copy of `rows` (as `batch` rows of count/batch misses each;
+    default 2048-miss rows), checked, in us. The copy walks the plan row by row, so the
+    order of `rows` is the order the grid reads them in."""
     from hisparse.core.tables import CacheTables, MissPlan
     from hisparse.kernels import swap_in_triton as kernels
 
     device = rows.device
     count = rows.numel()
-    batch = count // 2048
+    batch = batch or count // 2048
+    per_row = count // batch
+    assert per_row * batch == count and per_row <= 2048, "rows must split evenly, <= 2048 each"
     device_kv = torch.zeros(1, count, ROW_BYTES, dtype=torch.uint8, device=device)
     unused = torch.zeros(1, 1, 2048, dtype=torch.int32, device=device)
     tables = CacheTables(
@@ -82,9 +87,9 @@ def planned_copy_us(host_pool: torch.Tensor, rows: torch.Tensor, **tuning: objec
         hot_slots=2048, extent_tokens=1,
     )
     plan = MissPlan.empty(batch, 2048, device)
-    plan.src.copy_(rows.view(batch, 2048))
-    plan.dst.copy_(torch.arange(count, device=device).view(batch, 2048))
-    plan.count.fill_(2048)
+    plan.src[:, :per_row] = rows.view(batch, per_row)
+    plan.dst[:, :per_row] = torch.arange(count, device=device).view(batch, per_row)
+    plan.count.fill_(per_row)
     with kernels.tuning(**tuning):
         elapsed = time_us(lambda: kernels.copy_planned_triton(tables, 0, plan))
     assert torch.equal(device_kv[0].cpu(), host_pool[rows.cpu()]), "planned copy is wrong"
@@ -159,10 +164,90 @@ def measure(host_pool: torch.Tensor) -> dict[str, object]:
     return results
 
 
+def bucketed(rows: torch.Tensor, num_buckets: int, total_rows: int) -> torch.Tensor:
+    """`rows` grouped by address bucket (ascending), their drawn order kept inside a bucket:
+    what one partition pass over the misses could give a copy."""
+    bucket = rows * num_buckets // total_rows
+    return rows[torch.sort(bucket, stable=True).indices]
+
+
+def fresh_copy_us(host_pool: torch.Tensor, count: int, order: str, repeats: int = 6
+                  ) -> float:
+    """Median us of the planned copy of `count` distinct random rows (128 batch rows), drawn
+    afresh for every call as SW-1's churn draws never-selected positions (so no translation
+    of an earlier call is reused), in `order`; every call's bytes checked."""
+    from hisparse.core.tables import CacheTables, MissPlan
+    from hisparse.kernels import swap_in_triton as kernels
+
+    device = torch.device("cuda")
+    total_rows, batch = host_pool.shape[0], 128
+    per_row = count // batch
+    device_kv = torch.zeros(1, count, ROW_BYTES, dtype=torch.uint8, device=device)
+    unused = torch.zeros(1, 1, 2048, dtype=torch.int32, device=device)
+    tables = CacheTables(
+        device_kv=device_kv, host_kv=[host_pool],
+        page_table=torch.zeros(1, 1, dtype=torch.int32, device=device),
+        seq_lens=torch.zeros(1, dtype=torch.int32, device=device), slot_row=unused,
+        last_use=unused, lru_clock=torch.zeros(1, 1, dtype=torch.int32, device=device),
+        resident=torch.zeros(1, 1, dtype=torch.int32, device=device),
+        counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
+        hot_slots=2048, extent_tokens=1,
+    )
+    plan = MissPlan.empty(batch, 2048, device)
+    plan.dst[:, :per_row] = torch.arange(count, device=device).view(batch, per_row)
+    plan.count.fill_(per_row)
+    times = []
+    for _ in range(repeats + 1):  # the first call compiles
+        drawn = torch.randperm(total_rows, device=device)[:count]
+        rows = {"drawn": drawn, "sorted": torch.sort(drawn).values,
+                "buckets-256": bucketed(drawn, 256, total_rows),
+                "buckets-4096": bucketed(drawn, 4096, total_rows)}[order]
+        plan.src[:, :per_row] = rows.view(batch, per_row).to(torch.int32)
+        device_kv.fill_(0)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # (time_us would copy the same rows once untimed first)
+        start.record()
+        kernels.copy_planned_triton(tables, 0, plan)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+        assert torch.equal(device_kv[0].cpu(), host_pool[rows.cpu()]), "planned copy is wrong"
+    return statistics.median(times[1:])
+
+
+def miss_order(host_pool: torch.Tensor) -> dict[str, object]:
+    """NOTES.md, fourteenth pass: the planned copy of SW-1's scattered B=128 miss counts, as
+    drawn, sorted and bucketed by host row, the same rows copied again and again (warm
+    translations) and fresh rows every call; and what a sort of one step's plan costs."""
+    device = torch.device("cuda")
+    total_rows = host_pool.shape[0]
+    records = []
+    orders = ("drawn", "sorted", "buckets-256", "buckets-4096")
+    for count in (13056, 52480, 262144):  # SW-1 B=128 churn 0.05 / 0.2 / 1.0
+        for name in orders:
+            us = fresh_copy_us(host_pool, count, name)
+            records.append({"misses": count, "rows": "fresh", "order": name, "us": round(us, 1),
+                            "GBps": round(count * ROW_BYTES / us / 1e3, 1)})
+            print(f"miss order {records[-1]}", flush=True)
+        drawn = torch.randperm(total_rows, device=device)[:count]
+        for name, rows in (("drawn", drawn), ("sorted", torch.sort(drawn).values)):
+            us = planned_copy_us(host_pool, rows, batch=128)
+            records.append({"misses": count, "rows": "repeated", "order": name,
+                            "us": round(us, 1), "GBps": round(count * ROW_BYTES / us / 1e3, 1)})
+            print(f"miss order {records[-1]}", flush=True)
+    keys = torch.randint(0, total_rows, (128 * 2048,), device=device, dtype=torch.int32)
+    values = torch.arange(keys.numel(), device=device, dtype=torch.int32)
+    sort_us = time_us(lambda: values[torch.sort(keys).indices], 20)
+    return {"pool_rows": total_rows, "pool_GiB": round(total_rows * ROW_BYTES / GIB, 2),
+            "miss_order": records, "sort_262144_pairs_us": round(sort_us, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pool-gib", type=float, default=2.75, help="registered pool size")
     parser.add_argument("--out", help="write the results here as JSON")
+    parser.add_argument("--miss-order", action="store_true",
+                        help="only the miss-order probe (NOTES.md, fourteenth pass)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("copy_limits needs a CUDA GPU; none is visible", file=sys.stderr)
@@ -171,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = alloc_registered(rows * ROW_BYTES).view(rows, ROW_BYTES)
     results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": triton.__version__, "command": " ".join(["python", *sys.argv]),
-               **measure(pool)}
+               **(miss_order(pool) if args.miss_order else measure(pool))}
     print(json.dumps(results, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -66,9 +66,33 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "prefetch-b16": {"prefetch_copy_max_batch": 16},
         "chosen-again": {},
     },
+    # The plan in host-address order (NOTES.md, fourteenth pass): from which batch capacity,
+    # how many buckets, and the copy grid behind it on scattered rows.
+    "address-order": {
+        "chosen": {},
+        "batch-row-order": {"address_order_min_batch": None},
+        "from-b16": {"address_order_min_batch": 16},
+        "buckets-64": {"address_buckets": 64},
+        "buckets-1024": {"address_buckets": 1024},
+        "scattered-copy-1": {"fine_extent_copy_programs_per_unit": None},
+        "scattered-copy-8": {"fine_extent_copy_programs_per_unit": 8},
+        "chosen-again": {},
+    },
+    # Its second round: claims per row instead of per miss, on scattered layouts only.
+    "address-order-2": {
+        "chosen": {},
+        "batch-row-order": {"address_order_min_batch": None},
+        "buckets-256": {"address_buckets": 256},
+        "buckets-4096": {"address_buckets": 4096},
+        "all-layouts": {"address_order_max_extent_tokens": None},
+        "scattered-copy-1": {"fine_extent_copy_programs_per_unit": None},
+        "chosen-again": {},
+    },
 }
 AB_GRIDS = {"selection": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "copy-window": ([1, 16, 64, 128], [0.05, 0.2, 1.0])}
+            "copy-window": ([1, 16, 64, 128], [0.05, 0.2, 1.0]),
+            "address-order": ([16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "address-order-2": ([64, 128], [0.0, 0.05, 0.2, 1.0])}
 # SGLang 0.5.23's fused swap-in on SW-1 scattered, H200 (issue 4; quoted, not re-measured here).
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,

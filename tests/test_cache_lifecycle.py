@@ -31,6 +31,37 @@ def test_close_lets_go_of_the_host_pool(backend_name: str) -> None:
     cache.close()  # still idempotent
 
 
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_close_lets_go_of_the_device_tables(backend_name: str, rng: torch.Generator) -> None:
+    """A framework that closes a cache to build the next one needs its device memory back at
+    close(), not whenever the object is collected: every device tensor of the engine (and the
+    kernels' scratch, keyed on the tables) must be unreachable from the closed cache."""
+    cache = build_cache(backend_name, hot=8, top_k=4, extent=4, group=2, validate=True,
+                        pool_extents=32)
+    decode_and_check(cache, rng)  # a step ran, so the kernels' scratch exists too
+    device_tensors = [weakref.ref(value) for value in vars(cache.tables).values()
+                      if isinstance(value, torch.Tensor)]
+    device_tensors.append(weakref.ref(cache.tables))
+    on_cuda = cache.device.type == "cuda"
+    if on_cuda:  # where torch counts the device memory, check it came back
+        torch.cuda.synchronize(cache.device)
+        gc.collect()
+        before = torch.cuda.memory_allocated(cache.device)
+        device_kv_bytes = cache.tables.device_kv.numel()
+    cache.close()
+    gc.collect()
+    assert [ref() is None for ref in device_tensors] == [True] * len(device_tensors)
+    if on_cuda:
+        assert torch.cuda.memory_allocated(cache.device) <= before - device_kv_bytes
+    with pytest.raises(hisparse.RequestStateError, match="closed"):
+        cache.tables  # noqa: B018 (the access is the test)
+    with pytest.raises(hisparse.RequestStateError, match="closed"):
+        cache.begin_decode_step(["long"])
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        cache.no_such_attribute  # noqa: B018
+    cache.close()  # still idempotent
+
+
 def decode_and_check(cache: hisparse.HiSparseCache, rng: torch.Generator) -> None:
     """Admit two requests (one long, one short), decode a few steps with fresh random rows and
     top-k, and check every returned row's bytes against the KV kept outside the cache."""

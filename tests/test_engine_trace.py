@@ -9,6 +9,7 @@ unless most examples swapped in misses and evicted rows that misses had brought 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -453,15 +454,21 @@ def check_coverage(coverage: dict[str, int]) -> None:
     assert coverage["evictions"] >= 0.3 * total, coverage
 
 
-def _test_case_for(backend: str) -> type:
-    machine = type(f"EngineTrace_{backend}", (EngineTrace,), {"backend": backend})
+def _test_case_for(backend: str, name: str, tuning: dict[str, object] | None = None) -> type:
+    """`tuning`: swap_in_triton.Tuning overrides for the whole run (GPU backends)."""
+    machine = type(f"EngineTrace_{name}", (EngineTrace,), {"backend": backend})
     base = machine.TestCase
 
     class TestCase(base):
         def runTest(self) -> None:
             for key in COVERAGE:
                 COVERAGE[key] = 0
-            base.runTest(self)
+            with contextlib.ExitStack() as stack:
+                if tuning:
+                    from hisparse.kernels import swap_in_triton
+
+                    stack.enter_context(swap_in_triton.tuning(**tuning))
+                base.runTest(self)
             check_coverage(COVERAGE)
 
     # 15 steps after `build` (was 25 with none of its decoding): as long a run as before.
@@ -473,9 +480,16 @@ def _test_case_for(backend: str) -> type:
     # What hypothesis' pytest plugin looks for on a state machine's test.
     TestCase.runTest.is_hypothesis_test = True
     TestCase.runTest._hypothesis_state_machine_class = machine
-    TestCase.__name__ = TestCase.__qualname__ = f"TestEngineTrace_{backend}"
+    TestCase.__name__ = TestCase.__qualname__ = f"TestEngineTrace_{name}"
     return TestCase
 
 
 for _backend in hisparse.available_backends():
-    globals()[f"TestEngineTrace_{_backend}"] = _test_case_for(_backend)
+    globals()[f"TestEngineTrace_{_backend}"] = _test_case_for(_backend, _backend)
+    if _backend != "cpu":
+        # The engine's batches are small: force the plan in host-address order (few buckets,
+        # every layout), so that its replays and its bucket state between calls run too.
+        _name = f"{_backend}_address_order"
+        globals()[f"TestEngineTrace_{_name}"] = _test_case_for(
+            _backend, _name, {"address_order_min_batch": 1,
+                              "address_order_max_extent_tokens": None, "address_buckets": 4})

@@ -67,16 +67,18 @@ def _cpu(value: Any) -> Any:
 def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
     """Everything a rejected call must leave unchanged (reads device state: a host sync)."""
     cache.backend.synchronize()  # backups may still be writing host rows from a side stream
-    t = cache.tables
-    state: dict[str, Any] = {
-        f"tables.{f.name}": _cpu(getattr(t, f.name)) for f in dataclasses.fields(t)
-    }
-    for name in ("_req_slots", "_num_real", "_newest_rows", "_newest_rows_long",
-                 "_newest_host_rows", "_top_k", "_out", "_anchor_delta"):
-        state[f"buffers.{name}"] = _cpu(getattr(cache, name))
-    for group, plan in enumerate(cache._plans):
-        if plan is not None:
-            state[f"plans.{group}"] = [_cpu(plan.src), _cpu(plan.dst), _cpu(plan.count)]
+    state: dict[str, Any] = {}
+    if not cache._closed:  # close() let go of the device state
+        t = cache.tables
+        state.update({
+            f"tables.{f.name}": _cpu(getattr(t, f.name)) for f in dataclasses.fields(t)
+        })
+        for name in ("_req_slots", "_num_real", "_newest_rows", "_newest_rows_long",
+                     "_newest_host_rows", "_top_k", "_out", "_anchor_delta"):
+            state[f"buffers.{name}"] = _cpu(getattr(cache, name))
+        for group, plan in enumerate(cache._plans):
+            if plan is not None:
+                state[f"plans.{group}"] = [_cpu(plan.src), _cpu(plan.dst), _cpu(plan.count)]
     state["requests"] = [
         (r.request_id, r.state, r.admitted_tokens, r.num_tokens, list(r.extents), r.slot)
         for r in cache._requests

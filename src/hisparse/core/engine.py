@@ -638,12 +638,29 @@ class HiSparseCache:
 
     @_bookkeeping
     def close(self) -> None:
-        """Wait for the device, then free the host pool. Later calls raise; idempotent."""
+        """Wait for the device, then free the host pool and let go of every device table (the
+        device memory returns to torch's allocator once no view the caller kept, such as a
+        `device_kv(layer)` or a captured graph, still holds it). Later calls raise;
+        idempotent."""
         if self._closed:
             return
         self.backend.synchronize(self.device)
         self._closed = True
         self._pool.close()
+        # A framework that closes one cache to build another (a restart, a new config) needs
+        # the device memory back, not only when the object happens to be collected. The
+        # kernels' scratch buffers are keyed weakly on the tables and go with them.
+        for name in _DEVICE_STATE:
+            delattr(self, name)
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for attributes that are missing: after close(), the device state.
+        if name in _DEVICE_STATE and self.__dict__.get("_closed", False):
+            raise RequestStateError(
+                f"this HiSparseCache is closed and its device memory freed ({name} is gone); "
+                "create a new one"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __enter__(self) -> HiSparseCache:
         return self
@@ -839,6 +856,15 @@ class HiSparseCache:
     def _check_open(self) -> None:
         if self._closed:
             raise RequestStateError("this HiSparseCache is closed; create a new one")
+
+
+# What close() releases: every attribute holding device tensors, streams or events.
+_DEVICE_STATE = (
+    "tables", "_req_slots", "_num_real", "_newest_rows", "_newest_rows_long",
+    "_newest_host_rows", "_top_k", "_out", "_plans", "_anchor_delta", "_anchor_plans",
+    "_backup_stream", "_prefetch_stream", "_backup_done", "_step_written", "_planned",
+    "_follower_ready", "_replay_done", "_step_done", "_tables_changed",
+)
 
 
 def _is_count(value: object) -> bool:

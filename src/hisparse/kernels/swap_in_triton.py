@@ -172,6 +172,12 @@ def _count_codes(code):
 
 
 @triton.jit
+def _address_bucket(row, N, NUM_BUCKETS: tl.constexpr):
+    """Which of NUM_BUCKETS equal ranges of the layer's N host rows `row` lies in."""
+    return (row.to(tl.int64) * NUM_BUCKETS // N).to(tl.int32)
+
+
+@triton.jit
 def _add_counters(counters_ptr, n_hit, n_miss, n_invalid, SEM: tl.constexpr):
     tl.atomic_add(counters_ptr + 0, n_hit.to(tl.int64), mask=n_hit != 0, sem=SEM)
     tl.atomic_add(counters_ptr + 1, n_miss.to(tl.int64), mask=n_miss != 0, sem=SEM)
@@ -187,11 +193,15 @@ def _classify_kernel(
     miss_row_ptr,  # [Bcap, K] int32 scratch: each entry's code (_entry_codes)
     miss_count_ptr,  # [Bcap] int32 scratch: misses per batch row (zero between calls)
     counters_ptr,  # [3] int64 this layer's counters
+    bucket_count_ptr,  # [NUM_BUCKETS] int32 scratch: misses per host-address bucket (zero
+    # between calls; ADDRESS_ORDER only)
     R, S, K, H, E, P, N,
     EARLY_LOADS: tl.constexpr,
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,  # atomics' memory order
     CHUNK_K: tl.constexpr,
+    ADDRESS_ORDER: tl.constexpr,  # the selection writes the plan in host-address order
+    NUM_BUCKETS: tl.constexpr,
 ):
     if USE_PDL:  # the selection kernel may start now: it waits (gdc_wait) before our output
         gdc_launch_dependents()
@@ -200,10 +210,13 @@ def _classify_kernel(
                                     EARLY_LOADS)
     clock = tl.load(lru_clock_ptr + r)
     k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
-    in_k, result, hit, slot, _, _, code = _lookup_chunk(
+    in_k, result, hit, slot, miss, row, code = _lookup_chunk(
         b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
         K, H, E, P, N, EARLY_LOADS,
     )
+    if ADDRESS_ORDER:
+        tl.atomic_add(bucket_count_ptr + _address_bucket(row, N, NUM_BUCKETS),
+                      tl.full(row.shape, 1, tl.int32), mask=miss, sem=COUNTER_SEM)
     tl.store(out_ptr + b * K + k_offsets, result, mask=in_k)
     tl.store(miss_row_ptr + b * K + k_offsets, code, mask=in_k)
     # A hit is the whole LRU update of its slot: it takes the clock's value.
@@ -221,10 +234,13 @@ def _select_victims(
     last_use_ptr, slot_row_ptr, resident_ptr, miss_row_ptr, out_ptr,
     order_ptr,  # [Bcap, H] int32 scratch: the victims in slot order
     plan_src_ptr, plan_dst_ptr, plan_stride,
+    bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr,
     K, H, N,
     FAST_ROUNDS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ADDRESS_ORDER: tl.constexpr,
+    NUM_BUCKETS: tl.constexpr,
 ):
     """Give the misses of row b the slots with the oldest stamps below the clock (ties by
     slot id), in slot order, install them, and return how many were installed."""
@@ -297,8 +313,34 @@ def _select_victims(
     tl.store(resident_ptr + row, slot.to(resident_ptr.dtype.element_ty), mask=miss)
     tl.store(slot_row_ptr + r.to(tl.int64) * H + slot, row, mask=miss)
     tl.store(out_ptr + b * K + k, base + slot, mask=miss)
-    tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
-    tl.store(plan_dst_ptr + b * plan_stride + rank, base + slot, mask=miss)
+    if ADDRESS_ORDER:
+        # Every miss the classify grid counted takes an entry of its address bucket; the plan
+        # holds the call's misses bucket by bucket, K to a plan row. (A miss left without a
+        # slot, which H >= K rules out, would leave a source of -1 that the copy skips.)
+        bins = tl.arange(0, NUM_BUCKETS)
+        counted = row >= 0
+        bucket = tl.where(counted, _address_bucket(row, N, NUM_BUCKETS), 0)
+        # The miss's rank in its bucket within this row, from counters only this program
+        # touches: one shared cursor per bucket, claimed by every miss of the batch, cost
+        # 30-140 us per step at churn 0.2-1.0 in contention (H200, round address-order).
+        row_buckets = row_buckets_ptr + b * NUM_BUCKETS
+        within_row = tl.atomic_add(row_buckets + bucket, tl.full(bucket.shape, 1, tl.int32),
+                                   mask=counted, sem="relaxed")
+        tl.debug_barrier()  # every thread's count is in (at L2, where the load below reads)
+        row_counts = tl.load(row_buckets + bins, cache_modifier=".cg")
+        # The row's entries of each bucket in one claim per bucket.
+        row_first = tl.atomic_add(bucket_cursor_ptr + bins, row_counts, mask=row_counts > 0,
+                                  sem="relaxed")
+        tl.store(row_buckets + bins, tl.zeros(bins.shape, tl.int32), mask=row_counts > 0)
+        bucket_counts = tl.load(bucket_count_ptr + bins)
+        first = tl.cumsum(bucket_counts, axis=0) - bucket_counts + row_first
+        entry = tl.gather(first, bucket, 0) + within_row
+        entry = (entry // K) * plan_stride + entry % K
+        tl.store(plan_src_ptr + entry, tl.where(miss, row, -1), mask=counted)
+        tl.store(plan_dst_ptr + entry, base + slot, mask=counted)
+    else:
+        tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
+        tl.store(plan_dst_ptr + b * plan_stride + rank, base + slot, mask=miss)
     return installed
 
 
@@ -308,8 +350,13 @@ def _select_kernel(
     slot_row_ptr,  # [R, H] int32 this group's host row per hot slot
     last_use_ptr, lru_clock_ptr, miss_row_ptr, miss_count_ptr, order_ptr,
     plan_src_ptr, plan_dst_ptr,  # [Bcap, >=K] int32 host / device rows of each miss
-    plan_count_ptr,  # [>=Bcap] int32 misses per batch row
+    plan_count_ptr,  # [>=Bcap] int32 entries per plan row
     plan_stride,
+    bucket_count_ptr,  # [NUM_BUCKETS] int32 scratch: the classify grid's misses per bucket
+    bucket_cursor_ptr,  # [NUM_BUCKETS] int32 scratch: entries of each bucket handed out
+    done_ptr,  # [1] int32 scratch: programs done with the two above (all zero between calls)
+    row_buckets_ptr,  # [Bcap, NUM_BUCKETS] int32 scratch: a row's misses per bucket (zero
+    # between calls)
     R, S, K, H, N,
     EARLY_LOADS: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -317,6 +364,11 @@ def _select_kernel(
     FAST_ROUNDS: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= K: the whole top-k row lives in registers
     BLOCK_H: tl.constexpr,  # >= H: the whole stamp row lives in registers
+    # The plan lists the call's misses in host-address order (K per plan row) instead of
+    # batch row by batch row: the copy then reads the pool front to back, and scattered rows
+    # that share the link's address translations are read together.
+    ADDRESS_ORDER: tl.constexpr,
+    NUM_BUCKETS: tl.constexpr,
 ):
     """One program per batch row. It owns all LRU state of its request (two rows of a batch
     never share a request slot), so it needs no atomics. A row without misses only advances
@@ -340,10 +392,27 @@ def _select_kernel(
             installed = _select_victims(
                 b, r, clock, num_misses, base, last_use_ptr, slot_row_ptr, resident_ptr,
                 miss_row_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr, plan_stride,
-                K, H, N, FAST_ROUNDS, BLOCK_K, BLOCK_H,
+                bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr, K, H, N, FAST_ROUNDS,
+                BLOCK_K, BLOCK_H, ADDRESS_ORDER, NUM_BUCKETS,
             )
         tl.store(lru_clock_ptr + r, clock + 1)
-    tl.store(plan_count_ptr + b, installed)
+    if ADDRESS_ORDER:
+        total = tl.sum(tl.load(bucket_count_ptr + tl.arange(0, NUM_BUCKETS)), axis=0)
+        tl.store(plan_count_ptr + b, tl.minimum(tl.maximum(total - b * K, 0), K))
+        # The last program done zeroes the bucket state for the next call (a call without
+        # misses left it zero). Every program's loads and claims above returned before its
+        # plan stores, which precede this (a barrier, then the program's single ticket
+        # exchange), so none can see the zeroes.
+        if total > 0:
+            tl.debug_barrier()
+            ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel")
+            if ticket == tl.num_programs(0) - 1:
+                bins = tl.arange(0, NUM_BUCKETS)
+                tl.store(bucket_count_ptr + bins, tl.zeros(bins.shape, tl.int32))
+                tl.store(bucket_cursor_ptr + bins, tl.zeros(bins.shape, tl.int32))
+                tl.store(done_ptr, 0)
+    else:
+        tl.store(plan_count_ptr + b, installed)
 
 
 @triton.jit
@@ -492,11 +561,11 @@ class Tuning:
     large_batch_copy_programs_per_unit: int = 1
     # Large-batch copies over a page table of extents up to `fine_extent_max_tokens` tokens
     # (token-granular tables such as SGLang's: rows scattered over the pool) use this width
-    # instead (None: the one above): scattered rows share no locality for a narrow window to
-    # keep. H200 (round fine-extent-copy, SGLang's kernel timed in the same call): scattered
-    # B=64 / 128 -1..-3% with 2, 4 or 8 per SM alike (B=64 churn 0.2 486 -> 472 us, SGLang
-    # 472), extents unchanged.
-    fine_extent_copy_programs_per_unit: int | None = 4
+    # instead (None: the one above). With the plan in batch-row order, 4 per SM gave
+    # scattered B=64 / 128 -1..-3% (round fine-extent-copy); in address order the narrow
+    # window wins there too (round address-order-2, B=128 churn 0.05 / 0.2 / 1.0: 4 per SM
+    # 317 / 828 / 3797 us, 1 per SM 297 / 757 / 3685).
+    fine_extent_copy_programs_per_unit: int | None = None
     fine_extent_max_tokens: int = 16
     # Warps of a large-batch copy program (None: copy_warps). Meant to keep a copy launched
     # early (PDL) from crowding onto the SMs the plan leaves idle; H200 (round copy-pdl-wide):
@@ -518,6 +587,22 @@ class Tuning:
     # H200, B=1: churn 0.05 / 0.2 / 1.0 18.4 / 23.7 / 48.9 -> 15.8 / 16.6 / 38.0 us; at
     # B=16 (16 passes) miss-free +3 us, with misses -2..-3%: B=1 only.
     prefetch_copy_max_batch: int | None = 1
+    # From this batch capacity on (None: never), the selection writes the plan in host-address
+    # order (`address_buckets` equal ranges of the layer's host rows, ascending) instead of
+    # batch row by batch row, and the copy reads the pool front to back. Misses scattered over
+    # a large pool then share the link's address translations. H200, the planned copy of
+    # fresh random rows of a 2.56 GiB pool (benchmarks/NOTES.md, fourteenth pass): 13056 /
+    # 52480 / 262144 rows 371 / 1336 / 5978 us as drawn, 293 / 811 / 3731 us in 256 buckets.
+    # SW-1 scattered B=128 churn 0.05 / 0.2 / 1.0 (round address-order-2): 396 / 1398 / 6191
+    # -> 317 / 828 / 3797 us; from B=16 it cost 3-15 us (round address-order).
+    address_order_min_batch: int | None = 64
+    # ...over a page table of extents up to this many tokens (None: any): an extent pool
+    # already keeps each request's rows together, and the bucket work cost it 0.5-2% there.
+    address_order_max_extent_tokens: int | None = 16
+    # A power of two. More buckets, less contention on each bucket's count: SW-1 scattered
+    # B=128 churn 1.0 256 / 1024 / 4096 buckets 3849 / 3797 / 3814 us (4096: +1.4 us on the
+    # miss-free step).
+    address_buckets: int = 1024
     interpreter_copy_programs: int = 2  # each program costs ~1 ms under TRITON_INTERPRET=1
 
 
@@ -541,6 +626,10 @@ class _Scratch:
     order: torch.Tensor  # [Bcap, H] int32
     miss_row: torch.Tensor  # [Bcap, K] int32
     miss_count: torch.Tensor  # [Bcap] int32, all zero between calls
+    # [2 * NUM_BUCKETS + 1] int32, all zero between calls: misses per host-address bucket,
+    # entries handed out per bucket, selection programs done
+    address_order: torch.Tensor
+    row_buckets: torch.Tensor  # [Bcap, NUM_BUCKETS] int32, all zero between calls
     plan: MissPlan  # used when the caller passes none
 
 
@@ -553,6 +642,8 @@ _checked_host: weakref.WeakKeyDictionary[CacheTables, set[int]] = weakref.WeakKe
 def _get_scratch(tables: CacheTables, batch_cap: int, top_k: int) -> _Scratch:
     per_shape = _scratch.setdefault(tables, {})
     scratch = per_shape.get((batch_cap, top_k))
+    if scratch is not None and scratch.address_order.numel() != 2 * _tuning.address_buckets + 1:
+        scratch = None  # the bucket count changed (tuning(...)): its state needs a new size
     if scratch is None:
         # Checked here, once per allocation rather than per call (host time on every layer):
         # the tables are never rebound (CacheTables).
@@ -563,6 +654,10 @@ def _get_scratch(tables: CacheTables, batch_cap: int, top_k: int) -> _Scratch:
             order=torch.empty(batch_cap, hot, dtype=torch.int32, device=device),
             miss_row=torch.empty(batch_cap, top_k, dtype=torch.int32, device=device),
             miss_count=torch.zeros(batch_cap, dtype=torch.int32, device=device),
+            address_order=torch.zeros(2 * _tuning.address_buckets + 1, dtype=torch.int32,
+                                      device=device),
+            row_buckets=torch.zeros(batch_cap, _tuning.address_buckets, dtype=torch.int32,
+                                    device=device),
             plan=MissPlan.empty(batch_cap, top_k, device),
         )
         per_shape[(batch_cap, top_k)] = scratch
@@ -774,6 +869,14 @@ def _launch_copy(tables: CacheTables, layer: int, plan: MissPlan, num_rows: int,
     )
 
 
+def _address_order(batch_cap: int, extent_tokens: int) -> bool:
+    """Whether the selection writes the plan in host-address order (Tuning)."""
+    t = _tuning
+    threshold, fine = t.address_order_min_batch, t.address_order_max_extent_tokens
+    return (threshold is not None and batch_cap >= threshold
+            and (fine is None or extent_tokens <= fine))
+
+
 def _within(batch_cap: int, limit: int | None) -> bool:
     return limit is None or batch_cap <= limit
 
@@ -837,23 +940,29 @@ def swap_in_triton(
     if tune.small_batch_classify_chunk_k is not None and batch_cap <= tune.small_batch_max:
         chunk = tune.small_batch_classify_chunk_k
     chunk = min(triton.next_power_of_2(k), chunk)
+    address_order = _address_order(batch_cap, t.extent_tokens)
+    buckets = tune.address_buckets
+    bucket_count, bucket_cursor, done = (scratch.address_order[:buckets],
+                                         scratch.address_order[buckets:-1],
+                                         scratch.address_order[-1:])
     resident, last_use, lru_clock = t.resident[group], t.last_use[group], t.lru_clock[group]
     _classify_kernel[(batch_cap, triton.cdiv(k, chunk))](
         num_real, req_slots, t.seq_lens, top_k, out, t.page_table, resident, last_use,
-        lru_clock, scratch.miss_row, scratch.miss_count, t.counters[layer],
+        lru_clock, scratch.miss_row, scratch.miss_count, t.counters[layer], bucket_count,
         num_requests, t.slots_per_request, k, hot, t.extent_tokens, max_pages, num_host_rows,
         EARLY_LOADS=tune.early_loads, USE_PDL=pdl, COUNTER_SEM=counter_sem, CHUNK_K=chunk,
-        num_warps=tune.classify_warps,
+        ADDRESS_ORDER=address_order, NUM_BUCKETS=buckets, num_warps=tune.classify_warps,
     )
     block_k, block_h = triton.next_power_of_2(k), triton.next_power_of_2(hot)
     _select_kernel[(batch_cap,)](
         num_real, req_slots, t.seq_lens, out, resident, t.slot_row[group], last_use, lru_clock,
         scratch.miss_row, scratch.miss_count, scratch.order, used_plan.src, used_plan.dst,
-        used_plan.count, used_plan.src.stride(0),
+        used_plan.count, used_plan.src.stride(0), bucket_count, bucket_cursor, done,
+        scratch.row_buckets,
         num_requests, t.slots_per_request, k, hot, num_host_rows,
         EARLY_LOADS=tune.early_loads, USE_PDL=pdl,
         DEPENDENTS_READ_LOOKUPS=prefetch and pdl_copy, FAST_ROUNDS=tune.select_fast_rounds,
-        BLOCK_K=block_k, BLOCK_H=block_h,
+        BLOCK_K=block_k, BLOCK_H=block_h, ADDRESS_ORDER=address_order, NUM_BUCKETS=buckets,
         num_warps=min(32, max(tune.select_warps, max(block_h, block_k) // (32 * 16))),
         **({"launch_pdl": True} if pdl else {}),  # behind the classify kernel
     )

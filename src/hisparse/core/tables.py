@@ -53,11 +53,15 @@ class CacheTables:
 
 @dataclass(eq=False)
 class MissPlan:
-    """Misses recorded by one planning call, replayable as copy-only work on other layers."""
+    """Misses recorded by one planning call, replayable as copy-only work on other layers.
+
+    Plan row b lists `count[b]` (host row, device row) pairs; over all rows they are the call's
+    misses, each once, in the order the copy reads them (batch row by batch row, or in
+    host-address order: docs/ARCHITECTURE.md, "Miss plan")."""
 
     src: torch.Tensor  # [Bcap, K] int32 host rows
     dst: torch.Tensor  # [Bcap, K] int32 device rows
-    count: torch.Tensor  # [Bcap] int32
+    count: torch.Tensor  # [Bcap] int32 entries per plan row
 
     def first_rows(self, rows: int) -> MissPlan:
         """The plan of a call over the first `rows` batch rows: views of the same storage, so

@@ -7,15 +7,16 @@ replay with another `num_real`:
 1. classify: grid (Bcap, K / chunk). Each top-k entry is resolved through `page_table` and the
    persistent `resident` map: short regime, newest slot, hit, miss or invalid. A hit stamps
    its slot with the request's LRU clock (`last_use`), which is all the LRU work a hit needs;
-   misses are counted per batch row.
+   misses are counted per batch row (and, for a plan in address order, per address bucket).
 2. select: one program per batch row. It owns all LRU state of its request (two rows of a batch
-   never share a request slot), so it needs no atomics. A row without misses only advances
-   its clock. A row with M misses takes the M slots with the oldest stamps below the clock
-   (ties by slot id): the oldest stamp values first, a search over the stamp bits where a few
-   values do not settle it; it gives them to the misses in slot order and writes `slot_row`,
-   `resident`, the stamps, the miss outputs and the miss plan.
-3. copy: a fixed number of programs per SM walk the flattened (request, miss) list of the
-   plan, so a single request's misses spread over the whole GPU instead of one block. Rows
+   never share a request slot), so the LRU needs no atomics. A row without misses only
+   advances its clock. A row with M misses takes the M slots with the oldest stamps below the
+   clock (ties by slot id): the oldest stamp values first, a search over the stamp bits where
+   a few values do not settle it; it gives them to the misses in slot order and writes
+   `slot_row`, `resident`, the stamps, the miss outputs and the miss plan: batch row by batch
+   row, or (large batches of scattered rows) in host-address order.
+3. copy: a fixed number of programs per SM walk the flattened list of the plan in order, so a
+   single request's misses spread over the whole GPU instead of one block. Rows
    move as int32 words; a 656-byte row is 41 aligned 16-byte vectors. At B=1 the copy walks
    the top-k entries instead and fetches host rows while the selection runs.
 

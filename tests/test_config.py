@@ -132,6 +132,23 @@ def test_unknown_preset_and_bad_files(tmp_path: Path) -> None:
     typo.write_text("top_kk: 5\n")
     with pytest.raises(ConfigError, match=rf"unknown key\(s\) in {typo}: top_kk"):
         HiSparseConfig.from_yaml(typo)
+    # A bad keyword override is the caller's, not the file's; both are reported together.
+    with pytest.raises(ConfigError) as caught:
+        HiSparseConfig.from_yaml(typo, bogus=1)
+    assert caught.value.problems[0].startswith(f"unknown key(s) in {typo}: top_kk")
+    assert caught.value.problems[1].startswith("unknown override key(s): bogus;")
+    empty_value = tmp_path / "empty.yaml"
+    empty_value.write_text("top_k:\n")  # YAML null: no longer defaulted, a bad value
+    with pytest.raises(ConfigError, match="top_k: expected a positive int, got None"):
+        HiSparseConfig.from_yaml(empty_value)
+
+
+@pytest.mark.parametrize("not_a_config", [{"num_layers": 4}, None, "tiny"])
+def test_a_cache_refuses_what_is_not_a_config(not_a_config: object) -> None:
+    import hisparse
+
+    with pytest.raises(ConfigError, match="config must be a HiSparseConfig"):
+        hisparse.HiSparseCache(not_a_config, device="cpu")
 
 
 def test_a_partial_user_file_keeps_the_defaults(tmp_path: Path) -> None:
@@ -194,7 +211,8 @@ def test_valid_settings_round_trip_and_keep_the_invariants(values: dict) -> None
 @settings(max_examples=60, deadline=None)
 @given(
     st.sampled_from(["num_layers", "top_k", "max_requests", "extent_tokens", "max_seq_len"]),
-    st.one_of(st.integers(max_value=0), st.floats(), st.text(max_size=3), st.booleans()),
+    st.one_of(st.integers(max_value=0), st.floats(), st.text(max_size=3), st.booleans(),
+              st.none()),
 )
 def test_invalid_values_are_rejected_by_name(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as caught:

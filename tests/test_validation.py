@@ -163,6 +163,19 @@ BAD_CALLS: dict[str, BadCall] = {
         lambda c, w: c.write_prefill("pre", w.noise(2, 32))),
     "prefill rows 33 bytes wide": BadCall("idle", InvalidInputError, "33 bytes",
                                           lambda c, w: c.write_prefill("pre", w.noise(4, 2, 33))),
+    "prefill from start '0'": BadCall(
+        "idle", InvalidInputError, "start must be a plain int >= 0.*got '0'",
+        lambda c, w: c.write_prefill("pre", w.noise(2, 32), layer=0, start="0")),
+    "prefill from start None": BadCall(
+        "idle", InvalidInputError, "start must be a plain int >= 0.*got None",
+        lambda c, w: c.write_prefill("pre", w.noise(2, 32), layer=0, start=None)),
+    "prefill sparse rows": BadCall(
+        "idle", InvalidInputError, "dense .strided. tensor, got a sparse_coo one",
+        lambda c, w: c.write_prefill("pre", w.noise(2, 32).to_sparse(), layer=0)),
+    "prefill nested rows": BadCall(
+        "idle", InvalidInputError, "dense .strided. tensor, got a nested one",
+        lambda c, w: c.write_prefill("pre", torch.nested.nested_tensor(
+            [w.noise(1, 32), w.noise(1, 32)]), layer=0)),
     "prefill 3 layers": BadCall("idle", InvalidInputError, "holds 3 layers",
                                 lambda c, w: c.write_prefill("pre", w.noise(3, 2, 32))),
     "prefill layer 4": BadCall("idle", InvalidInputError, "got 4",
@@ -181,7 +194,7 @@ BAD_CALLS: dict[str, BadCall] = {
         "idle", InvalidInputError, r"rows 4..6 .* 6 tokens",
         lambda c, w: c.write_prefill("pre", w.noise(3, 32), layer=0, start=4)),
     "prefill at start -1": BadCall(
-        "idle", InvalidInputError, "rows -1..0",
+        "idle", InvalidInputError, "start must be a plain int >= 0.*got -1",
         lambda c, w: c.write_prefill("pre", w.noise(2, 32), layer=0, start=-1)),
     "commit a reserved request": BadCall("idle", RequestStateError, "it is reserved",
                                          lambda c, w: c.commit_prefill("res")),

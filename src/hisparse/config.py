@@ -108,7 +108,8 @@ class HiSparseConfig:
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
                 bad.add(name)
-                if value is not None:
+                # A missing row_bytes was reported above, with what would have derived it.
+                if value is not None or name != "row_bytes":
                     problems.append(f"{name}: expected a positive int, got {value!r}")
 
         if self.device_buffer_size is None and "top_k" not in bad:
@@ -261,8 +262,21 @@ class HiSparseConfig:
             raise ConfigError(
                 f"{path}: expected a mapping of config keys, got {type(loaded).__name__}"
             )
-        values = {"model": path.stem, **loaded, **overrides}
-        return cls.from_dict(values, source=str(path))
+        known = set(cls.field_names())
+        # An unknown override is the caller's mistake, not the file's: say so.
+        problems = [
+            f"unknown override key(s): {', '.join(sorted(map(str, set(overrides) - known)))}; "
+            f"valid keys: {', '.join(cls.field_names())}"
+        ] if set(overrides) - known else []
+        values = {"model": path.stem, **loaded,
+                  **{k: v for k, v in overrides.items() if k in known}}
+        try:
+            config = cls.from_dict(values, source=str(path))
+        except ConfigError as exc:
+            problems = list(exc.problems) + problems
+        if problems:
+            raise ConfigError(problems)
+        return config
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> HiSparseConfig:

@@ -36,7 +36,7 @@ from hisparse.core.validation import (
     check_tensor,
     same_device,
 )
-from hisparse.errors import InvalidInputError, RequestStateError
+from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
 from hisparse.kernels.swap_in_reference import backup_newest_reference
 
 LIVE = (RequestState.RESERVED, RequestState.PREFILLING, RequestState.RUNNING,
@@ -107,8 +107,14 @@ class HiSparseCache:
     @torch.inference_mode(False)
     def __init__(self, config: Any, device: str | torch.device | Backend | None = None) -> None:
         from hisparse.backends.registry import get_backend
-        from hisparse.config import resolve_features
+        from hisparse.config import HiSparseConfig, resolve_features
 
+        if not isinstance(config, HiSparseConfig):
+            raise ConfigError(
+                f"config must be a HiSparseConfig, got {type(config).__name__} {config!r:.80}; "
+                "build one with HiSparseConfig.from_preset(name, ...), from_yaml(path) or "
+                "from_dict(mapping)"
+            )
         backend = get_backend(device)
         config, disabled = resolve_features(config, backend)
         self.config = config
@@ -285,7 +291,12 @@ class HiSparseCache:
                 "[L, T, W] for all layers, or [T, W] with layer=..."
             )
         count = rows.shape[-2]
-        if not _is_count(start) or start < 0 or start + count > record.admitted_tokens:
+        if not _is_count(start) or start < 0:
+            raise InvalidInputError(
+                f"start must be a plain int >= 0 (the position of kv's first row), got "
+                f"{start!r}"
+            )
+        if start + count > record.admitted_tokens:
             raise InvalidInputError(
                 f"prefill rows {start}..{start + count - 1} of request {request_id!r} fall "
                 f"outside the {record.admitted_tokens} tokens it was admitted with; admit the "

@@ -24,6 +24,15 @@ def check_tensor(
 ) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    # Sparse, nested and quantized tensors have no plain rows to copy (a quantized one
+    # viewed as bytes crashes torch's copy outright).
+    if value.layout != torch.strided or value.is_nested or value.is_quantized:
+        kind = ("nested" if value.is_nested else "quantized" if value.is_quantized
+                else str(value.layout).removeprefix("torch."))
+        raise InvalidInputError(
+            f"{name} must be a dense (strided) tensor, got a {kind} one; convert it first "
+            "(.to_dense(), .dequantize() or torch.stack of the nested parts)"
+        )
     if dtype is not None and value.dtype != dtype:
         raise InvalidInputError(f"{name} must be {dtype}, got {value.dtype}; convert it first")
     if device is not None and not same_device(value.device, device):

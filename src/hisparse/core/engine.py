@@ -207,6 +207,7 @@ class HiSparseCache:
                 self._traffic = TrafficCounters(L)
                 self._step: DecodeStep | None = None
                 self._step_records: list[RequestRecord] = []
+                self._step_grew: set[int] = set()  # id() of the step's records given an extent
                 # group -> batch rows its anchor swapped in during the open step (followers match)
                 self._anchored: dict[int, int] = {}
                 # group -> the anchor's miss plan over those rows, which its followers replay
@@ -445,6 +446,7 @@ class HiSparseCache:
             if id(record) in grown:
                 record.extents.append(grown[id(record)][-1])
             record.num_tokens += 1
+        self._step_grew = {id(record) for record in grow}
         t = self.tables
         # The previous step's backup (maybe still running on its side stream) reads the batch
         # buffers, and the new token's slot H still holds the token it is copying out.
@@ -565,6 +567,61 @@ class HiSparseCache:
         self.backend.record_event(self._step_done, self.device)
         self._step = None
         self._step_records = []
+
+    @_bookkeeping
+    def cancel_decode_step(self) -> None:
+        """Undo the open step's token append, for a forward pass that failed part way.
+
+        Every request of the step is back at its length before `begin_decode_step`, with its
+        KV as it was: the new token's host extent (if it took one) and short-regime slot are
+        released. Rows the step's `swap_in` calls brought into hot buffers stay, as do the
+        counters: those are valid copies of older tokens. Nothing is backed up. The batch may
+        then be decoded again, or its requests preempted, finished or aborted.
+        """
+        self._open_step("cancel_decode_step")
+        H, E = self.hot_slots, self.extent_tokens
+        # Followers must hold the rows their anchor's plan put in the group's tables.
+        for group in list(self._pending_replay):
+            self._flush_replays(group)
+        if self._prefetch_stream is not None:
+            for group in self._anchored:
+                self.backend.wait_event(self._replay_done[group], self.device)
+        records = self._step_records
+        grew = [r for r in records if id(r) in self._step_grew]
+        short = []  # (slot, hot slot, host row) of new tokens that took their own slot
+        for record in records:
+            position = record.num_tokens - 1
+            if position < H:
+                row = record.extents[position // E] * E + position % E
+                short.append((record.slot, position, row))
+        # The device first: a failed upload leaves the step open and the call retryable.
+        uploaded = self._upload(
+            [[r.slot for r in records], [r.num_tokens - 1 for r in records],
+             [r.slot for r in grew], [len(r.extents) - 1 for r in grew],
+             *zip(*short, strict=True)]
+        )
+        t = self.tables
+        t.seq_lens[uploaded[0].long()] = uploaded[1]
+        if grew:
+            t.page_table[uploaded[2].long(), uploaded[3].long()] = -1
+        if short:
+            slot_index, hot_slot, row = (x.long() for x in uploaded[4:7])
+            t.slot_row[:, slot_index, hot_slot] = -1
+            t.resident[:, row] = -1
+        for record in records:
+            record.num_tokens -= 1
+        for record in grew:
+            self._pool.release(record.extents[-1:])
+            record.extents.pop()
+        # Kernels of the step may still run; the freed extent held only the new token's row,
+        # which they never read, but its next writer waits for them all the same.
+        self._rows_recycled = self._rows_recycled or bool(grew)
+        self.backend.record_event(self._step_done, self.device)
+        self._step = None
+        self._step_records = []
+        self._step_grew = set()
+        self._anchored.clear()
+        self._written_layers.clear()
 
     def device_kv(self, layer: int) -> torch.Tensor:
         """`[R*S, W]` uint8: the rows attention reads at the indices `swap_in` returned."""

@@ -35,8 +35,10 @@ def make_tables(layers: int, device_rows: int, host_rows: int, row_bytes: int,
     refill(device_kv, gen)
     host_kv = []
     for _ in range(layers):
-        host = torch.full((host_rows, row_bytes), POISON_BYTE, dtype=torch.uint8)
-        host_kv.append(host.pin_memory() if ON_GPU else host)
+        # One poisoned guard row on each side of every layer's rows (`guard_rows`).
+        guarded = torch.full((host_rows + 2, row_bytes), POISON_BYTE, dtype=torch.uint8)
+        guarded = guarded.pin_memory() if ON_GPU else guarded
+        host_kv.append(guarded[1 : host_rows + 1])
     addresses = None
     if with_addresses:  # what the engine passes (data_ptr is the device address on CUDA/CPU)
         addresses = torch.tensor([h.data_ptr() for h in host_kv], dtype=torch.int64,
@@ -48,6 +50,13 @@ def make_tables(layers: int, device_rows: int, host_rows: int, row_bytes: int,
         counters=torch.zeros(layers, 3, dtype=torch.int64, device=DEVICE),
         hot_slots=1, extent_tokens=1, host_kv_addresses=addresses,
     )
+
+
+def guard_rows(host: torch.Tensor) -> torch.Tensor:
+    """The rows just before and after a host layer of `make_tables`: nothing may write them."""
+    guarded = host._base
+    assert guarded is not None and guarded.shape[0] == host.shape[0] + 2
+    return guarded[[0, -1]]
 
 
 def refill(rows: torch.Tensor, gen: torch.Generator) -> None:

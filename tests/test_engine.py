@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -146,6 +147,8 @@ def test_double_finish_and_prefill_past_the_admitted_length() -> None:
 
 def test_statistics_count_bytes_exactly() -> None:
     cache = running_cache(validate=False)  # H = 8: "a" (20) is long, "b" (5) short
+    # Before any lookup the hit rate is 0, not a perfect 1.
+    assert [layer.hit_rate for layer in cache.stats().layers] == [0.0] * 4
     seeded = 9 + 5  # H + 1 tokens of "a", all 5 of "b"
     cache.begin_decode_step(["a", "b"])
     for layer in range(4):
@@ -167,6 +170,28 @@ def test_statistics_count_bytes_exactly() -> None:
     assert occupancy.internal_fragmentation_rows == 8 * 4 - 27
     assert occupancy.request_slots_used == 2
     assert occupancy.requests_by_state == {"running": 2}
+
+
+def test_decoding_grows_a_request_by_one_adjacent_extent_exactly_when_full() -> None:
+    """A request takes its next extent on the step whose token finds its last one full, and
+    the one right after it while that is free, even with a lower run free: a context kept in
+    one run is what the copy's read rate depends on (DESIGN.md 7)."""
+    cache = build_cache("cpu", hot=8, top_k=4, extent=4, group=2, validate=False,
+                        pool_extents=32)
+    for request_id, length in (("x", 4), ("a", 20)):  # x: extent 0; a: extents 1..5
+        cache.admit(request_id, length)
+        cache.write_prefill(request_id, torch.randint(0, 256, (4, length, W), dtype=torch.uint8))
+        cache.commit_prefill(request_id)
+    cache.finish("x")  # extent 0 is the lowest free run now
+    for tokens in range(21, 30):
+        cache.begin_decode_step(["a"])
+        for layer in range(4):
+            cache.write_newest(layer, torch.zeros(1, W, dtype=torch.uint8))
+        cache.end_decode_step()
+        extents = cache._requests.get("a", "look up").extents
+        assert len(extents) == -(-tokens // 4), f"{tokens} tokens in {len(extents)} extents"
+        assert extents == list(range(1, 1 + len(extents))), extents
+    assert (np.diff(cache.host_rows("a")) == 1).all(), "one run of host rows"
 
 
 def test_seeding_equals_appending_to_a_short_sequence() -> None:

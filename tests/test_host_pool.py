@@ -38,6 +38,12 @@ def test_a_new_request_takes_the_lowest_run_that_fits_whole() -> None:
     assert allocator.free_runs() == [(2, 2), (8, 4)]
     assert allocator.allocate(3) == [8, 9, 10]
     assert allocator.allocate(2) == [2, 3]
+    # An exact fit below a longer run is taken whole; the longer run is not split.
+    exact = ExtentAllocator(9)
+    exact.allocate(9)
+    exact.release([0, 1, 5, 6, 7, 8])
+    assert exact.free_runs() == [(0, 2), (5, 4)]
+    assert exact.allocate(2) == [0, 1] and exact.free_runs() == [(5, 4)]
 
 
 def test_fragmented_pool_fills_from_the_longest_runs() -> None:

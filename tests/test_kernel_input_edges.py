@@ -137,6 +137,34 @@ def test_real_row_with_a_bad_request_slot_is_treated_as_padding(
     assert_same_state(want, padded)
 
 
+@pytest.mark.parametrize("variant", EDGE_VARIANTS)
+def test_positions_without_a_host_row_count_invalid(variant: str, rng: torch.Generator) -> None:
+    """A valid position whose page-table entry is -1, or points past the pool, has no host
+    row (an engine bug, never a caller's): both implementations give it -1 and count it as
+    invalid, and neither reads a wrapped or wild residency entry nor plans a copy from it."""
+    tables = make_tables(SIZES, rng)
+    ext, hot, k = SIZES.extent, SIZES.hot, SIZES.top_k
+    n0 = int(tables.seq_lens[0])  # request 0 is long: its oldest pages are not resident
+    assert n0 - 1 - hot >= 2 * ext, "request 0 needs two pages older than its hot buffer"
+    num_rows = tables.resident.shape[1]
+    tables.page_table[0, 0] = -1  # positions 0..ext-1: no extent
+    tables.page_table[0, 1] = num_rows // ext + 3  # positions ext..2*ext-1: past the pool
+    lost = torch.randperm(2 * ext, generator=rng)[: k // 2]
+    good = torch.randperm(n0 - 2 * ext, generator=rng)[: k - lost.numel()] + 2 * ext
+    top_k = torch.full((SIZES.batch_cap, k), -1, dtype=torch.int32)
+    top_k[0] = torch.cat([lost, good])[torch.randperm(k, generator=rng)].to(torch.int32)
+    results = _run_both(tables, _int32(list(range(SIZES.batch_cap))), top_k.to(DEVICE),
+                        _int32([1]), variant)
+    _assert_agree(*results)
+    got, out_got, plan_got = results[3], results[4].cpu(), results[5]
+    is_lost = (top_k[0] >= 0) & (top_k[0] < 2 * ext)
+    assert bool((out_got[0][is_lost] == -1).all()), "a position without a host row got a row"
+    assert bool((out_got[0][~is_lost] >= 0).all()), "a valid position got no row"
+    assert int(got.counters[0, 2]) == int(is_lost.sum()), "lost positions not counted invalid"
+    planned = plan_got.src[0, : int(plan_got.count[0])].cpu()
+    assert bool(((planned >= 0) & (planned < num_rows)).all()), "a copy from no host row"
+
+
 def _guarded_copy_tables(rng: torch.Generator) -> tuple[CacheTables, torch.Tensor, torch.Tensor]:
     """Tables whose layer-0 device rows and host rows sit inside larger guard buffers: one
     guard layer before and after `device_kv`, one guard row before and after `host_kv[0]`."""
@@ -239,6 +267,8 @@ def test_backup_skips_rows_outside_the_batch_or_the_pools(
     for layer in range(layers):
         assert torch.equal(got.host_kv[layer], plain[layer]), f"triton, layer {layer}"
         assert torch.equal(want.host_kv[layer], plain[layer]), f"reference, layer {layer}"
+        guards = backup_helpers.guard_rows(got.host_kv[layer])
+        assert bool((guards == backup_helpers.POISON_BYTE).all()), f"wrote past layer {layer}"
 
 
 def _mismatch(tables: CacheTables, kind: str) -> None:

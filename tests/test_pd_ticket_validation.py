@@ -29,6 +29,11 @@ GOOD = TransferTicket("t-1", "r", "agent", 5, 16, (4096,), ((0, 0, 3), (3, 9, 2)
         ({"runs": [[0, 0, 3.0], [3, 9, 2]]}, "malformed"),
         ({"row_bytes": float("inf")}, "malformed"),
         ({"device_id": True}, "malformed"),
+        # Rows below the layer base, rows of no size, or no layers to write at all.
+        ({"runs": [[0, -1, 3], [3, 9, 2]]}, "altered in transit"),
+        ({"row_bytes": 0}, "row_bytes=0"),
+        ({"row_bytes": -16}, "row_bytes=-16"),
+        ({"layer_addresses": []}, "0 layers"),
     ],
 )
 def test_out_of_range_or_non_int_fields_are_refused(change: dict[str, Any], message: str) -> None:

@@ -78,6 +78,8 @@ def make_tables(sizes: Sizes, gen: torch.Generator) -> CacheTables:
         else:
             seq_lens.append(int(torch.randint(hot + 2, 4 * hot, (1,), generator=gen)))
     seq_lens[0] = 3 * hot  # at least one long request
+    if num_req > 1:
+        seq_lens[1] = hot  # and one exactly at the hot buffer's size: the last short length
     pages = [math.ceil(n / ext) for n in seq_lens]
     max_pages = max(pages) + 1
     num_extents = sum(pages) + 3  # some extents stay free
@@ -167,6 +169,8 @@ def next_top_k(
     requests = torch.randperm(sizes.num_requests, generator=gen)[:num_real].tolist()
     if 0 not in requests:  # request 0 is long: every batch has misses to plan
         requests[int(torch.randint(0, num_real, (1,), generator=gen))] = 0
+    if num_real > 1 and 1 not in requests:  # request 1 sits at n = H (short, not long)
+        requests[requests.index(0) - 1] = 1
     top_k = torch.randint(-3, 4 * sizes.hot, (sizes.batch_cap, k), generator=gen)
     # Padding rows carry garbage request slots; they must not matter.
     req_slots = torch.randint(-5, 50, (sizes.batch_cap,), generator=gen)

@@ -49,8 +49,18 @@ def swap_in_reference(
     candidate = valid & ~short & ~newest
 
     safe_pos = torch.where(candidate, pos, 0)
-    page = t.page_table[r[:, None], safe_pos // ext].long()
-    row = torch.where(candidate, page * ext + safe_pos % ext, 0)
+    page_index = safe_pos // ext
+    in_table = page_index < t.page_table.shape[1]
+    page = t.page_table[r[:, None], torch.where(in_table, page_index, 0)].long()
+    page = torch.where(in_table, page, -1)
+    row = page * ext + safe_pos % ext
+    # A position without a host row (no extent, or past the pool) would be an engine bug: it
+    # counts as invalid and gets -1, as in the Triton kernels, rather than reading a wrapped
+    # or wild residency entry.
+    lost = candidate & ((page < 0) | (row >= t.resident.shape[1]))
+    candidate = candidate & ~lost
+    invalid = invalid | lost
+    row = torch.where(candidate, row, 0)
     resident_slot = t.resident[group, row].long()
     hit = candidate & (resident_slot >= 0)
     miss = candidate & (resident_slot < 0)
@@ -103,7 +113,7 @@ def swap_in_reference(
         plan.src[miss_b, miss_rank[miss_b, miss_k]] = miss_row.to(plan.src.dtype)
         plan.dst[miss_b, miss_rank[miss_b, miss_k]] = miss_dst.to(plan.dst.dtype)
 
-    t.counters[layer, 0] += (valid & ~miss).sum()
+    t.counters[layer, 0] += (valid & ~miss & ~lost).sum()
     t.counters[layer, 1] += miss.sum()
     t.counters[layer, 2] += invalid.sum()
     out.copy_(result.to(out.dtype))

@@ -1,0 +1,90 @@
+"""The engine's event waits, checked on CPU: side-stream work (follower replays, backups) runs
+as late as the recorded events allow (`fakes.deferred_streams`), so a missing wait reads rows
+a replay has not copied yet, or lets a backup copy buffers the next step already rewrote.
+Every returned row is checked as soon as `swap_in` returns, and every host row at the end."""
+
+from __future__ import annotations
+
+import torch
+
+import hisparse
+from fakes.deferred_streams import DeferredStreamCpu
+from test_reliability_state import check_table_invariants, row_pattern
+
+LAYERS, WIDTH, TOP_K, HOT, EXTENT, GROUP = 6, 32, 6, 8, 4, 3
+REQUESTS = {"long": (1, 30), "mid": (2, 12), "short": (3, 4)}  # uid, prompt tokens
+
+
+def check_hot_buffers(cache: hisparse.HiSparseCache, layer: int, names: list[str]) -> None:
+    """Every hot slot of `layer` that its group's tables say holds a token holds its bytes (a
+    follower's too: rows a replay should have copied show here even if no top-k names them)."""
+    device_kv, group = cache.device_kv(layer), layer // GROUP
+    slots = cache.slots_per_request
+    for name in names:
+        r = cache.request_slot(name)
+        position_of = {int(row): p for p, row in enumerate(cache.host_rows(name))}
+        for slot, row in enumerate(cache.tables.slot_row[group, r].tolist()):
+            if row >= 0:
+                want = row_pattern(REQUESTS[name][0], layer, torch.tensor([position_of[row]]),
+                                   WIDTH)
+                assert torch.equal(device_kv[r * slots + slot], want[0]), (layer, name, slot)
+
+
+def test_side_stream_work_is_waited_for_before_it_is_needed(rng: torch.Generator) -> None:
+    backend = DeferredStreamCpu()
+    config = hisparse.HiSparseConfig.from_preset(
+        "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, device_buffer_size=HOT,
+        index_group_size=GROUP, extent_tokens=EXTENT, max_requests=4, max_batch=3,
+        host_pool_tokens=64 * EXTENT, max_seq_len=64, validate=False,
+        async_backup=True, shared_index_prefetch=True,
+    )
+    cache = hisparse.HiSparseCache(config, device=backend)
+    assert cache._backup_stream is not None and cache._prefetch_stream is not None
+    for name, (uid, tokens) in REQUESTS.items():
+        cache.admit(name, tokens)
+        cache.write_prefill(name, torch.stack(
+            [row_pattern(uid, layer, torch.arange(tokens), WIDTH) for layer in range(LAYERS)]))
+        cache.commit_prefill(name)
+    names = list(REQUESTS)
+    deferred = 0
+    for step in range(12):
+        cache.begin_decode_step(names)
+        lengths = [cache.seq_len(n) for n in names]
+        for layer in range(LAYERS):
+            cache.write_newest(layer, torch.cat([
+                row_pattern(REQUESTS[n][0], layer, torch.tensor([length - 1]), WIDTH)
+                for n, length in zip(names, lengths, strict=True)]))
+        top_k = torch.full((len(names), TOP_K), -1, dtype=torch.int32)
+        for b, n in enumerate(lengths):
+            chosen = torch.randperm(n, generator=rng)[:TOP_K]
+            top_k[b, : chosen.numel()] = chosen.to(torch.int32)
+        # Some steps skip one follower, some every follower (so that the next step's first
+        # anchor finds its group's replays still queued): each replay must still land, and
+        # read its own step's plan, before the group plans again.
+        followers = {layer for layer in range(LAYERS) if layer % GROUP}
+        skipped = followers if step % 4 == 3 else (
+            {step % LAYERS} & followers if step % 3 == 2 else set())
+        for layer in range(LAYERS):
+            if layer in skipped:
+                continue
+            rows = cache.swap_in(layer, top_k)
+            if layer % GROUP == 0:
+                deferred = max(deferred, backend.pending())  # the followers' replays
+            device_kv = cache.device_kv(layer)
+            for b, name in enumerate(names):
+                want = row_pattern(REQUESTS[name][0], layer, top_k[b], WIDTH)
+                got = device_kv[rows[b].long()]
+                valid = top_k[b] >= 0
+                assert torch.equal(got[valid], want[valid]), (step, layer, name)
+            check_hot_buffers(cache, layer, names)
+        cache.end_decode_step()
+        deferred = max(deferred, backend.pending())  # the backup
+        check_table_invariants(cache)
+    assert deferred > 0, "nothing was deferred: the test exercises no ordering"
+    backend.synchronize()
+    for name, (uid, _) in REQUESTS.items():
+        rows = torch.from_numpy(cache.host_rows(name))
+        for layer in range(LAYERS):
+            want = row_pattern(uid, layer, torch.arange(rows.numel()), WIDTH)
+            assert torch.equal(cache.host_tensors()[layer][rows], want), (name, layer)
+    cache.close()

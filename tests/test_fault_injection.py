@@ -250,11 +250,11 @@ class FailOnce:
     def __init__(self, hook: Any) -> None:
         self.hook, self.armed = hook, False
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.armed:
             self.armed = False
-            raise InjectedFault("device refused the seeding work")
-        return self.hook(*args)
+            raise InjectedFault("device refused the work")
+        return self.hook(*args, **kwargs)
 
 
 @pytest.mark.parametrize("how", ["complete_transfer", "resume"])
@@ -333,3 +333,43 @@ def test_a_reservation_whose_host_drain_fails_reserves_nothing(
     assert len(reservation.rows) == 9
     cache.abort("pd")
     run.decode(["a"], steps=2)
+
+
+@pytest.mark.parametrize("kernel", ["_swap_in", "_copy_planned", "_backup"])
+def test_a_kernel_that_fails_mid_step_stops_decoding_but_frees_everything(
+    backend: Any, seed: int, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch that fails part way through a decode call (a compile error on a new device, a
+    device fault) may leave the group's tables saying a row is resident that was never
+    copied. The cache must refuse to decode from then on, with the reason, rather than serve
+    such rows; it still lets the step be cancelled, the requests be finished or aborted, and
+    itself be closed, with every host byte kept."""
+    run = Lockstep(hisparse.HiSparseCache(config(), device=backend), seed)
+    run.admit("a", 13)  # long: its steps have misses, and layer 1 replays layer 0's plan
+    run.admit("b", 5)
+    run.decode(["a", "b"], steps=2)
+    cache = run.cache
+    fault = FailOnce(getattr(cache, kernel))
+    monkeypatch.setattr(cache, kernel, fault)
+    fault.armed = True
+    top_k = torch.tensor([[0, 1, 2, 3], [0, 1, 2, -1]], dtype=torch.int32, device=cache.device)
+    cache.begin_decode_step(["a", "b"])
+    with pytest.raises(InjectedFault):
+        for layer in range(LAYERS):
+            cache.write_newest(layer, torch.zeros(2, WIDTH, dtype=torch.uint8,
+                                                  device=cache.device))
+            cache.swap_in(layer, top_k)
+        cache.end_decode_step()
+    refused = "decodes no more"
+    if cache._step is not None:
+        with pytest.raises(hisparse.RequestStateError, match=refused):
+            cache.swap_in(0, top_k)
+        with pytest.raises(hisparse.RequestStateError, match=refused):
+            cache.end_decode_step()
+        cache.cancel_decode_step()
+    with pytest.raises(hisparse.RequestStateError, match=f"failed with InjectedFault.*{refused}"):
+        cache.begin_decode_step(["a"])
+    cache.finish("a")
+    cache.abort("b")
+    check_empty(cache)
+    cache.close()

@@ -8,9 +8,10 @@ which stream. The per-entry work is the backend's swap-in kernel.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -36,7 +37,7 @@ from hisparse.core.validation import (
     check_tensor,
     same_device,
 )
-from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
+from hisparse.errors import ConfigError, HisparseError, InvalidInputError, RequestStateError
 from hisparse.kernels.swap_in_reference import backup_newest_reference
 
 LIVE = (RequestState.RESERVED, RequestState.PREFILLING, RequestState.RUNNING,
@@ -215,6 +216,8 @@ class HiSparseCache:
                 self._pending_replay: dict[int, set[int]] = {}  # group -> followers not yet copied
                 self._written_layers: set[int] = set()  # layers given write_newest this step
                 self._closed = False
+                # Why a kernel launch failed part way through a decode call, if one did.
+                self._failed_launch: str | None = None
             except BaseException:
                 # Nothing half-built may keep host memory: free every buffer allocated so far.
                 self._pool.close()
@@ -372,6 +375,7 @@ class HiSparseCache:
     @_bookkeeping
     def _begin_decode_step(self, request_ids: Sequence[Hashable]) -> DecodeStep:
         self._check_open()
+        self._check_decodable("begin a decode step")
         if self._step is not None:
             raise RequestStateError(
                 "a decode step is already open; call end_decode_step() before the next one"
@@ -531,9 +535,10 @@ class HiSparseCache:
         # The kernels run over the B rows the caller passed, not over `max_batch`: a caller
         # that captures one graph per batch size gets small grids (and the kernels' small-batch
         # paths) for small batches.
-        self._swap_in(self.tables, layer, group, self._req_slots[:rows], self._top_k[:rows],
-                      self._num_real, self._out[group][:rows], plan=plan,
-                      skip_io=self.config.skip_io)
+        with self._kernel_launch(f"swap_in({layer})"):
+            self._swap_in(self.tables, layer, group, self._req_slots[:rows],
+                          self._top_k[:rows], self._num_real, self._out[group][:rows],
+                          plan=plan, skip_io=self.config.skip_io)
         self._anchored[group] = rows
         if plan is not None:
             torch.sub(self.tables.counters[layer], counts_before, out=self._anchor_delta[group])
@@ -555,14 +560,17 @@ class HiSparseCache:
             self._flush_replays(group)
         if self._backup_stream is not None:
             self.backend.record_event(self._step_written, self.device)
-            with self.backend.stream_scope(self._backup_stream):
+            with self.backend.stream_scope(self._backup_stream), \
+                    self._kernel_launch("the newest-token backup"):
                 self.backend.wait_event(self._step_written, self.device)
                 self._backup(self.tables, self._newest_rows, self._newest_host_rows,
                              self._num_real)
                 self.backend.record_event(self._backup_done, self.device)
             self._host_io_pending = True
         else:
-            self._backup(self.tables, self._newest_rows, self._newest_host_rows, self._num_real)
+            with self._kernel_launch("the newest-token backup"):
+                self._backup(self.tables, self._newest_rows, self._newest_host_rows,
+                             self._num_real)
         self._traffic.backed_up_tokens += step.batch_size
         self.backend.record_event(self._step_done, self.device)
         self._step = None
@@ -868,7 +876,8 @@ class HiSparseCache:
 
     def _replay(self, group: int, layer: int) -> None:
         if not self.config.skip_io:
-            self._copy_planned(self.tables, layer, self._anchor_plans[group])
+            with self._kernel_launch(f"the replay of layer {layer}"):
+                self._copy_planned(self.tables, layer, self._anchor_plans[group])
         self.tables.counters[layer] += self._anchor_delta[group]
 
     def _upload(self, columns: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -891,8 +900,32 @@ class HiSparseCache:
                 wait()
         self._host_io_pending = self._rows_recycled = False
 
+    @contextlib.contextmanager
+    def _kernel_launch(self, what: str) -> Iterator[None]:
+        """Our own errors are raised before any launch; anything else may have left a kernel
+        of the call queued and the next one not: the device tables may no longer match the
+        device rows (a plan installed, its rows never copied), and no later step can trust
+        them."""
+        try:
+            yield
+        except HisparseError:
+            raise
+        except BaseException as exc:
+            self._failed_launch = f"{what} failed with {type(exc).__name__}: {exc}"
+            raise
+
+    def _check_decodable(self, action: str) -> None:
+        if self._failed_launch is not None:
+            raise RequestStateError(
+                f"cannot {action}: {self._failed_launch}. This cache's device tables may no "
+                "longer match its device rows, so it decodes no more; finish or abort its "
+                "requests (their host KV is intact), close it and build a new cache"
+            )
+
     def _open_step(self, action: str) -> DecodeStep:
         self._check_open()
+        if action != "cancel_decode_step":
+            self._check_decodable(action)
         if self._step is None:
             raise RequestStateError(
                 f"{action} needs an open decode step; call begin_decode_step(request_ids) first"

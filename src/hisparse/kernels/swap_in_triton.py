@@ -878,6 +878,17 @@ def _address_order(batch_cap: int, extent_tokens: int) -> bool:
             and (fine is None or extent_tokens <= fine))
 
 
+@contextlib.contextmanager
+def _reset_counts_on_failure(scratch: _Scratch) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        scratch.miss_count.zero_()
+        scratch.address_order.zero_()
+        scratch.row_buckets.zero_()
+        raise
+
+
 def _within(batch_cap: int, limit: int | None) -> bool:
     return limit is None or batch_cap <= limit
 
@@ -955,18 +966,22 @@ def swap_in_triton(
         ADDRESS_ORDER=address_order, NUM_BUCKETS=buckets, num_warps=tune.classify_warps,
     )
     block_k, block_h = triton.next_power_of_2(k), triton.next_power_of_2(hot)
-    _select_kernel[(batch_cap,)](
-        num_real, req_slots, t.seq_lens, out, resident, t.slot_row[group], last_use, lru_clock,
-        scratch.miss_row, scratch.miss_count, scratch.order, used_plan.src, used_plan.dst,
-        used_plan.count, used_plan.src.stride(0), bucket_count, bucket_cursor, done,
-        scratch.row_buckets,
-        num_requests, t.slots_per_request, k, hot, num_host_rows,
-        EARLY_LOADS=tune.early_loads, USE_PDL=pdl,
-        DEPENDENTS_READ_LOOKUPS=prefetch and pdl_copy, FAST_ROUNDS=tune.select_fast_rounds,
-        BLOCK_K=block_k, BLOCK_H=block_h, ADDRESS_ORDER=address_order, NUM_BUCKETS=buckets,
-        num_warps=min(32, max(tune.select_warps, max(block_h, block_k) // (32 * 16))),
-        **({"launch_pdl": True} if pdl else {}),  # behind the classify kernel
-    )
+    # The classify grid is queued and adds to counts that only the selection resets: if its
+    # launch fails (a compile error on a new device, say), reset them behind the classify
+    # grid, or the next call would place its misses after stale counts.
+    with _reset_counts_on_failure(scratch):
+        _select_kernel[(batch_cap,)](
+            num_real, req_slots, t.seq_lens, out, resident, t.slot_row[group], last_use,
+            lru_clock, scratch.miss_row, scratch.miss_count, scratch.order, used_plan.src,
+            used_plan.dst, used_plan.count, used_plan.src.stride(0), bucket_count,
+            bucket_cursor, done, scratch.row_buckets,
+            num_requests, t.slots_per_request, k, hot, num_host_rows,
+            EARLY_LOADS=tune.early_loads, USE_PDL=pdl,
+            DEPENDENTS_READ_LOOKUPS=prefetch and pdl_copy, FAST_ROUNDS=tune.select_fast_rounds,
+            BLOCK_K=block_k, BLOCK_H=block_h, ADDRESS_ORDER=address_order, NUM_BUCKETS=buckets,
+            num_warps=min(32, max(tune.select_warps, max(block_h, block_k) // (32 * 16))),
+            **({"launch_pdl": True} if pdl else {}),  # behind the classify kernel
+        )
     if prefetch:
         _launch_prefetched_copy(t, layer, scratch.miss_row, out, pdl=pdl_copy)
     elif not skip_io:

@@ -8,10 +8,9 @@ which stream. The per-entry work is the backend's swap-in kernel.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -535,10 +534,13 @@ class HiSparseCache:
         # The kernels run over the B rows the caller passed, not over `max_batch`: a caller
         # that captures one graph per batch size gets small grids (and the kernels' small-batch
         # paths) for small batches.
-        with self._kernel_launch(f"swap_in({layer})"):
+        try:  # (a try costs nothing until it catches; a context manager would, per layer)
             self._swap_in(self.tables, layer, group, self._req_slots[:rows],
                           self._top_k[:rows], self._num_real, self._out[group][:rows],
                           plan=plan, skip_io=self.config.skip_io)
+        except BaseException as exc:
+            self._launch_failed(f"swap_in({layer})", exc)
+            raise
         self._anchored[group] = rows
         if plan is not None:
             torch.sub(self.tables.counters[layer], counts_before, out=self._anchor_delta[group])
@@ -560,17 +562,13 @@ class HiSparseCache:
             self._flush_replays(group)
         if self._backup_stream is not None:
             self.backend.record_event(self._step_written, self.device)
-            with self.backend.stream_scope(self._backup_stream), \
-                    self._kernel_launch("the newest-token backup"):
+            with self.backend.stream_scope(self._backup_stream):
                 self.backend.wait_event(self._step_written, self.device)
-                self._backup(self.tables, self._newest_rows, self._newest_host_rows,
-                             self._num_real)
+                self._launch_backup()
                 self.backend.record_event(self._backup_done, self.device)
             self._host_io_pending = True
         else:
-            with self._kernel_launch("the newest-token backup"):
-                self._backup(self.tables, self._newest_rows, self._newest_host_rows,
-                             self._num_real)
+            self._launch_backup()
         self._traffic.backed_up_tokens += step.batch_size
         self.backend.record_event(self._step_done, self.device)
         self._step = None
@@ -876,8 +874,11 @@ class HiSparseCache:
 
     def _replay(self, group: int, layer: int) -> None:
         if not self.config.skip_io:
-            with self._kernel_launch(f"the replay of layer {layer}"):
+            try:
                 self._copy_planned(self.tables, layer, self._anchor_plans[group])
+            except BaseException as exc:
+                self._launch_failed(f"the replay of layer {layer}", exc)
+                raise
         self.tables.counters[layer] += self._anchor_delta[group]
 
     def _upload(self, columns: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -900,18 +901,19 @@ class HiSparseCache:
                 wait()
         self._host_io_pending = self._rows_recycled = False
 
-    @contextlib.contextmanager
-    def _kernel_launch(self, what: str) -> Iterator[None]:
+    def _launch_failed(self, what: str, exc: BaseException) -> None:
         """Our own errors are raised before any launch; anything else may have left a kernel
         of the call queued and the next one not: the device tables may no longer match the
         device rows (a plan installed, its rows never copied), and no later step can trust
         them."""
-        try:
-            yield
-        except HisparseError:
-            raise
-        except BaseException as exc:
+        if not isinstance(exc, HisparseError):
             self._failed_launch = f"{what} failed with {type(exc).__name__}: {exc}"
+
+    def _launch_backup(self) -> None:
+        try:
+            self._backup(self.tables, self._newest_rows, self._newest_host_rows, self._num_real)
+        except BaseException as exc:
+            self._launch_failed("the newest-token backup", exc)
             raise
 
     def _check_decodable(self, action: str) -> None:

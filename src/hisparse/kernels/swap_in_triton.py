@@ -372,7 +372,8 @@ def _select_kernel(
     NUM_BUCKETS: tl.constexpr,
 ):
     """One program per batch row. It owns all LRU state of its request (two rows of a batch
-    never share a request slot), so it needs no atomics. A row without misses only advances
+    never share a request slot), so the LRU needs no atomics (the address-ordered plan's
+    entries are claimed with some). A row without misses only advances
     its clock: the hits were stamped by the classify kernel."""
     if USE_PDL and not DEPENDENTS_READ_LOOKUPS:  # the copy may start: it waits for our plan
         gdc_launch_dependents()

@@ -93,6 +93,17 @@ class CacheModel:
             for buffer in request.buffers:
                 buffer.slot_of[position] = position
 
+    def unappend(self, request_id: Hashable) -> None:
+        """Take the last decode token back (a cancelled step): its rows, and its own slot in
+        the short regime. What swap-ins did meanwhile stays."""
+        request = self.requests[request_id]
+        position = request.length - 1
+        if request.length <= self.hot:
+            for buffer in request.buffers:
+                del buffer.slot_of[position]
+        for rows in request.rows:
+            rows.pop()
+
     def newest_slot(self, request_id: Hashable) -> int:
         n = self.requests[request_id].length
         return n - 1 if n <= self.hot else self.hot

@@ -35,7 +35,7 @@ FUZZ_EXAMPLES = int(os.environ.get("HISPARSE_FUZZ_EXAMPLES", "100"))
 PROMPTS = st.integers(1, 40) | st.integers(17, 40)
 # Per run: examples, those that swapped in a miss, those that evicted a row a miss had
 # brought in. `runTest` asserts that most examples reach both (see `check_coverage`).
-COVERAGE = {"examples": 0, "misses": 0, "evictions": 0}
+COVERAGE = {"examples": 0, "misses": 0, "evictions": 0, "cancels": 0}
 NUM_LAYERS = 4
 ROW_BYTES = 32
 POISON = -7
@@ -250,7 +250,16 @@ class EngineTrace(RuleBasedStateMachine):
             model.append(request_id, [bytes(new_rows[layer, b].numpy())
                                       for layer in range(NUM_LAYERS)])
         top_k_by_group: dict[int, torch.Tensor] = {}
+        # Now and then the forward pass "fails" after some layers and the step is cancelled.
+        # (At a group boundary: a group left half done replays its anchor into the skipped
+        # followers and counts for them, which the model does not do; tests/test_cancel_step.py
+        # covers that.)
+        groups = -(-NUM_LAYERS // cache.index_group_size)
+        cancel_after = data.draw(st.integers(0, groups)) * cache.index_group_size if data.draw(
+            st.integers(0, 7)) == 0 else None
         for layer in range(NUM_LAYERS):
+            if layer == cancel_after:
+                break
             cache.write_newest(layer, new_rows[layer].to(cache.device))
             group = layer // cache.index_group_size
             if group not in top_k_by_group:
@@ -268,7 +277,14 @@ class EngineTrace(RuleBasedStateMachine):
             if anchor:
                 self._track_swaps(group, batch, held)
             self._check_rows(layer, batch, top_k, got, expected, padded)
-        cache.end_decode_step()
+        if cancel_after is None:
+            cache.end_decode_step()
+            return
+        cache.cancel_decode_step()
+        for request_id in batch:
+            model.unappend(request_id)
+        assert [cache.seq_len(i) for i in batch] == [model.requests[i].length for i in batch]
+        COVERAGE["cancels"] += 1
 
     def _track_swaps(self, group: int, batch: list[int], held: dict[int, set[int]]) -> None:
         """What the model's anchor swap-in brought in and evicted, for the coverage count."""
@@ -452,6 +468,7 @@ def check_coverage(coverage: dict[str, int]) -> None:
         return
     assert coverage["misses"] >= 0.6 * total, coverage
     assert coverage["evictions"] >= 0.3 * total, coverage
+    assert coverage["cancels"] > 0, coverage  # about one decode step in eight is cancelled
 
 
 def _test_case_for(backend: str, name: str, tuning: dict[str, object] | None = None) -> type:

@@ -580,9 +580,10 @@ class HiSparseCache:
 
         Every request of the step is back at its length before `begin_decode_step`, with its
         KV as it was: the new token's host extent (if it took one) and short-regime slot are
-        released. Rows the step's `swap_in` calls brought into hot buffers stay, as do the
-        counters: those are valid copies of older tokens. Nothing is backed up. The batch may
-        then be decoded again, or its requests preempted, finished or aborted.
+        released, and the newest slot gets its previous token back from the host. Rows the
+        step's `swap_in` calls brought into hot buffers stay, as do the counters: those are
+        valid copies of older tokens. Nothing is backed up. The batch may then be decoded
+        again, or its requests preempted, finished or aborted.
         """
         self._open_step("cancel_decode_step")
         H, E = self.hot_slots, self.extent_tokens
@@ -595,12 +596,25 @@ class HiSparseCache:
         records = self._step_records
         grew = [r for r in records if id(r) in self._step_grew]
         short = []  # (slot, hot slot, host row) of new tokens that took their own slot
+        newest = []  # (device row, host row) of the token before, back into the newest slot
         for record in records:
             position = record.num_tokens - 1
             if position < H:
                 row = record.extents[position // E] * E + position % E
                 short.append((record.slot, position, row))
-        # The device first: a failed upload leaves the step open and the call retryable.
+            elif position > H:  # the previous token was the newest, in slot H
+                previous = position - 1
+                row = record.extents[previous // E] * E + previous % E
+                newest.append((record.slot * self.slots_per_request + H, row))
+        # The device first: a failure leaves the step open and the call retryable.
+        if newest and self._written_layers:
+            self._drain_host_io()  # that row's backup may still be landing from a side stream
+            device_rows = torch.tensor([d for d, _ in newest], dtype=torch.long,
+                                       device=self.device)
+            host_rows = torch.tensor([h for _, h in newest], dtype=torch.long)
+            for layer in sorted(self._written_layers):
+                self.tables.device_kv[layer].index_copy_(
+                    0, device_rows, self._pool.layers[layer][host_rows].to(self.device))
         uploaded = self._upload(
             [[r.slot for r in records], [r.num_tokens - 1 for r in records],
              [r.slot for r in grew], [len(r.extents) - 1 for r in grew],

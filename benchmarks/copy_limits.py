@@ -18,6 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse import benchmarking
+from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.kernels import swap_in_triton as kernels
+
 ROW_BYTES = 656  # DeepSeek-V3.2 fp8 row
 GIB = 1 << 30
 SEQ_ROWS = 32768  # one SW-1 request's context
@@ -38,9 +42,11 @@ def _gather_rows_kernel(
     tl.store(out_ptr + i.to(tl.int64) * ROW_WORDS + words, data, mask=words < ROW_WORDS)
 
 
-def time_us(fn, repeats: int = 10) -> float:
-    """Median device time of `fn` in microseconds (each call queued behind a GPU sleep)."""
-    fn()
+def time_us(fn, repeats: int = 10, warmup: bool = True) -> float:
+    """Median device time of `fn` in microseconds (each call queued behind a GPU sleep).
+    `warmup`: call it once untimed first (compiles; also warms caches and translations)."""
+    if warmup:
+        fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,37 +68,31 @@ def alloc_registered(num_bytes: int) -> torch.Tensor:
     return get_backend("cuda").alloc_host(num_bytes)
 
 
-def planned_copy_us(host_pool: torch.Tensor, rows: torch.Tensor, batch: int | None = None,
-                    **tuning: object) -> float:
-    """The library's planned copy of `rows` (as `batch` rows of count/batch misses each;
-    default 2048-miss rows), checked, in us. The copy walks the plan row by row, so the
-    order of `rows` is the order the grid reads them in."""
-    from hisparse.core.tables import CacheTables, MissPlan
-    from hisparse.kernels import swap_in_triton as kernels
-
-    device = rows.device
-    count = rows.numel()
-    batch = batch or count // 2048
+def copy_fixture(host_pool: torch.Tensor, count: int, batch: int, device: torch.device
+                 ) -> tuple[CacheTables, MissPlan]:
+    """Tables and a plan for the planned copy of `count` rows of `host_pool` as `batch` plan
+    rows of count/batch misses, into device rows 0..count-1 in plan order; the caller fills
+    `plan.src[:, :count // batch]`. The copy walks the plan row by row, so that order is the
+    order the grid reads the rows in."""
     per_row = count // batch
     assert per_row * batch == count and per_row <= 2048, "rows must split evenly, <= 2048 each"
-    device_kv = torch.zeros(1, count, ROW_BYTES, dtype=torch.uint8, device=device)
-    unused = torch.zeros(1, 1, 2048, dtype=torch.int32, device=device)
-    tables = CacheTables(
-        device_kv=device_kv, host_kv=[host_pool],
-        page_table=torch.zeros(1, 1, dtype=torch.int32, device=device),
-        seq_lens=torch.zeros(1, dtype=torch.int32, device=device), slot_row=unused,
-        last_use=unused, lru_clock=torch.zeros(1, 1, dtype=torch.int32, device=device),
-        resident=torch.zeros(1, 1, dtype=torch.int32, device=device),
-        counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
-        hot_slots=2048, extent_tokens=1,
-    )
+    tables = benchmarking.copy_only_tables(host_pool, count, device)
     plan = MissPlan.empty(batch, 2048, device)
-    plan.src[:, :per_row] = rows.view(batch, per_row)
     plan.dst[:, :per_row] = torch.arange(count, device=device).view(batch, per_row)
     plan.count.fill_(per_row)
+    return tables, plan
+
+
+def planned_copy_us(host_pool: torch.Tensor, rows: torch.Tensor, batch: int | None = None,
+                    **tuning: object) -> float:
+    """The library's planned copy of `rows` (as `batch` plan rows; default 2048 misses each),
+    checked, in us."""
+    batch = batch or rows.numel() // 2048
+    tables, plan = copy_fixture(host_pool, rows.numel(), batch, rows.device)
+    plan.src[:, : rows.numel() // batch] = rows.view(batch, -1)
     with kernels.tuning(**tuning):
         elapsed = time_us(lambda: kernels.copy_planned_triton(tables, 0, plan))
-    assert torch.equal(device_kv[0].cpu(), host_pool[rows.cpu()]), "planned copy is wrong"
+    assert torch.equal(tables.device_kv[0].cpu(), host_pool[rows.cpu()]), "copy is wrong"
     return elapsed
 
 
@@ -173,45 +173,24 @@ def bucketed(rows: torch.Tensor, num_buckets: int, total_rows: int) -> torch.Ten
 
 def fresh_copy_us(host_pool: torch.Tensor, count: int, order: str, repeats: int = 6
                   ) -> float:
-    """Median us of the planned copy of `count` distinct random rows (128 batch rows), drawn
+    """Median us of the planned copy of `count` distinct random rows (128 plan rows), drawn
     afresh for every call as SW-1's churn draws never-selected positions (so no translation
     of an earlier call is reused), in `order`; every call's bytes checked."""
-    from hisparse.core.tables import CacheTables, MissPlan
-    from hisparse.kernels import swap_in_triton as kernels
-
-    device = torch.device("cuda")
     total_rows, batch = host_pool.shape[0], 128
-    per_row = count // batch
-    device_kv = torch.zeros(1, count, ROW_BYTES, dtype=torch.uint8, device=device)
-    unused = torch.zeros(1, 1, 2048, dtype=torch.int32, device=device)
-    tables = CacheTables(
-        device_kv=device_kv, host_kv=[host_pool],
-        page_table=torch.zeros(1, 1, dtype=torch.int32, device=device),
-        seq_lens=torch.zeros(1, dtype=torch.int32, device=device), slot_row=unused,
-        last_use=unused, lru_clock=torch.zeros(1, 1, dtype=torch.int32, device=device),
-        resident=torch.zeros(1, 1, dtype=torch.int32, device=device),
-        counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
-        hot_slots=2048, extent_tokens=1,
-    )
-    plan = MissPlan.empty(batch, 2048, device)
-    plan.dst[:, :per_row] = torch.arange(count, device=device).view(batch, per_row)
-    plan.count.fill_(per_row)
+    device = torch.device("cuda")
+    tables, plan = copy_fixture(host_pool, count, batch, device)
     times = []
     for _ in range(repeats + 1):  # the first call compiles
         drawn = torch.randperm(total_rows, device=device)[:count]
         rows = {"drawn": drawn, "sorted": torch.sort(drawn).values,
                 "buckets-256": bucketed(drawn, 256, total_rows),
                 "buckets-4096": bucketed(drawn, 4096, total_rows)}[order]
-        plan.src[:, :per_row] = rows.view(batch, per_row).to(torch.int32)
-        device_kv.fill_(0)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # (time_us would copy the same rows once untimed first)
-        start.record()
-        kernels.copy_planned_triton(tables, 0, plan)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-        assert torch.equal(device_kv[0].cpu(), host_pool[rows.cpu()]), "planned copy is wrong"
+        plan.src[:, : count // batch] = rows.view(batch, -1).to(torch.int32)
+        tables.device_kv.fill_(0)
+        # No untimed call first: it would bring these rows' translations in.
+        times.append(time_us(lambda: kernels.copy_planned_triton(tables, 0, plan), 1,
+                             warmup=False))
+        assert torch.equal(tables.device_kv[0].cpu(), host_pool[rows.cpu()]), "copy is wrong"
     return statistics.median(times[1:])
 
 

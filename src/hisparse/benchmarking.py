@@ -531,7 +531,7 @@ def scattered_gather(
         results = []
         for count in row_counts:
             batch = -(-count // top_k)
-            tables = _gather_tables(pool, batch * top_k, device)
+            tables = copy_only_tables(pool, batch * top_k, device)
             plan = MissPlan.empty(batch, top_k, device)
             src = np.zeros(batch * top_k, dtype=np.int64)  # past `count`: left out by counts
             src[:count] = rng.choice(rows_in_pool, size=count, replace=False)
@@ -555,7 +555,7 @@ def scattered_gather(
         backend.free_host(raw)
 
 
-def _gather_tables(pool: torch.Tensor, rows: int, device: torch.device) -> CacheTables:
+def copy_only_tables(pool: torch.Tensor, rows: int, device: torch.device) -> CacheTables:
     """Tables that only the copy kernels read: host rows and `rows` device rows."""
     one = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
     return CacheTables(

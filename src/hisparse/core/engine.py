@@ -600,11 +600,10 @@ class HiSparseCache:
         for record in records:
             position = record.num_tokens - 1
             if position < H:
-                row = record.extents[position // E] * E + position % E
+                row = int(token_rows(record.extents, E, position, position + 1)[0])
                 short.append((record.slot, position, row))
             elif position > H:  # the previous token was the newest, in slot H
-                previous = position - 1
-                row = record.extents[previous // E] * E + previous % E
+                row = int(token_rows(record.extents, E, position - 1, position)[0])
                 newest.append((record.slot * self.slots_per_request + H, row))
         # The device first: a failure leaves the step open and the call retryable.
         if newest and self._written_layers:

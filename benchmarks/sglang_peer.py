@@ -201,14 +201,18 @@ class PeerTables:
 def peer_tables(tables: CacheTables, host_rows: np.ndarray, layer: int = 0) -> PeerTables:
     """`host_rows` [R, seq_len]: the host row of every position (benchmarking.build_tables).
 
-    A slot's token is found by inverting `host_rows` at the slot's host row, so this holds
-    for any layout; the newest slot holds position seq_len - 1 (DESIGN.md 3)."""
+    A slot's token is its key's position where the residency map is keyed by position, else
+    found by inverting `host_rows` at the slot's host row, so this holds for any layout; the
+    newest slot holds position seq_len - 1 (DESIGN.md 3)."""
     device = tables.last_use.device
     requests, seq_len = host_rows.shape
-    position_of_row = np.full(int(host_rows.max()) + 1, -1, dtype=np.int64)
-    position_of_row[host_rows.reshape(-1)] = np.tile(np.arange(seq_len), requests)
-    slot_rows = tables.slot_row[layer].cpu().numpy().astype(np.int64)  # [R, H], -1 empty
-    tokens = np.where(slot_rows >= 0, position_of_row[np.maximum(slot_rows, 0)], -1)
+    slot_keys = tables.slot_key[layer].cpu().numpy().astype(np.int64)  # [R, H], -1 empty
+    if tables.residency_map == "position":
+        tokens = np.where(slot_keys >= 0, slot_keys % tables.positions_per_request, -1)
+    else:
+        position_of_row = np.full(int(host_rows.max()) + 1, -1, dtype=np.int64)
+        position_of_row[host_rows.reshape(-1)] = np.tile(np.arange(seq_len), requests)
+        tokens = np.where(slot_keys >= 0, position_of_row[np.maximum(slot_keys, 0)], -1)
     lengths = tables.seq_lens.cpu().numpy().astype(np.int64)
     buffer_tokens = np.concatenate([tokens, (lengths - 1)[:, None]], axis=1)
     slots = tables.slots_per_request
@@ -234,7 +238,7 @@ def lru_order(tables: CacheTables, group: int = 0) -> torch.Tensor:
 class PeerSwapIn:
     """SGLang's kernel behind hisparse's swap-in call signature (benchmarking.sw1_cell).
 
-    It keeps its own tables (`PeerTables`), so hisparse's `resident`, `slot_row` and LRU go
+    It keeps its own tables (`PeerTables`), so hisparse's `resident`, `slot_key` and LRU go
     stale once it runs: one cell, one kernel. It copies into `tables.device_kv[layer]` from
     `tables.host_kv[layer]` and returns device rows in `out`, as hisparse's kernel does. It
     counts nothing (`tables.counters` stay as they are)."""

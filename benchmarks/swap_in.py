@@ -41,7 +41,8 @@ from hisparse.errors import InvalidInputError
 SIZES = benchmarking.SW1Sizes()  # DESIGN.md 8; extent_tokens: HiSparseConfig's default
 
 # Variant rounds for --ab ROUND (swap_in_triton.Tuning overrides on top of the shipped
-# defaults; "chosen" is the defaults, run first and last as a noise control). The rounds of
+# defaults, and "residency_map": what the tables' residency map is keyed by, default
+# --residency-map; "chosen" is the defaults, run first and last as a noise control). The rounds of
 # the ordered-list LRU (planning ... fine-extent-copy, benchmarks/NOTES.md passes 2-11) needed
 # its plan kernels, which the stamp LRU replaced; they are in git history before commit
 # "LRU kept as per-slot stamps", their results in benchmarks/results/sw1-cuda-ab-*.json.
@@ -88,8 +89,16 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "scattered-copy-1": {"fine_extent_copy_programs_per_unit": None},
         "chosen-again": {},
     },
+    # The residency map keyed by (request, position) instead of host row (NOTES.md, fifteenth
+    # pass): a hit then needs no page-table read.
+    "position-keyed": {
+        "chosen": {},
+        "position-keyed": {"residency_map": "position"},
+        "chosen-again": {},
+    },
 }
 AB_GRIDS = {"selection": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "position-keyed": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "copy-window": ([1, 16, 64, 128], [0.05, 0.2, 1.0]),
             "address-order": ([16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "address-order-2": ([64, 128], [0.0, 0.05, 0.2, 1.0])}
@@ -131,11 +140,12 @@ class Cell:
 
 
 def build_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int,
-               rng: np.random.Generator) -> Cell:
+               rng: np.random.Generator, residency_map: str = "host_row") -> Cell:
     """SW-1's tables and top-k trace (hisparse.benchmarking), extents of `extent` tokens."""
     sizes = dataclasses.replace(SIZES, extent_tokens=extent)
     tables, host_rows = benchmarking.build_tables(
-        get_backend("cuda"), pool.host, layout, batch, sizes, rng, mirror=pool.mirror)
+        get_backend("cuda"), pool.host, layout, batch, sizes, rng, mirror=pool.mirror,
+        residency_map=residency_map)
     return Cell(tables, torch.from_numpy(host_rows).cuda(),
                 benchmarking.ChurnTrace(batch, sizes, churn, rng))
 
@@ -148,20 +158,25 @@ def count_wrong_rows(pool: Pool, cell: Cell, top_k: torch.Tensor,
 
 def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, args,
              seed: int, batch_capacity: int | None = None,
-             peer: tuple[str, Callable[..., object]] | None = None) -> dict[str, object]:
+             peer: tuple[str, Callable[..., object]] | None = None,
+             residency_map: str | None = None) -> dict[str, object]:
     """hisparse.benchmarking's SW-1 cell (graph replays, every step checked against the
     mirror, then the skip-IO probe) as one JSON record; `batch_capacity`: padded to it.
-    `peer` (name, kernel_for): time that kernel on the cell instead, without the probe."""
+    `peer` (name, kernel_for): time that kernel on the cell instead, without the probe.
+    `residency_map`: hisparse's (None: --residency-map)."""
     sizes = dataclasses.replace(SIZES, extent_tokens=extent, warmup_steps=args.warmup,
                                 timed_steps=args.steps)
+    residency_map = residency_map or args.residency_map
     cell = benchmarking.sw1_cell(get_backend("cuda"), pool.host, layout, batch, churn, sizes,
                                  seed, mirror=pool.mirror, skip_io=peer is None,
                                  batch_capacity=batch_capacity, flush=args.flush,
-                                 kernel_for=None if peer is None else peer[1])
+                                 kernel_for=None if peer is None else peer[1],
+                                 residency_map=residency_map)
     median = cell.step_seconds * 1e6
     record: dict[str, object] = {
         "kernel": "hisparse" if peer is None else peer[0],
         "B": batch, "churn": churn, "layout": layout, "extent_tokens": cell.extent_tokens,
+        **({"residency_map": residency_map} if peer is None else {}),
         **({"batch_capacity": batch_capacity} if batch_capacity is not None else {}),
         "median_us": round(median, 1),
         "p90_us": round(cell.p90_seconds * 1e6, 1),
@@ -182,13 +197,15 @@ def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, arg
     return record
 
 
-def miss_free_warm(pool: Pool, rng: np.random.Generator, args) -> dict[str, float]:
+def miss_free_warm(pool: Pool, rng: np.random.Generator, args,
+                   residency_map: str | None = None) -> dict[str, float]:
     """B=128, churn 0, the same top-k replayed back to back (a warm L2, unlike SW-1's cells):
     graph replay, eager device time and eager wall time."""
     from hisparse.kernels.swap_in_triton import swap_in_triton
 
     batch = min(128, pool.host.shape[0] // SIZES.seq_len)  # --quick sizes the pool smaller
-    cell = build_cell(pool, batch, 0.0, "extents", SIZES.extent_tokens, rng)
+    cell = build_cell(pool, batch, 0.0, "extents", SIZES.extent_tokens, rng,
+                      residency_map or args.residency_map)
     t = cell.tables
     dev = t.last_use.device
     req_slots = torch.arange(batch, dtype=torch.int32, device=dev)
@@ -339,19 +356,23 @@ def run_ab(pool: Pool, batches: list[int], churns: list[float], args, rng: np.ra
         peer = sglang_peer_kernel(args, results)
         variants = {peer[0]: None, **variants, f"{peer[0]}-again": None}
     for name, overrides in variants.items():
+        tune = dict(overrides or {})
+        residency_map = str(tune.pop("residency_map", args.residency_map))
         try:
-            with kernels.tuning(**(overrides or {})):
+            with kernels.tuning(**tune):
                 for layout in ("scattered", "extents"):
                     extent = 1 if layout == "scattered" else SIZES.extent_tokens
                     for batch in batches:
                         for churn in churns:
                             record = run_cell(pool, batch, churn, layout, extent, args,
-                                              args.seed, peer=peer if overrides is None else None)
+                                              args.seed, peer=peer if overrides is None else None,
+                                              residency_map=residency_map)
                             record.setdefault("skip_io_median_us", "-")
                             results["records"].append({"variant": name, **record})
                             save()
                 if overrides is not None:
-                    results["miss_free_by_variant"][name] = miss_free_warm(pool, rng, args)
+                    results["miss_free_by_variant"][name] = miss_free_warm(pool, rng, args,
+                                                                           residency_map)
                 save()
         except Exception as exc:  # one broken variant must not cost the others' numbers
             print(f"variant {name} failed: {type(exc).__name__}: {exc}", flush=True)
@@ -403,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="threads per request for SGLang's kernel (its coordinator's)")
     parser.add_argument("--peer-build-dir", default="/tmp/hisparse-sglang-peer",
                         help="where the SGLang kernel's library is built")
+    parser.add_argument("--residency-map", choices=("host_row", "position"),
+                        default="host_row",
+                        help="what hisparse's residency map is keyed by (CacheTables."
+                             "residency_map; config residency_map)")
     parser.add_argument("--warmup", type=non_negative_int, default=8)
     parser.add_argument("--steps", type=positive_int, default=40)
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
@@ -480,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         else "-padding" if args.padding else "")
     if args.flush != "write":
         suffix += f"-{args.flush}-flush"
+    if args.residency_map != "host_row":
+        suffix += f"-{args.residency_map}-keyed"
     path = out_dir / f"sw1-cuda{suffix}.json"
 
     def save() -> None:  # after every cell, so a run cut short still leaves its numbers

@@ -46,7 +46,7 @@ def make_tables(layers: int, device_rows: int, host_rows: int, row_bytes: int,
     empty = torch.zeros(0, dtype=torch.int32, device=DEVICE)
     return CacheTables(
         device_kv=device_kv, host_kv=host_kv, page_table=empty, seq_lens=empty,
-        slot_row=empty, last_use=empty, lru_clock=empty, resident=empty,
+        slot_key=empty, last_use=empty, lru_clock=empty, resident=empty,
         counters=torch.zeros(layers, 3, dtype=torch.int64, device=DEVICE),
         hot_slots=1, extent_tokens=1, host_kv_addresses=addresses,
     )

@@ -141,8 +141,10 @@ def test_help_carries_an_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert "hisparse bench --device cuda --output benchmarks/results/" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("churn", [0.25, 1.0])
-def test_every_fresh_position_misses_also_after_the_trace_wraps(churn: float) -> None:
+@pytest.mark.parametrize(("churn", "residency_map"), [(0.25, "host_row"), (1.0, "host_row"),
+                                                     (1.0, "position")])
+def test_every_fresh_position_misses_also_after_the_trace_wraps(churn: float,
+                                                                residency_map: str) -> None:
     """SW-1 promises churn x top_k misses a step; at churn 1.0 these sizes wrap the trace's
     cycle of fresh positions after 13 steps, and the hot buffer must have evicted them."""
     backend = get_backend("cpu")
@@ -152,7 +154,7 @@ def test_every_fresh_position_misses_also_after_the_trace_wraps(churn: float) ->
     pool = filled_pool(backend, batch)
     mirror = pool.clone()  # seeds the hot buffers like a device copy of the pool would
     tables, host_rows = benchmarking.build_tables(backend, pool, "scattered", batch, sizes, rng,
-                                                  mirror=mirror)
+                                                  mirror=mirror, residency_map=residency_map)
     trace = benchmarking.ChurnTrace(batch, sizes, churn, rng)
     kernel, _ = benchmarking.swap_in_kernel(backend)
     req_slots = torch.arange(batch, dtype=torch.int32)
@@ -218,25 +220,32 @@ def test_a_cell_with_clean_cache_lines_and_an_unknown_flush_mode() -> None:
         benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed, flush="evict")
 
 
+@pytest.mark.parametrize("residency_map", ["host_row", "position"])
 @pytest.mark.parametrize("layout", benchmarking.LAYOUTS)
-def test_sw1_tables_are_row_major_and_agree_with_the_hot_buffers(layout: str) -> None:
-    """The Triton kernels index slot_row and page_table as contiguous rows (only the data
+def test_sw1_tables_are_row_major_and_agree_with_the_hot_buffers(layout: str,
+                                                                  residency_map: str) -> None:
+    """The Triton kernels index slot_key and page_table as contiguous rows (only the data
     pointer reaches them): a column-major table would hand them other requests' rows, which the
-    CPU reference (torch indexing honours strides) would never show. Every seeded slot's host
-    row must be the row `resident` maps back to that slot."""
+    CPU reference (torch indexing honours strides) would never show. Every seeded slot's key
+    (its host row, or its request and position) must be the key `resident` maps back to that
+    slot."""
     from hisparse.kernels.swap_in_triton import _check_tables
 
     backend = get_backend("cpu")
     sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128)
     batch = 3
     tables, host_rows = benchmarking.build_tables(backend, filled_pool(backend, batch), layout,
-                                                  batch, sizes, np.random.default_rng())
-    for name in ("page_table", "seq_lens", "slot_row", "last_use", "lru_clock", "resident",
+                                                  batch, sizes, np.random.default_rng(),
+                                                  residency_map=residency_map)
+    for name in ("page_table", "seq_lens", "slot_key", "last_use", "lru_clock", "resident",
                  "counters"):
         assert getattr(tables, name).is_contiguous(), name
     _check_tables(tables)
-    slot_row = tables.slot_row[0].numpy()
+    slot_key = tables.slot_key[0].numpy()
     hot = sizes.hot_slots
-    np.testing.assert_array_equal(slot_row, host_rows[:, sizes.seq_len - 1 - hot : -1])
-    np.testing.assert_array_equal(tables.resident[0, torch.from_numpy(slot_row).long()].numpy(),
+    seeded = np.arange(sizes.seq_len - 1 - hot, sizes.seq_len - 1)
+    expected = (host_rows[:, seeded] if residency_map == "host_row"
+                else np.arange(batch)[:, None] * sizes.seq_len + seeded)
+    np.testing.assert_array_equal(slot_key, expected)
+    np.testing.assert_array_equal(tables.resident[0, torch.from_numpy(slot_key).long()].numpy(),
                                   np.broadcast_to(np.arange(hot), (batch, hot)))

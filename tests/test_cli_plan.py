@@ -29,7 +29,7 @@ def test_deepseek_v32_fp8_at_32k_matches_the_hand_calculation() -> None:
     f = p.hisparse_footprint
     assert f.hot_rows == 163_945_552  # 4097 slots x 61 x 656
     assert f.indexer_keys == 263_847_936  # 32768 x 61 x 132
-    # last_use and slot_row: 2 x 61 groups x 4096 x 4 B, and 61 LRU clocks of 4 B.
+    # last_use and slot_key: 2 x 61 groups x 4096 x 4 B, and 61 LRU clocks of 4 B.
     assert f.lru_tables == 1_999_092
     assert f.page_table == 260  # 64 extents x 4 B + seq_len
     assert f.resident_map == 3_997_696  # 61 groups x 32768 host rows x 2 B (int16 slot ids)

@@ -215,7 +215,7 @@ def test_seeding_equals_appending_to_a_short_sequence() -> None:
     to_position = {}
     for name, slot in (("grown", grown), ("seeded", seeded)):
         rows_of = {int(r): p for p, r in enumerate(cache.host_rows(name))}
-        to_position[name] = [[rows_of.get(int(r), -1) for r in t.slot_row[g, slot]]
+        to_position[name] = [[rows_of.get(int(r), -1) for r in t.slot_key[g, slot]]
                              for g in range(cache.num_groups)]
     assert to_position["grown"] == to_position["seeded"]
     assert torch.equal(t.last_use[:, grown], t.last_use[:, seeded])

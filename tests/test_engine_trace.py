@@ -44,20 +44,22 @@ SHAPES = [(8, 4, 4, 1), (8, 8, 2, 2), (16, 8, 8, 2), (12, 6, 4, 4)]
 
 
 def build_cache(backend: str, hot: int, top_k: int, extent: int, group: int, validate: bool,
-                pool_extents: int, max_requests: int = 4, max_batch: int = 3):
-    config = _config(hot, top_k, extent, group, validate, pool_extents, max_requests, max_batch)
+                pool_extents: int, max_requests: int = 4, max_batch: int = 3,
+                residency_map: str = "host_row"):
+    config = _config(hot, top_k, extent, group, validate, pool_extents, max_requests, max_batch,
+                     residency_map)
     return hisparse.HiSparseCache(config, device=backend)
 
 
 @functools.cache
 def _config(hot: int, top_k: int, extent: int, group: int, validate: bool, pool_extents: int,
-            max_requests: int, max_batch: int) -> hisparse.HiSparseConfig:
+            max_requests: int, max_batch: int, residency_map: str) -> hisparse.HiSparseConfig:
     """Configs are frozen, so one per argument tuple; parsing the preset was ~10% of the run."""
     return hisparse.HiSparseConfig.from_preset(
         "tiny", num_layers=NUM_LAYERS, row_bytes=ROW_BYTES, top_k=top_k,
         device_buffer_size=hot, index_group_size=group, extent_tokens=extent,
         max_requests=max_requests, max_batch=max_batch, host_pool_tokens=pool_extents * extent,
-        max_seq_len=pool_extents * extent, validate=validate,
+        max_seq_len=pool_extents * extent, validate=validate, residency_map=residency_map,
     )
 
 
@@ -65,7 +67,7 @@ def snapshot(cache) -> dict[str, object]:
     """Everything a rejected call must leave unchanged."""
     t = cache.tables
     tensors = {name: getattr(t, name).clone().cpu() for name in
-               ("page_table", "seq_lens", "slot_row", "last_use", "lru_clock", "resident",
+               ("page_table", "seq_lens", "slot_key", "last_use", "lru_clock", "resident",
                 "counters")}
     tensors["device_kv"] = t.device_kv[:, : cache.max_requests * cache.slots_per_request].clone()
     tensors["host_kv"] = [h.clone() for h in t.host_kv]
@@ -111,11 +113,13 @@ class EngineTrace(RuleBasedStateMachine):
     @initialize(shape=st.sampled_from(SHAPES), validate=st.booleans(),
                 pool_extents=st.integers(12, 40), seed=st.integers(0, 2**31 - 1),
                 long_extra=st.integers(8, 32), per_layer=st.booleans(),
-                prompts=st.lists(PROMPTS, max_size=2), warmup=st.integers(3, 7), data=st.data())
+                prompts=st.lists(PROMPTS, max_size=2), warmup=st.integers(3, 7),
+                residency_map=st.sampled_from(["host_row", "position"]), data=st.data())
     def build(self, shape, validate, pool_extents, seed, long_extra, per_layer, prompts,
-              warmup, data) -> None:
+              warmup, residency_map, data) -> None:
         hot, top_k, extent, group = shape
-        self.cache = build_cache(self.backend, hot, top_k, extent, group, validate, pool_extents)
+        self.cache = build_cache(self.backend, hot, top_k, extent, group, validate, pool_extents,
+                                 residency_map=residency_map)
         self.model = CacheModel(NUM_LAYERS, hot, group)
         self.rng = np.random.default_rng(seed)
         self.torch_rng = torch.Generator().manual_seed(seed)
@@ -411,7 +415,7 @@ def check_against_model(cache, model: CacheModel) -> None:
     expected_resident = torch.full_like(t.resident, -1).cpu()
     resident = expected_resident.numpy()
     last_use, lru_clock = t.last_use.cpu().numpy(), t.lru_clock.cpu().numpy()
-    slot_row = t.slot_row.cpu().numpy()
+    slot_key = t.slot_key.cpu().numpy()
     seq_lens, device_kv = t.seq_lens.cpu().numpy(), t.device_kv.cpu().numpy()
     assert {r.request_id for r in cache._requests} == set(model.requests)
     for request_id, request in model.requests.items():
@@ -431,9 +435,11 @@ def check_against_model(cache, model: CacheModel) -> None:
             assert int(lru_clock[group, r]) == buffer.clock
             want = [-1] * H
             for position, slot in buffer.slot_of.items():
-                want[slot] = int(rows[position])
-                resident[group, int(rows[position])] = slot
-            assert slot_row[group, r].tolist() == want
+                key = (int(rows[position]) if t.residency_map == "host_row"
+                       else r * t.positions_per_request + position)
+                want[slot] = key
+                resident[group, key] = slot
+            assert slot_key[group, r].tolist() == want
             layers = range(group * cache.index_group_size,
                            min((group + 1) * cache.index_group_size, cache.num_layers))
             for layer in layers:  # every held slot holds its token's bytes
@@ -451,7 +457,7 @@ def check_empty(cache) -> None:
     assert occupancy.request_slots_used == 0
     assert cache._pool.allocator.free_runs() == [(0, cache._pool.num_extents)]
     t = cache.tables
-    assert (t.resident == -1).all() and (t.slot_row == -1).all()
+    assert (t.resident == -1).all() and (t.slot_key == -1).all()
     assert (t.page_table == -1).all() and (t.seq_lens == 0).all()
 
 

@@ -41,18 +41,23 @@ GRAPH_VARIANTS = ["default", "no-pdl", "bit-search", "prefetched-copy", "no-pref
 
 
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"K{s.top_k}-H{s.hot}-W{s.row_bytes}")
-@pytest.mark.parametrize("variant", GRAPH_VARIANTS)
-def test_graph_replay_matches_eager_reference(sizes, variant: str, rng: torch.Generator) -> None:
+@pytest.mark.parametrize(("variant", "residency_map"), [
+    *(pytest.param(v, "host_row", id=v) for v in GRAPH_VARIANTS),
+    *(pytest.param(v, "position", id=f"position-keyed-{v}")
+      for v in ("default", "prefetched-copy", "address-order")),
+])
+def test_graph_replay_matches_eager_reference(sizes, variant: str, residency_map: str,
+                                              rng: torch.Generator) -> None:
     with tuning(**VARIANTS[variant]) as tune:
-        _replay_matches_eager(sizes, rng, functools.partial(
+        _replay_matches_eager(sizes, rng, residency_map, functools.partial(
             assert_plan_matches, address_order=plans_in_address_order(tune, sizes),
             buckets=tune.address_buckets,
             poisoned=False))
 
 
-def _replay_matches_eager(sizes, rng: torch.Generator, check_plan) -> None:
+def _replay_matches_eager(sizes, rng: torch.Generator, residency_map: str, check_plan) -> None:
     gen = rng
-    want = make_tables(sizes, gen)
+    want = make_tables(sizes, gen, residency_map)
     got = clone_tables(want)
     previous: dict[int, list[int]] = {}
     req_slots, top_k, num_real = next_top_k(want, sizes, previous, gen)
@@ -74,7 +79,7 @@ def _replay_matches_eager(sizes, rng: torch.Generator, check_plan) -> None:
     plan_want = reference_step(out_want)
     step()
     assert torch.equal(out, out_want)
-    check_plan(plan, plan_want, num_host_rows=got.resident.shape[1])
+    check_plan(plan, plan_want, num_host_rows=got.num_host_rows)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
@@ -91,7 +96,7 @@ def _replay_matches_eager(sizes, rng: torch.Generator, check_plan) -> None:
         out_want = torch.full_like(top_k, POISON)
         plan_want = reference_step(out_want)
         assert torch.equal(out, out_want)
-        check_plan(plan, plan_want, num_host_rows=got.resident.shape[1])
+        check_plan(plan, plan_want, num_host_rows=got.num_host_rows)
         assert_same_state(got, want)
         for layer in (0, 1):
             assert_rows_match_host(got, layer, req_slots, top_k, out)

@@ -283,7 +283,7 @@ def _mismatch(tables: CacheTables, kind: str) -> None:
     elif kind == "clock-rows-short":
         tables.lru_clock = tables.lru_clock[:, : requests - 1]
     elif kind == "slot-row-narrow":
-        tables.slot_row = tables.slot_row[:, :, : hot - 1]
+        tables.slot_key = tables.slot_key[:, :, : hot - 1]
     elif kind == "last-use-not-contiguous":
         tables.last_use = tables.last_use.transpose(1, 2).contiguous().transpose(1, 2)
     elif kind == "device-rows-short":

@@ -36,7 +36,7 @@ def make_tables(backend, requests, hot, extent, num_rows, layers=1, seed=0):
         host_kv=host,
         page_table=torch.full((num_requests, pages), -1, dtype=torch.int32),
         seq_lens=torch.tensor([r[0] for r in requests], dtype=torch.int32),
-        slot_row=torch.full((1, num_requests, hot), -1, dtype=torch.int32),
+        slot_key=torch.full((1, num_requests, hot), -1, dtype=torch.int32),
         last_use=torch.tensor([[r[2] for r in requests]], dtype=torch.int32),
         lru_clock=torch.tensor([[r[3] for r in requests]], dtype=torch.int32),
         resident=torch.full((1, num_rows), -1, dtype=torch.int32),
@@ -48,11 +48,11 @@ def make_tables(backend, requests, hot, extent, num_rows, layers=1, seed=0):
         t.page_table[r, : len(extents)] = torch.tensor(extents, dtype=torch.int32)
         for position, slot in slot_of.items():
             row = extents[position // extent] * extent + position % extent
-            t.slot_row[0, r, slot] = row
+            t.slot_key[0, r, slot] = row
             t.resident[0, row] = slot
             for layer in range(layers):
                 t.device_kv[layer, r * slots + slot] = host[layer][row].to(device)
-    for name in ("page_table", "seq_lens", "slot_row", "last_use", "lru_clock", "resident",
+    for name in ("page_table", "seq_lens", "slot_key", "last_use", "lru_clock", "resident",
                  "counters"):
         setattr(t, name, getattr(t, name).to(device))
     return t
@@ -146,7 +146,7 @@ def test_random_states_match_model(backend_name: str, case: int, seed: int) -> N
             assert t.lru_clock[0, r].item() == buffer.clock
             for position, slot in buffer.slot_of.items():
                 row = extents[r][position // extent] * extent + position % extent
-                assert t.slot_row[0, r, slot].item() == row
+                assert t.slot_key[0, r, slot].item() == row
                 assert t.resident[0, row].item() == slot
                 assert torch.equal(t.device_kv[0, r * slots + slot].cpu(), t.host_kv[0][row])
         # The plan lists exactly this call's misses, replayable on another layer.

@@ -123,7 +123,7 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
     t = cache.tables
     H = cache.hot_slots
     seq_lens, page_table = t.seq_lens.cpu(), t.page_table.cpu()
-    slot_row, resident = t.slot_row.cpu(), t.resident.cpu()
+    slot_key, resident = t.slot_key.cpu(), t.resident.cpu()
     last_use, lru_clock = t.last_use.cpu(), t.lru_clock.cpu()
     expected_resident = torch.full_like(resident, -1)
     used_slots = set()
@@ -143,7 +143,7 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
             # Every slot was last used before the clock's current step (seeding: -1 and 0).
             assert bool((last_use[group, r] < lru_clock[group, r]).all()), "stamps < clock"
             assert last_use[group, r].shape == (H,)
-            for slot, row in enumerate(slot_row[group, r].tolist()):
+            for slot, row in enumerate(slot_key[group, r].tolist()):
                 if row >= 0:
                     assert row in own_rows, (record.request_id, group, slot, row)
                     expected_resident[group, row] = slot
@@ -152,7 +152,7 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
     assert set(cache._slots._free) == free
     for r in free:
         assert int(seq_lens[r]) == 0 and (page_table[r] == -1).all()
-        assert (slot_row[:, r] == -1).all()
+        assert (slot_key[:, r] == -1).all()
         assert (last_use[:, r] == -1).all() and (lru_clock[:, r] == 0).all()
     assert cache._pool.allocator.used_extents == sum(len(r.extents) for r in cache._requests)
 

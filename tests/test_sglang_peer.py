@@ -95,14 +95,17 @@ def small_cell_inputs(rng: np.random.Generator) -> tuple[benchmarking.SW1Sizes, 
     return sizes, pool
 
 
+@pytest.mark.parametrize("residency_map", ["host_row", "position"])
 @pytest.mark.parametrize("layout", benchmarking.LAYOUTS)
-def test_peer_tables_hold_the_same_tokens_rows_and_lru(layout: str) -> None:
-    """Every slot's token maps back to the host row hisparse has in that slot, after some
-    steps of hisparse's own kernel have moved the LRU and refilled slots."""
+def test_peer_tables_hold_the_same_tokens_rows_and_lru(layout: str, residency_map: str) -> None:
+    """Every slot's token maps back to the key (host row, or request and position) hisparse
+    has in that slot, after some steps of hisparse's own kernel have moved the LRU and
+    refilled slots."""
     rng = np.random.default_rng()
     sizes, pool = small_cell_inputs(rng)
     backend = get_backend("cpu")
-    tables, host_rows = benchmarking.build_tables(backend, pool, layout, 2, sizes, rng)
+    tables, host_rows = benchmarking.build_tables(backend, pool, layout, 2, sizes, rng,
+                                                  residency_map=residency_map)
     kernel, _ = benchmarking.swap_in_kernel(backend)
     trace = benchmarking.ChurnTrace(2, sizes, float(rng.uniform(0.1, 1.0)), rng)
     req_slots = torch.arange(2, dtype=torch.int32)
@@ -119,7 +122,9 @@ def test_peer_tables_hold_the_same_tokens_rows_and_lru(layout: str) -> None:
         assert table.is_contiguous()
     for b in range(2):
         assert tokens[b, hot] == sizes.seq_len - 1  # the newest slot
-        assert (host_rows[b, tokens[b, :hot]] == tables.slot_row[0, b].numpy()).all()
+        keys = (host_rows[b, tokens[b, :hot]] if residency_map == "host_row"
+                else b * sizes.seq_len + tokens[b, :hot])
+        assert (keys == tables.slot_key[0, b].numpy()).all()
     # The same order as hisparse's stamps, by an independent sort of (last use, slot id).
     stamps = tables.last_use[0].tolist()
     for b in range(2):

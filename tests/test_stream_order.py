@@ -23,7 +23,7 @@ def check_hot_buffers(cache: hisparse.HiSparseCache, layer: int, names: list[str
     for name in names:
         r = cache.request_slot(name)
         position_of = {int(row): p for p, row in enumerate(cache.host_rows(name))}
-        for slot, row in enumerate(cache.tables.slot_row[group, r].tolist()):
+        for slot, row in enumerate(cache.tables.slot_key[group, r].tolist()):
             if row >= 0:
                 want = row_pattern(REQUESTS[name][0], layer, torch.tensor([position_of[row]]),
                                    WIDTH)

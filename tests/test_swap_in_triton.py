@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.core.tables import CacheTables, MissPlan, ResidencyMap
 from hisparse.errors import InvalidInputError
 from hisparse.kernels.swap_in_reference import copy_planned_reference, swap_in_reference
 from interpreted_kernels import (  # sets TRITON_INTERPRET before kernels compile
@@ -62,8 +62,10 @@ def _host_tensor(rows: int, row_bytes: int, gen: torch.Generator) -> torch.Tenso
     return data.pin_memory() if ON_GPU else data
 
 
-def make_tables(sizes: Sizes, gen: torch.Generator) -> CacheTables:
-    """Random requests (free, short, at the switch, long) seeded as docs/ARCHITECTURE.md says."""
+def make_tables(sizes: Sizes, gen: torch.Generator,
+                residency_map: ResidencyMap = "host_row") -> CacheTables:
+    """Random requests (free, short, at the switch, long) seeded as docs/ARCHITECTURE.md says,
+    their residency map keyed by host row or by (request slot, position)."""
     hot, ext, num_req = sizes.hot, sizes.extent, sizes.num_requests
     slots = hot + 1
     kinds = torch.randint(0, 4, (num_req,), generator=gen).tolist()
@@ -94,8 +96,11 @@ def make_tables(sizes: Sizes, gen: torch.Generator) -> CacheTables:
     device_kv = torch.randint(
         0, 256, (num_layers, num_req * slots, sizes.row_bytes), dtype=torch.uint8, generator=gen
     )
-    slot_row = torch.full((num_groups, num_req, hot), -1, dtype=torch.int32)
-    resident = torch.full((num_groups, num_host_rows), -1, dtype=sizes.resident_dtype)
+    positions = max_pages * ext
+    by_position = residency_map == "position"
+    slot_key = torch.full((num_groups, num_req, hot), -1, dtype=torch.int32)
+    resident = torch.full((num_groups, num_req * positions if by_position else num_host_rows),
+                          -1, dtype=sizes.resident_dtype)
     # Seeded (-1, clock 0) or later states: stamps below the clock, in a narrow range (ties
     # decide most victims) or spread over 2^20 steps (the selection's bit search decides).
     last_use = torch.full((num_groups, num_req, hot), -1, dtype=torch.int32)
@@ -124,8 +129,9 @@ def make_tables(sizes: Sizes, gen: torch.Generator) -> CacheTables:
                 device_kv[layer, r * slots + hot] = host_kv[layer][host_row(r, n - 1)]
         for s, pos in seeded.items():
             row = host_row(r, pos)
-            slot_row[:, r, s] = row
-            resident[:, row] = s
+            key = r * positions + pos if by_position else row
+            slot_key[:, r, s] = key
+            resident[:, key] = s
             for layer in range(num_layers):
                 device_kv[layer, r * slots + s] = host_kv[layer][row]
     return CacheTables(
@@ -133,13 +139,14 @@ def make_tables(sizes: Sizes, gen: torch.Generator) -> CacheTables:
         host_kv=host_kv,
         page_table=page_table.to(DEVICE),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        slot_row=slot_row.to(DEVICE),
+        slot_key=slot_key.to(DEVICE),
         last_use=last_use.to(DEVICE),
         lru_clock=lru_clock.to(DEVICE),
         resident=resident.to(DEVICE),
         counters=torch.zeros(num_layers, 3, dtype=torch.int64, device=DEVICE),
         hot_slots=hot,
         extent_tokens=ext,
+        residency_map=residency_map,
     )
 
 
@@ -149,13 +156,14 @@ def clone_tables(t: CacheTables) -> CacheTables:
         host_kv=t.host_kv,  # read-only for swap-in
         page_table=t.page_table,
         seq_lens=t.seq_lens,
-        slot_row=t.slot_row.clone(),
+        slot_key=t.slot_key.clone(),
         last_use=t.last_use.clone(),
         lru_clock=t.lru_clock.clone(),
         resident=t.resident.clone(),
         counters=t.counters.clone(),
         hot_slots=t.hot_slots,
         extent_tokens=t.extent_tokens,
+        residency_map=t.residency_map,
     )
 
 
@@ -208,7 +216,7 @@ def poisoned_plan(sizes: Sizes) -> MissPlan:
 
 
 def assert_same_state(got: CacheTables, want: CacheTables) -> None:
-    for name in ("last_use", "lru_clock", "slot_row", "resident", "counters"):
+    for name in ("last_use", "lru_clock", "slot_key", "resident", "counters"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert torch.equal(got.device_kv, want.device_kv), "device rows differ"
 
@@ -260,6 +268,11 @@ VARIANTS = {
                            "address_order_max_extent_tokens": None, "address_buckets": 256},
     "batch-row-order": {"address_order_min_batch": None},
 }
+# The variants run again over a residency map keyed by position (CacheTables.residency_map),
+# those whose lookup or selection code differs there.
+POSITION_KEYED = ("default", "late-loads", "address-order", "prefetched-copy")
+CASES = [pytest.param(v, "host_row", id=v) for v in VARIANTS] + [
+    pytest.param(v, "position", id=f"position-keyed-{v}") for v in POSITION_KEYED]
 
 
 def plans_in_address_order(tune: triton_kernels.Tuning, sizes: Sizes) -> bool:
@@ -302,10 +315,11 @@ def assert_plan_matches(got: MissPlan, want: MissPlan, address_order: bool, buck
 
 
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"K{s.top_k}-H{s.hot}-W{s.row_bytes}")
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, rng: torch.Generator) -> None:
+@pytest.mark.parametrize(("variant", "residency_map"), CASES)
+def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, residency_map: ResidencyMap,
+                                        rng: torch.Generator) -> None:
     gen = rng
-    want = make_tables(sizes, gen)
+    want = make_tables(sizes, gen, residency_map)
     got = clone_tables(want)
     previous: dict[int, list[int]] = {}
     overrides: dict[str, object] = {"classify_chunk_k": 16, "small_batch_classify_chunk_k": None,
@@ -327,7 +341,7 @@ def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, rng: torch.G
                                               out_got, plan_got)
                 assert torch.equal(out_got, out_want), f"step {step} layer {layer}: outputs"
                 assert_plan_matches(plan_got, plan_want, address_order, tune.address_buckets,
-                                    got.resident.shape[1])
+                                    got.num_host_rows)
                 if step == 3:
                     assert int(plan_got.count.sum()) == 0, "a repeated batch must all hit"
                 scratch = triton_kernels._get_scratch(got, sizes.batch_cap, sizes.top_k)

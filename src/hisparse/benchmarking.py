@@ -27,7 +27,7 @@ import torch
 from hisparse.backends.base import Backend, SwapInFn
 from hisparse.backends.features import Feature
 from hisparse.core.host_pool import ExtentAllocator
-from hisparse.core.tables import CacheTables, MissPlan, residency_dtype
+from hisparse.core.tables import CacheTables, MissPlan, ResidencyMap, residency_dtype
 from hisparse.errors import InvalidInputError
 
 LAYOUTS = ("scattered", "extents")
@@ -86,6 +86,7 @@ class SW1Cell:
     skip_io_step_seconds: float | None = None  # median with skip_io=True (plan only)
     batch_capacity: int | None = None  # rows the kernel ran over (None: `batch`, no padding)
     misses_counted_by: str = "kernel counters"  # or "trace" (a kernel that counts nothing)
+    residency_map: str = "host_row"  # what hisparse's residency map was keyed by
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -173,8 +174,10 @@ def page_table_for(layout: str, batch: int, sizes: SW1Sizes, rng: np.random.Gene
 def build_tables(
     backend: Backend, pool: torch.Tensor, layout: str, batch: int, sizes: SW1Sizes,
     rng: np.random.Generator, mirror: torch.Tensor | None = None,
+    residency_map: ResidencyMap = "host_row",
 ) -> tuple[CacheTables, np.ndarray]:
-    """One layer with B requests of seq_len tokens, hot buffers seeded (ARCHITECTURE.md).
+    """One layer with B requests of seq_len tokens, hot buffers seeded (ARCHITECTURE.md), the
+    residency map keyed by `residency_map`.
 
     `mirror`: the pool's rows on the device, to seed the hot buffers from (faster than a
     host gather of B x (H+1) rows)."""
@@ -190,9 +193,16 @@ def build_tables(
     source = host if mirror is None else mirror
     seeded_rows = torch.from_numpy(seeded.reshape(-1)).to(source.device)
     device_kv[0].view(batch, slots, -1).copy_(source[seeded_rows].view(batch, slots, -1))
-    resident = torch.full((1, num_rows), -1, dtype=residency_dtype(hot), device=device)
-    lru_rows = torch.from_numpy(seeded[:, :hot].reshape(-1)).to(device)
-    resident[0, lru_rows] = torch.arange(hot, dtype=resident.dtype, device=device).repeat(batch)
+    # The positions every page table maps (a pool of B x seq_len rows: as many keys either way).
+    positions = pages.shape[1] * extent
+    if residency_map == "position":
+        lru_keys = (np.arange(batch)[:, None] * positions + np.arange(n - 1 - hot, n - 1))
+        num_keys = batch * positions
+    else:
+        lru_keys, num_keys = seeded[:, :hot], num_rows
+    resident = torch.full((1, num_keys), -1, dtype=residency_dtype(hot), device=device)
+    resident[0, torch.from_numpy(lru_keys.reshape(-1)).to(device)] = torch.arange(
+        hot, dtype=resident.dtype, device=device).repeat(batch)
     tables = CacheTables(
         device_kv=device_kv,
         host_kv=[host],
@@ -200,8 +210,8 @@ def build_tables(
         # fancy indexing above can hand back column-major arrays (torch keeps their strides).
         page_table=torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int32)).to(device),
         seq_lens=torch.full((batch,), n, **i32),
-        slot_row=torch.from_numpy(
-            np.ascontiguousarray(seeded[:, :hot], dtype=np.int32)).to(device)[None],
+        slot_key=torch.from_numpy(
+            np.ascontiguousarray(lru_keys, dtype=np.int32)).to(device)[None],
         # The engine's seeded state: one stamp for all, ties by slot id (oldest token first).
         last_use=torch.full((1, batch, hot), -1, **i32),
         lru_clock=torch.zeros(1, batch, **i32),
@@ -209,6 +219,7 @@ def build_tables(
         counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
         hot_slots=hot,
         extent_tokens=extent,
+        residency_map=residency_map,
     )
     return tables, host_rows
 
@@ -254,6 +265,7 @@ def sw1_cell(
     sizes: SW1Sizes, seed: int = 0, mirror: torch.Tensor | None = None,
     skip_io: bool = False, batch_capacity: int | None = None, flush: str = "write",
     kernel_for: Callable[[CacheTables, np.ndarray], SwapInFn] | None = None,
+    residency_map: ResidencyMap = "host_row",
 ) -> SW1Cell:
     """One SW-1 cell: an untimed first step, `warmup_steps`, then `timed_steps` timed ones.
 
@@ -266,7 +278,8 @@ def sw1_cell(
     how the caches are evicted before each step (`CacheFlusher`). `kernel_for(tables,
     host_rows)`: another swap-in kernel to time on the same tables and trace (a peer's, for a
     side-by-side run); one that leaves `tables.counters` alone gets the trace's miss count,
-    which SW-1's trace fixes at churn x K per row and step for any exact LRU."""
+    which SW-1's trace fixes at churn x K per row and step for any exact LRU. `residency_map`:
+    what hisparse's residency map is keyed by (`CacheTables.residency_map`)."""
     rng = np.random.default_rng([seed, batch, round(churn * 1000),
                                  (*LAYOUTS, SWEEP_LAYOUT).index(layout)])
     device = backend.device()
@@ -278,7 +291,8 @@ def sw1_cell(
         raise InvalidInputError("skip_io times hisparse's own planning, which cannot follow "
                                 "another kernel (its tables are not hisparse's); pass one of "
                                 "skip_io and kernel_for")
-    tables, host_rows = build_tables(backend, pool, layout, batch, sizes, rng, mirror=mirror)
+    tables, host_rows = build_tables(backend, pool, layout, batch, sizes, rng, mirror=mirror,
+                                     residency_map=residency_map)
     kernel = swap_in_kernel(backend)[0] if kernel_for is None else kernel_for(tables, host_rows)
     trace = ChurnTrace(batch, sizes, churn, rng)
     req_slots = torch.zeros(capacity, dtype=torch.int32, device=device)  # padding: slot 0
@@ -371,6 +385,7 @@ def sw1_cell(
         skip_io_step_seconds=skip_io_seconds,
         batch_capacity=batch_capacity,
         misses_counted_by=counted_by,
+        residency_map=residency_map,
     )
 
 
@@ -440,6 +455,7 @@ def run_sw1(
     sizes: SW1Sizes | None = None,
     seed: int = 0,
     on_cell: Callable[[SW1Cell], None] | None = None,
+    residency_map: ResidencyMap = "host_row",
 ) -> list[SW1Cell]:
     """Every (layout, batch, churn) cell over one host pool sized for the largest batch."""
     sizes = sizes or SW1Sizes()
@@ -452,7 +468,8 @@ def run_sw1(
         for layout in layouts:
             for batch in batches:
                 for churn in churns:
-                    cell = sw1_cell(backend, pool, layout, batch, churn, sizes, seed)
+                    cell = sw1_cell(backend, pool, layout, batch, churn, sizes, seed,
+                                    residency_map=residency_map)
                     cells.append(cell)
                     if on_cell is not None:
                         on_cell(cell)
@@ -563,7 +580,7 @@ def copy_only_tables(pool: torch.Tensor, rows: int, device: torch.device) -> Cac
         host_kv=[pool],
         page_table=one[0],
         seq_lens=one[0, 0],
-        slot_row=one,
+        slot_key=one,
         last_use=one,
         lru_clock=one[0],
         resident=one[0],

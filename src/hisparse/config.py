@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from hisparse.backends.features import RAISE_WHEN_REQUESTED, Feature
+from hisparse.core.widths import RESIDENCY_MAPS
 from hisparse.errors import ConfigError, FeatureDisabledWarning
 
 if TYPE_CHECKING:
@@ -41,7 +42,8 @@ class HiSparseConfig:
 
     Defaults describe DeepSeek-V3.2 (configs/default.yaml lists them). Fields left as None
     are derived: `row_bytes` from `row_bytes_by_dtype[kv_dtype]`, `device_buffer_size` as
-    `2 * top_k`, `max_batch` as `max_requests`; `replace()` derives them again.
+    `2 * top_k`, `max_batch` as `max_requests`, `residency_map` as `"host_row"`; `replace()`
+    derives them again.
     """
 
     model: str = "default"
@@ -59,6 +61,7 @@ class HiSparseConfig:
     max_seq_len: int = 131072
     host_pool_tokens: int = 1048576
     extent_tokens: int = 512
+    residency_map: str | None = None
     graph_capture: bool | None = None
     async_backup: bool | None = None
     shared_index_prefetch: bool | None = None
@@ -127,6 +130,14 @@ class HiSparseConfig:
                 what = "top_k" if name == "device_buffer_size" else "1"
                 problems.append(f"{name}: got {value}, must be at least {what} ({low})")
 
+        if self.residency_map is None:
+            set_field(self, "residency_map", "host_row")
+            derived.add("residency_map")
+        elif self.residency_map not in RESIDENCY_MAPS:
+            problems.append(f"residency_map: got {self.residency_map!r}; valid choices: "
+                            f"{', '.join(RESIDENCY_MAPS)} or null (host_row)")
+            bad.add("residency_map")
+
         for name in FEATURE_FLAGS:
             value = getattr(self, name)
             allowed = (True, False) if name == "skip_io" else (True, False, None)
@@ -165,6 +176,12 @@ class HiSparseConfig:
             problems.append(
                 f"max_seq_len: got {self.max_seq_len}, more than the host pool holds "
                 f"({self.host_rows} rows); raise host_pool_tokens or lower max_seq_len"
+            )
+        position_keys = self.max_requests * self.pages_per_request * self.extent_tokens
+        if self.residency_map == "position" and position_keys >= INT32_LIMIT:
+            problems.append(
+                f"residency_map: position keys max_requests * max_seq_len (in whole extents) = "
+                f"{position_keys}, must be < 2**31; use host_row or fewer requests"
             )
         if self.max_requests * self.slots_per_request >= INT32_LIMIT:
             problems.append(

@@ -29,7 +29,7 @@ C = context tokens, C_E = C rounded up to whole extents, K = top-k, m = miss rat
   without HiSparse         = C * (L * W + G * I)               (full KV + indexer keys)
   with HiSparse            = (H+1) * L * W                     (hot buffer + newest slot)
                            + C * G * I                         (indexer keys, full context)
-                           + G * (2 * H + 1) * 4               (last_use + slot_row + LRU
+                           + G * (2 * H + 1) * 4               (last_use + slot_key + LRU
                                                                 clock, int32)
                            + ceil(C/E) * 4 + 4                 (page table + seq_len)
                            + G * C_E * 2                       (resident map, 2 B per host row;

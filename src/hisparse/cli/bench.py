@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from hisparse.cli import _output as out
+from hisparse.core.widths import RESIDENCY_MAPS
 
 FULL = {"batches": [1, 16, 64, 128], "churns": [0.0, 0.05, 0.2, 1.0], "seq_len": 32768,
         "warmup": 8, "steps": 40, "gather_pool_mib": 1024, "gather_rows": [2048, 16384, 131072],
@@ -76,6 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sw1.add_argument("--warmup", type=out.non_negative_int, default=None)
     sw1.add_argument("--steps", type=out.positive_int, default=None)
     sw1.add_argument("--seed", type=out.seed, default=0)
+    sw1.add_argument("--residency-map", choices=RESIDENCY_MAPS, default="host_row",
+                     help="what the hot-slot map is keyed by (config residency_map; default: "
+                          "%(default)s)")
     copy = parser.add_argument_group("copy limits")
     copy.add_argument("--bulk-mib", type=out.positive_int, default=None)
     copy.add_argument("--gather-pool-mib", type=out.positive_int, default=None)
@@ -137,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             if args.only != "copy":
                 cells = benchmarking.run_sw1(
                     backend, pick["batches"], pick["churns"], args.layouts, sizes, args.seed,
-                    on_cell=lambda _cell: progress.update(),
+                    on_cell=lambda _cell: progress.update(), residency_map=args.residency_map,
                 )
             if args.only != "sw1":
                 copies = benchmarking.bulk_copies(backend, pick["bulk_mib"] << 20)

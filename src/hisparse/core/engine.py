@@ -151,14 +151,17 @@ class HiSparseCache:
                     host_kv=self._pool.layers,
                     page_table=torch.full((R, pages), -1, **i32),
                     seq_lens=torch.zeros(R, **i32),
-                    slot_row=torch.full((G, R, H), -1, **i32),
+                    slot_key=torch.full((G, R, H), -1, **i32),
                     last_use=torch.full((G, R, H), -1, **i32),
                     lru_clock=torch.zeros(G, R, **i32),
-                    resident=torch.full((G, self._pool.num_rows), -1, dtype=residency_dtype(H),
-                                        device=dev),
+                    # Keyed by position: one entry per position of every request slot.
+                    resident=torch.full(
+                        (G, R * pages * E if config.residency_map == "position"
+                         else self._pool.num_rows), -1, dtype=residency_dtype(H), device=dev),
                     counters=torch.zeros(L, 3, dtype=torch.int64, device=dev),
                     hot_slots=H,
                     extent_tokens=E,
+                    residency_map=config.residency_map,
                     # What the fused backup kernel writes through (device-side on ROCm).
                     host_kv_addresses=torch.tensor(
                         [backend.device_address(layer) for layer in self._pool.layers],
@@ -469,8 +472,9 @@ class HiSparseCache:
             rest = rest[3:]
         if short_updates:
             slot_index, hot_slot, row = (x.long() for x in rest[:3])
-            t.slot_row[:, slot_index, hot_slot] = row.to(torch.int32)
-            t.resident[:, row] = hot_slot.to(t.resident.dtype)
+            key = t.residency_keys(slot_index, hot_slot, row)  # short: hot slot = position
+            t.slot_key[:, slot_index, hot_slot] = key.to(torch.int32)
+            t.resident[:, key] = hot_slot.to(t.resident.dtype)
         self._step = DecodeStep(tuple(ids), tuple(positions), self._req_slots, self._num_real,
                                 self._newest_rows)
         self._step_records = records
@@ -625,8 +629,8 @@ class HiSparseCache:
             t.page_table[uploaded[2].long(), uploaded[3].long()] = -1
         if short:
             slot_index, hot_slot, row = (x.long() for x in uploaded[4:7])
-            t.slot_row[:, slot_index, hot_slot] = -1
-            t.resident[:, row] = -1
+            t.slot_key[:, slot_index, hot_slot] = -1
+            t.resident[:, t.residency_keys(slot_index, hot_slot, row)] = -1
         for record in records:
             record.num_tokens -= 1
         for record in grew:
@@ -774,9 +778,10 @@ class HiSparseCache:
         t.page_table[r, : len(record.extents)] = torch.tensor(record.extents, dtype=torch.int32)
         t.seq_lens[r] = n
         lru_rows = torch.from_numpy(token_rows(record.extents, E, *lru_tokens)).to(self.device)
-        t.slot_row[:, r].fill_(-1)
-        t.slot_row[:, r, : lru_rows.numel()] = lru_rows.to(torch.int32)
-        t.resident[:, lru_rows] = torch.arange(lru_rows.numel(), dtype=t.resident.dtype,
+        lru_keys = t.residency_keys(r, torch.arange(*lru_tokens, device=self.device), lru_rows)
+        t.slot_key[:, r].fill_(-1)
+        t.slot_key[:, r, : lru_keys.numel()] = lru_keys.to(torch.int32)
+        t.resident[:, lru_keys] = torch.arange(lru_keys.numel(), dtype=t.resident.dtype,
                                                device=self.device)
         # One stamp for all, below the clock: ties go by slot id, so the oldest token goes first.
         t.last_use[:, r].fill_(-1)
@@ -814,12 +819,12 @@ class HiSparseCache:
         t = self.tables
         # The last step's kernels read these tables.
         self.backend.wait_event(self._step_done, self.device)
-        own_row = record.extents[0] * self.extent_tokens
-        # Empty hot slots hold -1; point them at one of the request's own rows, cleared anyway,
-        # so the scatter needs no host sync to filter them out.
-        held = t.slot_row[:, r].long()
-        t.resident.scatter_(1, torch.where(held >= 0, held, own_row), -1)
-        t.slot_row[:, r].fill_(-1)
+        own_key = int(t.residency_keys(r, 0, record.extents[0] * self.extent_tokens))
+        # Empty hot slots hold -1; point them at the key of the request's first token, cleared
+        # anyway, so the scatter needs no host sync to filter them out.
+        held = t.slot_key[:, r].long()
+        t.resident.scatter_(1, torch.where(held >= 0, held, own_key), -1)
+        t.slot_key[:, r].fill_(-1)
         t.last_use[:, r].fill_(-1)
         t.lru_clock[:, r] = 0
         t.seq_lens[r] = 0

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from hisparse.core.widths import resident_entry_bytes
+
+# What `CacheTables.resident` is indexed by (core.widths.RESIDENCY_MAPS, for the config).
+ResidencyMap = Literal["host_row", "position"]
 
 
 def residency_dtype(hot_slots: int) -> torch.dtype:
@@ -27,20 +31,28 @@ class CacheTables:
     host_kv: list[torch.Tensor]  # L x [N, W] uint8, host memory of the backend
     page_table: torch.Tensor  # [R, P] int32: extent id per E tokens, -1 = none
     seq_lens: torch.Tensor  # [R] int32
-    slot_row: torch.Tensor  # [G, R, H] int32: host row per hot slot, -1 = empty
+    slot_key: torch.Tensor  # [G, R, H] int32: the `resident` key of each hot slot's token, -1
+    # = empty
     # The LRU, as a clock per (group, request) that every long-regime swap-in advances, and
     # the clock's value when each hot slot was last used (hit or filled): oldest first, ties
     # by slot id. Seeding sets the stamps to -1 and the clock to 0.
     last_use: torch.Tensor  # [G, R, H] int32
     lru_clock: torch.Tensor  # [G, R] int32
-    resident: torch.Tensor  # [G, N] int16 or int32 (residency_dtype): hot slot holding host
-    # row n, -1 = none
+    # [G, N] (keyed by host row) or [G, R * T] (keyed by request slot r and position p as
+    # r * T + p, T = positions_per_request), int16 or int32 (residency_dtype): the hot slot
+    # holding that token, -1 = none
+    resident: torch.Tensor
     counters: torch.Tensor  # [L, 3] int64: hits, misses, invalid entries
     hot_slots: int  # H
     extent_tokens: int  # E
     # [L] int64 device tensor: the address a kernel uses for each host_kv[l] (the engine fills
     # it from backend.device_address: on ROCm it is not the host pointer). None: data_ptr().
     host_kv_addresses: torch.Tensor | None = None
+    # Keyed by position, a lookup needs no page-table read for a hit: token-granular page
+    # tables read one entry per top-k token otherwise (H200, SW-1 B=128 miss-free step: 18.5
+    # -> about 13 us, benchmarks/NOTES.md fifteenth pass), for R * T entries per group
+    # instead of N.
+    residency_map: ResidencyMap = "host_row"
 
     @property
     def slots_per_request(self) -> int:
@@ -49,6 +61,26 @@ class CacheTables:
     @property
     def row_bytes(self) -> int:
         return int(self.device_kv.shape[-1])
+
+    @property
+    def positions_per_request(self) -> int:
+        """T: the positions a request's page table can map (its width times E)."""
+        return int(self.page_table.shape[1]) * self.extent_tokens
+
+    @property
+    def num_host_rows(self) -> int:
+        """N: host rows a position can map to (a key past them has no host row)."""
+        if self.residency_map == "host_row":
+            return int(self.resident.shape[1])
+        return min((int(host.shape[0]) for host in self.host_kv), default=0)
+
+    def residency_keys(self, request_slots: torch.Tensor, positions: torch.Tensor,
+                       host_rows: torch.Tensor) -> torch.Tensor:
+        """The `resident` index of each token (broadcast): its host row, or its request slot
+        and position."""
+        if self.residency_map == "host_row":
+            return host_rows
+        return request_slots * self.positions_per_request + positions
 
 
 @dataclass(eq=False)

@@ -3,6 +3,9 @@ before any cache exists, and `core.tables` allocates by the same rule."""
 
 from __future__ import annotations
 
+# What the residency map is indexed by (config `residency_map`; core.tables.ResidencyMap).
+RESIDENCY_MAPS = ("host_row", "position")
+
 # Hot-slot ids and -1 fit in int16 while the hot buffer holds at most this many slots.
 INT16_MAX_HOT_SLOTS = 32767
 

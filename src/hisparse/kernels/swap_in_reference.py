@@ -54,16 +54,23 @@ def swap_in_reference(
     page = t.page_table[r[:, None], torch.where(in_table, page_index, 0)].long()
     page = torch.where(in_table, page, -1)
     row = page * ext + safe_pos % ext
-    # A position without a host row (no extent, or past the pool) would be an engine bug: it
-    # counts as invalid and gets -1, as in the Triton kernels, rather than reading a wrapped
-    # or wild residency entry.
-    lost = candidate & ((page < 0) | (row >= t.resident.shape[1]))
+    # A position without a host row (no extent, or past the pool or the page table) would be
+    # an engine bug: it counts as invalid and gets -1, as in the Triton kernels, rather than
+    # reading a wrapped or wild residency entry.
+    no_row = (page < 0) | (row >= t.num_host_rows)
+    by_position = t.residency_map == "position"
+    # Keyed by position, a resident token is a hit without its host row: the Triton lookup
+    # reads the page table for misses alone.
+    lost = candidate & (~in_table if by_position else no_row)
     candidate = candidate & ~lost
-    invalid = invalid | lost
-    row = torch.where(candidate, row, 0)
-    resident_slot = t.resident[group, row].long()
+    key = torch.where(candidate, t.residency_keys(r[:, None], safe_pos, row), 0)
+    resident_slot = t.resident[group, key].long()
     hit = candidate & (resident_slot >= 0)
     miss = candidate & (resident_slot < 0)
+    if by_position:
+        lost = lost | (miss & no_row)
+        miss = miss & ~no_row
+    invalid = invalid | lost
     result = torch.where(hit, base + resident_slot, result)
 
     # Exact LRU over the long-regime rows; everything below only touches those rows. Hits take
@@ -77,8 +84,8 @@ def swap_in_reference(
     stamps = torch.where(hit_slot[:, :hot], clock, stamps)
     evictable = stamps < clock
     # (stamp, slot id) as one key: stamps are int32, slot ids < H.
-    key = torch.where(evictable, stamps * hot + slot_ids, torch.iinfo(torch.int64).max)
-    by_age = key.argsort(dim=1)
+    age_key = torch.where(evictable, stamps * hot + slot_ids, torch.iinfo(torch.int64).max)
+    by_age = age_key.argsort(dim=1)
     num_miss = miss.sum(1, keepdim=True)
     installed = torch.minimum(num_miss, evictable.sum(1, keepdim=True))
     oldest_rank = torch.empty_like(by_age).scatter_(1, by_age, slot_ids.expand_as(by_age))
@@ -99,10 +106,11 @@ def swap_in_reference(
     miss_req = r[miss_b]
     miss_slot = victim[miss_b, miss_k]
     miss_row = row[miss_b, miss_k]
-    old_row = t.slot_row[group, miss_req, miss_slot].long()
-    t.resident[group, old_row[old_row >= 0]] = -1
-    t.resident[group, miss_row] = miss_slot.to(t.resident.dtype)
-    t.slot_row[group, miss_req, miss_slot] = miss_row.to(t.slot_row.dtype)
+    miss_key = key[miss_b, miss_k]
+    old_key = t.slot_key[group, miss_req, miss_slot].long()
+    t.resident[group, old_key[old_key >= 0]] = -1
+    t.resident[group, miss_key] = miss_slot.to(t.resident.dtype)
+    t.slot_key[group, miss_req, miss_slot] = miss_key.to(t.slot_key.dtype)
     miss_dst = miss_req * slots + miss_slot
     if not skip_io and miss_row.numel():
         host = t.host_kv[layer]

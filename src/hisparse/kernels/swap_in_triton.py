@@ -13,7 +13,7 @@ replay with another `num_real`:
    advances its clock. A row with M misses takes the M slots with the oldest stamps below the
    clock (ties by slot id): the oldest stamp values first, a search over the stamp bits where
    a few values do not settle it; it gives them to the misses in slot order and writes
-   `slot_row`, `resident`, the stamps, the miss outputs and the miss plan: batch row by batch
+   `slot_key`, `resident`, the stamps, the miss outputs and the miss plan: batch row by batch
    row, or (large batches of scattered rows) in host-address order.
 3. copy: a fixed number of programs per SM walk the flattened list of the plan in order, so a
    single request's misses spread over the whole GPU instead of one block. Rows
@@ -113,13 +113,15 @@ def _lookup_chunk(
     base,
     top_k_ptr,  # [Bcap, K] int32 positions, -1 = none
     page_table_ptr,  # [R, P] int32 extent ids
-    resident_ptr,  # [N] int16 / int32 hot slot per host row (this group)
+    resident_ptr,  # [N] or [R * T] int16 / int32 hot slot per residency key (this group)
     K,
     H,
     E,
     P,
     N,
+    T,  # positions per request (keys by position: r * T + position)
     EARLY_LOADS: tl.constexpr,
+    POSITION_KEYED: tl.constexpr,
 ):
     """Resolve top-k entries: the device row of every non-miss (-1 for none/invalid), the hit
     slot / host row of long-regime entries, and each entry's code (`_entry_codes`)."""
@@ -129,27 +131,43 @@ def _lookup_chunk(
         # and the page table is masked by position alone (r is already clamped in range).
         pos = tl.load(top_k_ptr + b * K + k_offsets, mask=in_k, other=-1)
         pos = tl.where(real, pos, -1)
-        page_index = pos // E
-        page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,
-                       mask=(pos >= 0) & (page_index < P), other=-1)
+        if not POSITION_KEYED:  # keyed by position, the page table is read for misses alone
+            page_index = pos // E
+            page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,
+                           mask=(pos >= 0) & (page_index < P), other=-1)
     else:
         # Scalar conditions enter vectors through tl.where: `vector & scalar` gives an integer
         # mask under TRITON_INTERPRET=1 (triton 3.9), which tl.load rejects.
         pos = tl.load(top_k_ptr + b * K + k_offsets, mask=tl.where(real, in_k, False),
                       other=-1)
     valid, invalid, result, candidate = _entry_regime(pos, n, base, H)
-    if not EARLY_LOADS:
+    if POSITION_KEYED:
+        # A hit needs no host row; a position the page table cannot map is lost (below).
+        lost = candidate & (pos >= T)
+        candidate = candidate & ~lost
+        slot = tl.load(resident_ptr + r.to(tl.int64) * T + pos, mask=candidate,
+                       other=-1).to(tl.int32)
+        hit = candidate & (slot >= 0) & (slot < H)
+        miss = candidate & (slot < 0)
         page_index = pos // E
-        page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,
-                       mask=candidate & (page_index < P), other=-1)
-    row = page * E + pos % E
-    # A position without a host row would be an engine bug; counting it as invalid keeps the
-    # kernel in bounds instead of copying from a wild address.
-    lost = candidate & ((page < 0) | (row >= N))
-    candidate = candidate & ~lost
-    slot = tl.load(resident_ptr + row, mask=candidate, other=-1).to(tl.int32)
-    hit = candidate & (slot >= 0) & (slot < H)
-    miss = candidate & (slot < 0)
+        page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index, mask=miss, other=-1)
+        row = page * E + pos % E
+        no_row = miss & ((page < 0) | (row >= N))
+        lost = lost | no_row
+        miss = miss & ~no_row
+    else:
+        if not EARLY_LOADS:
+            page_index = pos // E
+            page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,
+                           mask=candidate & (page_index < P), other=-1)
+        row = page * E + pos % E
+        # A position without a host row would be an engine bug; counting it as invalid keeps
+        # the kernel in bounds instead of copying from a wild address.
+        lost = candidate & ((page < 0) | (row >= N))
+        candidate = candidate & ~lost
+        slot = tl.load(resident_ptr + row, mask=candidate, other=-1).to(tl.int32)
+        hit = candidate & (slot >= 0) & (slot < H)
+        miss = candidate & (slot < 0)
     result = tl.where(hit, base + slot, result)
     code = _entry_codes(miss, row, valid & ~miss & ~lost, invalid | lost)
     return in_k, result, hit, slot, miss, row, code
@@ -188,7 +206,7 @@ def _add_counters(counters_ptr, n_hit, n_miss, n_invalid, SEM: tl.constexpr):
 @triton.jit
 def _classify_kernel(
     num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
-    resident_ptr,  # [N] int16 / int32 this group's residency map
+    resident_ptr,  # [N] or [R * T] int16 / int32 this group's residency map
     last_use_ptr,  # [R, H] int32 this group's LRU stamps
     lru_clock_ptr,  # [R] int32 this group's LRU clocks
     miss_row_ptr,  # [Bcap, K] int32 scratch: each entry's code (_entry_codes)
@@ -196,8 +214,9 @@ def _classify_kernel(
     counters_ptr,  # [3] int64 this layer's counters
     bucket_count_ptr,  # [NUM_BUCKETS] int32 scratch: misses per host-address bucket (zero
     # between calls; ADDRESS_ORDER only)
-    R, S, K, H, E, P, N,
+    R, S, K, H, E, P, N, T,
     EARLY_LOADS: tl.constexpr,
+    POSITION_KEYED: tl.constexpr,  # resident is indexed by r * T + position, not by host row
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,  # atomics' memory order
     CHUNK_K: tl.constexpr,
@@ -213,7 +232,7 @@ def _classify_kernel(
     k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
     in_k, result, hit, slot, miss, row, code = _lookup_chunk(
         b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
-        K, H, E, P, N, EARLY_LOADS,
+        K, H, E, P, N, T, EARLY_LOADS, POSITION_KEYED,
     )
     if ADDRESS_ORDER:
         tl.atomic_add(bucket_count_ptr + _address_bucket(row, N, NUM_BUCKETS),
@@ -232,16 +251,17 @@ def _classify_kernel(
 @triton.jit
 def _select_victims(
     b, r, clock, num_misses, base,
-    last_use_ptr, slot_row_ptr, resident_ptr, miss_row_ptr, out_ptr,
+    last_use_ptr, slot_key_ptr, resident_ptr, miss_row_ptr, top_k_ptr, out_ptr,
     order_ptr,  # [Bcap, H] int32 scratch: the victims in slot order
     plan_src_ptr, plan_dst_ptr, plan_stride,
     bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr,
-    K, H, N,
+    K, H, N, T, NUM_KEYS,
     FAST_ROUNDS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ADDRESS_ORDER: tl.constexpr,
     NUM_BUCKETS: tl.constexpr,
+    POSITION_KEYED: tl.constexpr,
 ):
     """Give the misses of row b the slots with the oldest stamps below the clock (ties by
     slot id), in slot order, install them, and return how many were installed."""
@@ -251,8 +271,13 @@ def _select_victims(
     stamp_row = last_use_ptr + r.to(tl.int64) * H
     # Everything this row reads, in flight together.
     stamps = tl.load(stamp_row + h, mask=in_h, other=0)
-    rows_by_slot = tl.load(slot_row_ptr + r.to(tl.int64) * H + h, mask=in_h, other=-1)
+    keys_by_slot = tl.load(slot_key_ptr + r.to(tl.int64) * H + h, mask=in_h, other=-1)
     row = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1)
+    # A statement, not a conditional expression: that would load the top-k row either way.
+    if POSITION_KEYED:  # noqa: SIM108
+        key = r * T + tl.load(top_k_ptr + b * K + k, mask=k < K, other=0)
+    else:
+        key = row
     candidate = in_h & (stamps < clock)  # this step's hits carry the clock
     # H >= K leaves at least M candidates; the minimum only keeps us in bounds.
     installed = tl.minimum(num_misses, tl.sum(candidate.to(tl.int32), axis=0))
@@ -300,19 +325,19 @@ def _select_victims(
     victim = older | (tied & (tied_through <= need))
     victim_rank = older_through + tl.minimum(tied_through, need) - 1
     tl.store(order_ptr + b * H + victim_rank, h, mask=victim)
-    # A victim's old row is in no top-k entry of this step (it was not hit, and a miss row is
-    # held by no slot), so this never touches a row a miss installs below.
-    tl.store(resident_ptr + rows_by_slot,
-             tl.full(rows_by_slot.shape, -1, resident_ptr.dtype.element_ty),
-             mask=victim & (rows_by_slot >= 0) & (rows_by_slot < N))
+    # A victim's old token is in no top-k entry of this step (it was not hit, and a miss's
+    # token is held by no slot), so this never touches a key a miss installs below.
+    tl.store(resident_ptr + keys_by_slot,
+             tl.full(keys_by_slot.shape, -1, resident_ptr.dtype.element_ty),
+             mask=victim & (keys_by_slot >= 0) & (keys_by_slot < NUM_KEYS))
     tl.store(stamp_row + h, tl.zeros(h.shape, tl.int32) + clock, mask=victim)
     tl.debug_barrier()  # the victims in `order` are visible to every thread
     miss = row >= 0
     rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
     miss = miss & (rank < installed)
     slot = tl.load(order_ptr + b * H + rank, mask=miss, other=0)
-    tl.store(resident_ptr + row, slot.to(resident_ptr.dtype.element_ty), mask=miss)
-    tl.store(slot_row_ptr + r.to(tl.int64) * H + slot, row, mask=miss)
+    tl.store(resident_ptr + key, slot.to(resident_ptr.dtype.element_ty), mask=miss)
+    tl.store(slot_key_ptr + r.to(tl.int64) * H + slot, key, mask=miss)
     tl.store(out_ptr + b * K + k, base + slot, mask=miss)
     if ADDRESS_ORDER:
         # Every miss the classify grid counted takes an entry of its address bucket; the plan
@@ -347,8 +372,8 @@ def _select_victims(
 
 @triton.jit
 def _select_kernel(
-    num_real_ptr, req_slots_ptr, seq_lens_ptr, out_ptr, resident_ptr,
-    slot_row_ptr,  # [R, H] int32 this group's host row per hot slot
+    num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, resident_ptr,
+    slot_key_ptr,  # [R, H] int32 this group's residency key per hot slot
     last_use_ptr, lru_clock_ptr, miss_row_ptr, miss_count_ptr, order_ptr,
     plan_src_ptr, plan_dst_ptr,  # [Bcap, >=K] int32 host / device rows of each miss
     plan_count_ptr,  # [>=Bcap] int32 entries per plan row
@@ -359,7 +384,10 @@ def _select_kernel(
     row_buckets_ptr,  # [Bcap, NUM_BUCKETS] int32 scratch: a row's misses per bucket (zero
     # between calls)
     R, S, K, H, N,
+    T,  # positions per request
+    NUM_KEYS,  # entries of this group's residency map
     EARLY_LOADS: tl.constexpr,
+    POSITION_KEYED: tl.constexpr,
     USE_PDL: tl.constexpr,
     DEPENDENTS_READ_LOOKUPS: tl.constexpr,  # the next kernel reads the classify output
     FAST_ROUNDS: tl.constexpr,
@@ -392,10 +420,11 @@ def _select_kernel(
     if real & (n > H):
         if num_misses > 0:
             installed = _select_victims(
-                b, r, clock, num_misses, base, last_use_ptr, slot_row_ptr, resident_ptr,
-                miss_row_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr, plan_stride,
-                bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr, K, H, N, FAST_ROUNDS,
-                BLOCK_K, BLOCK_H, ADDRESS_ORDER, NUM_BUCKETS,
+                b, r, clock, num_misses, base, last_use_ptr, slot_key_ptr, resident_ptr,
+                miss_row_ptr, top_k_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr,
+                plan_stride, bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr, K, H, N, T,
+                NUM_KEYS, FAST_ROUNDS, BLOCK_K, BLOCK_H, ADDRESS_ORDER, NUM_BUCKETS,
+                POSITION_KEYED,
             )
         tl.store(lru_clock_ptr + r, clock + 1)
     if ADDRESS_ORDER:
@@ -672,25 +701,32 @@ def _fail(what: str, seen: object, fix: str) -> InvalidInputError:
 
 def _check_tables(tables: CacheTables) -> None:
     """The kernels index every table with sizes taken from the others (R from the page table,
-    G from the LRU stamps, H = hot_slots, N from resident, L from device_kv) and as contiguous
-    rows: a table that disagrees would be read or written past its end. Shapes only, no sync."""
+    G from the LRU stamps, H = hot_slots, N from resident or the host rows, L from device_kv)
+    and as contiguous rows: a table that disagrees would be read or written past its end.
+    Shapes only, no sync."""
     t = tables
     device = t.last_use.device
     if t.page_table.dim() != 2 or t.last_use.dim() != 3 or t.resident.dim() != 2:
         raise _fail("tables.page_table must be [R, P], tables.last_use [G, R, H] and "
-                    "tables.resident [G, N]", [list(t.page_table.shape),
-                                               list(t.last_use.shape), list(t.resident.shape)],
+                    "tables.resident [G, N] or [G, R * T]",
+                    [list(t.page_table.shape), list(t.last_use.shape), list(t.resident.shape)],
+                    "build the tables as docs/ARCHITECTURE.md lays them out")
+    if t.residency_map not in ("host_row", "position"):
+        raise _fail("tables.residency_map must be 'host_row' or 'position'", t.residency_map,
                     "build the tables as docs/ARCHITECTURE.md lays them out")
     num_requests, num_groups = t.page_table.shape[0], t.last_use.shape[0]
-    num_host_rows, num_layers = t.resident.shape[1], t.device_kv.shape[0]
+    num_layers = t.device_kv.shape[0]
+    position_keyed = t.residency_map == "position"
+    num_keys = (num_requests * t.positions_per_request if position_keyed
+                else t.resident.shape[1])
     grid = (num_groups, num_requests, t.hot_slots)
     expected = (  # (name, tensor, shape, dtype or None where checked per call)
         ("page_table", t.page_table, tuple(t.page_table.shape), torch.int32),
         ("seq_lens", t.seq_lens, (num_requests,), torch.int32),
-        ("slot_row", t.slot_row, grid, torch.int32),
+        ("slot_key", t.slot_key, grid, torch.int32),
         ("last_use", t.last_use, grid, torch.int32),
         ("lru_clock", t.lru_clock, (num_groups, num_requests), torch.int32),
-        ("resident", t.resident, (num_groups, num_host_rows), None),
+        ("resident", t.resident, (num_groups, num_keys), None),
         ("counters", t.counters, (num_layers, 3), torch.int64),
     )
     for name, tensor, shape, dtype in expected:
@@ -701,14 +737,19 @@ def _check_tables(tables: CacheTables) -> None:
                         f"{tensor.dtype} {list(tensor.shape)} stride {tensor.stride()} on "
                         f"{tensor.device}",
                         "build the tables as docs/ARCHITECTURE.md lays them out")
+    if num_keys >= 2**31:
+        raise _fail("tables.resident must have fewer than 2**31 entries per group (int32 keys)",
+                    num_keys, "use fewer request slots or a shorter page table")
     device_rows = num_requests * t.slots_per_request
     if t.device_kv.dim() != 3 or t.device_kv.shape[1] < device_rows:
         raise _fail(f"tables.device_kv must be [L, >= R*S = {device_rows}, W]",
                     list(t.device_kv.shape), "allocate one row per hot slot of every request")
+    if position_keyed:
+        return  # N is the host rows themselves (CacheTables.num_host_rows)
     for layer, host in enumerate(t.host_kv):
-        if host.dim() != 2 or host.shape[0] < num_host_rows:
-            raise _fail(f"tables.host_kv[{layer}] must hold at least N = {num_host_rows} rows "
-                        "(tables.resident's width)", list(host.shape),
+        if host.dim() != 2 or host.shape[0] < t.resident.shape[1]:
+            raise _fail(f"tables.host_kv[{layer}] must hold at least N = {t.resident.shape[1]} "
+                        "rows (tables.resident's width)", list(host.shape),
                         "allocate every layer's host pool with the rows resident maps")
 
 
@@ -941,7 +982,8 @@ def swap_in_triton(
     scratch = _get_scratch(t, batch_cap, k)
     used_plan = plan if plan is not None else scratch.plan
     num_requests, max_pages = t.page_table.shape
-    num_host_rows = t.resident.shape[1]
+    num_host_rows, positions = t.num_host_rows, t.positions_per_request
+    position_keyed = t.residency_map == "position"
     tune = _tuning
     pdl = tune.pdl is not False and _pdl_supported(device)
     # The counters order nothing (they are read after the kernels end), so they need no
@@ -963,7 +1005,8 @@ def swap_in_triton(
         num_real, req_slots, t.seq_lens, top_k, out, t.page_table, resident, last_use,
         lru_clock, scratch.miss_row, scratch.miss_count, t.counters[layer], bucket_count,
         num_requests, t.slots_per_request, k, hot, t.extent_tokens, max_pages, num_host_rows,
-        EARLY_LOADS=tune.early_loads, USE_PDL=pdl, COUNTER_SEM=counter_sem, CHUNK_K=chunk,
+        positions, EARLY_LOADS=tune.early_loads, POSITION_KEYED=position_keyed, USE_PDL=pdl,
+        COUNTER_SEM=counter_sem, CHUNK_K=chunk,
         ADDRESS_ORDER=address_order, NUM_BUCKETS=buckets, num_warps=tune.classify_warps,
     )
     block_k, block_h = triton.next_power_of_2(k), triton.next_power_of_2(hot)
@@ -972,12 +1015,13 @@ def swap_in_triton(
     # grid, or the next call would place its misses after stale counts.
     with _reset_counts_on_failure(scratch):
         _select_kernel[(batch_cap,)](
-            num_real, req_slots, t.seq_lens, out, resident, t.slot_row[group], last_use,
-            lru_clock, scratch.miss_row, scratch.miss_count, scratch.order, used_plan.src,
-            used_plan.dst, used_plan.count, used_plan.src.stride(0), bucket_count,
-            bucket_cursor, done, scratch.row_buckets,
-            num_requests, t.slots_per_request, k, hot, num_host_rows,
-            EARLY_LOADS=tune.early_loads, USE_PDL=pdl,
+            num_real, req_slots, t.seq_lens, top_k, out, resident, t.slot_key[group],
+            last_use, lru_clock, scratch.miss_row, scratch.miss_count, scratch.order,
+            used_plan.src, used_plan.dst, used_plan.count, used_plan.src.stride(0),
+            bucket_count, bucket_cursor, done, scratch.row_buckets,
+            num_requests, t.slots_per_request, k, hot, num_host_rows, positions,
+            resident.shape[0], EARLY_LOADS=tune.early_loads, POSITION_KEYED=position_keyed,
+            USE_PDL=pdl,
             DEPENDENTS_READ_LOOKUPS=prefetch and pdl_copy, FAST_ROUNDS=tune.select_fast_rounds,
             BLOCK_K=block_k, BLOCK_H=block_h, ADDRESS_ORDER=address_order, NUM_BUCKETS=buckets,
             num_warps=min(32, max(tune.select_warps, max(block_h, block_k) // (32 * 16))),

@@ -106,6 +106,11 @@ def test_every_problem_is_reported_at_once() -> None:
         ({"row_bytes_by_dtype": {"fp16": 3}}, "row_bytes_by_dtype: got"),
         ({"row_bytes_by_dtype": None}, "row_bytes: not given"),
         ({"model": ""}, "model: expected a non-empty string"),
+        ({"residency_map": "row"}, "residency_map: got 'row'; valid choices: host_row, position"),
+        ({"residency_map": "position", "max_requests": 2**15, "max_batch": 8,
+          "max_seq_len": 2**16, "host_pool_tokens": 2**16},
+         "residency_map: position keys max_requests * max_seq_len (in whole extents) = "
+         "2147483648, must be < 2**31"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(change: dict, named: str) -> None:

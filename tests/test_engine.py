@@ -279,3 +279,41 @@ def test_side_stream_paths_and_skip_io_match_the_plain_path(skip_io: bool) -> No
         else plain_h2d
     assert [s.bytes_host_to_device for s in other.stats().layers] == expected
     assert any(misses_h2d)
+
+
+def test_a_position_keyed_map_serves_the_same_rows_as_a_host_row_map() -> None:
+    """The residency map's key changes where a hit is looked up, never which slot serves it:
+    two caches fed the same prompts, tokens and top-k return the same device rows holding the
+    same bytes, step after step, and the position map holds one entry per request position."""
+    rng = np.random.default_rng()
+    caches = {key: running_cache(validate=False, residency_map=key)
+              for key in ("host_row", "position")}
+    prompts = torch.randint(0, 256, (4, 20, W), dtype=torch.uint8)
+    for cache in caches.values():  # the same KV in both ("a" at 20 tokens, "b" at 5)
+        for request_id, length in (("a", 20), ("b", 5)):
+            cache.finish(request_id)
+            cache.admit(request_id, length)
+            cache.write_prefill(request_id, prompts[:, :length])
+            cache.commit_prefill(request_id)
+    tables = caches["position"].tables
+    G, R, T = tables.last_use.shape[0], tables.page_table.shape[0], tables.positions_per_request
+    assert tables.resident.shape == (G, R * T) and caches["position"].max_seq_len <= T
+    for _ in range(12):
+        new_rows = torch.randint(0, 256, (4, 2, W), dtype=torch.uint8)
+        lengths = [caches["host_row"].seq_len(i) + 1 for i in ("a", "b")]
+        # A top-k per group: fresh positions of each request, some repeated from before.
+        picks = [top_k(*(sorted(rng.choice(n, size=min(n, 4), replace=False).tolist())
+                         for n in lengths)) for _ in range(2)]
+        served = {}
+        for key, cache in caches.items():
+            cache.begin_decode_step(["a", "b"])
+            outs = []
+            for layer in range(cache.num_layers):
+                cache.write_newest(layer, new_rows[layer])
+                out = cache.swap_in(layer, picks[layer // cache.index_group_size]).clone()
+                outs.append((out, cache.tables.device_kv[layer][out.clamp(min=0).long()]))
+            cache.end_decode_step()
+            served[key] = outs
+        for (out_row, kv_row), (out_pos, kv_pos) in zip(*served.values(), strict=True):
+            assert torch.equal(out_row, out_pos) and torch.equal(kv_row, kv_pos)
+    assert caches["host_row"].stats().misses == caches["position"].stats().misses > 0

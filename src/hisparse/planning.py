@@ -32,8 +32,10 @@ C = context tokens, C_E = C rounded up to whole extents, K = top-k, m = miss rat
                            + G * (2 * H + 1) * 4               (last_use + slot_key + LRU
                                                                 clock, int32)
                            + ceil(C/E) * 4 + 4                 (page table + seq_len)
-                           + G * C_E * 2                       (resident map, 2 B per host row;
-                                                                4 B when H > 32767)
+                           + G * C_E * 2                       (resident map, 2 B per host row,
+                                                                or per position when keyed
+                                                                by position; 4 B when
+                                                                H > 32767)
   concurrent requests      = floor(available / per-request bytes)   [then capped by --host-mem-gib]
   host pool                = requests * C_E * L * W
   H2D bytes per step       = requests * L * m * K * W          (0 while C <= H: no copies)

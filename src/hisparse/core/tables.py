@@ -49,9 +49,9 @@ class CacheTables:
     # it from backend.device_address: on ROCm it is not the host pointer). None: data_ptr().
     host_kv_addresses: torch.Tensor | None = None
     # Keyed by position, a lookup needs no page-table read for a hit: token-granular page
-    # tables read one entry per top-k token otherwise (H200, SW-1 B=128 miss-free step: 18.5
-    # -> about 13 us, benchmarks/NOTES.md fifteenth pass), for R * T entries per group
-    # instead of N.
+    # tables read one entry per top-k token otherwise (H200, SW-1 scattered B=128 miss-free
+    # step: 18.3 -> 13.6 us; 512-token extents: no change; benchmarks/NOTES.md fifteenth
+    # pass), for R * T entries per group instead of N.
     residency_map: ResidencyMap = "host_row"
 
     @property

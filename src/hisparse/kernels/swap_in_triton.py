@@ -4,8 +4,9 @@ Same signature and semantics as `kernels/swap_in_reference.py` (docs/ARCHITECTUR
 launches, each with a grid fixed by `Bcap` and `K` so that a CUDA graph can capture them and
 replay with another `num_real`:
 
-1. classify: grid (Bcap, K / chunk). Each top-k entry is resolved through `page_table` and the
-   persistent `resident` map: short regime, newest slot, hit, miss or invalid. A hit stamps
+1. classify: grid (Bcap, K / chunk). Each top-k entry is resolved through the persistent
+   `resident` map, keyed by host row (through `page_table`) or by position (the page table
+   read for misses alone): short regime, newest slot, hit, miss or invalid. A hit stamps
    its slot with the request's LRU clock (`last_use`), which is all the LRU work a hit needs;
    misses are counted per batch row (and, for a plan in address order, per address bucket).
 2. select: one program per batch row. It owns all LRU state of its request (two rows of a batch

@@ -70,13 +70,14 @@ class LockstepRun:
 
     def __init__(self, backend: Any, shape: tuple[int, int, int, int], validate: bool,
                  pool_extents: int, seed: int, weights: tuple[int, ...] = DEFAULT_WEIGHTS,
-                 full_check_every: int = 1) -> None:
+                 full_check_every: int = 1, residency_map: str = "host_row") -> None:
         hot, top_k, extent, group = shape
-        self.cache = build_cache(backend, hot, top_k, extent, group, validate, pool_extents)
+        self.cache = build_cache(backend, hot, top_k, extent, group, validate, pool_extents,
+                                 residency_map=residency_map)
         self.model = CacheModel(NUM_LAYERS, hot, group)
         self.rng = np.random.default_rng(seed)
         self.replay = (f"shape={shape} validate={validate} pool_extents={pool_extents} "
-                       f"seed={seed} weights={weights}")
+                       f"seed={seed} weights={weights} residency_map={residency_map}")
         probabilities = np.asarray(weights, dtype=float)
         self.probabilities = probabilities / probabilities.sum()
         self.full_check_every = full_check_every
@@ -327,7 +328,7 @@ def fuzz(backend: Any, decode_steps: int, seed: int, run_steps: int = 400,
             backend, SHAPES[int(rng.integers(len(SHAPES)))], bool(rng.random() < 0.5),
             int(rng.integers(10, 48)), int(rng.integers(2**31)),
             (int(rng.integers(8, 17)), *(int(w) for w in rng.integers(1, 5, len(OPERATIONS) - 1))),
-            full_check_every,
+            full_check_every, "position" if rng.random() < 0.5 else "host_row",
         )
         counts = run.run(min(run_steps, decode_steps - total.decode_steps))
         if counts.decode_steps == 0 and not counts.mismatches:
@@ -341,12 +342,13 @@ def fuzz(backend: Any, decode_steps: int, seed: int, run_steps: int = 400,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(shape=st.sampled_from(SHAPES), validate=st.booleans(),
        pool_extents=st.integers(8, 40), seed=st.integers(0, 2**31 - 1),
-       weights=st.tuples(*[st.integers(1, 9) for _ in OPERATIONS]))
+       weights=st.tuples(*[st.integers(1, 9) for _ in OPERATIONS]),
+       residency_map=st.sampled_from(["host_row", "position"]))
 def test_random_lifecycles_match_the_oracle(backend: Any, shape: tuple[int, int, int, int],
                                             validate: bool, pool_extents: int, seed: int,
-                                            weights: tuple[int, ...]) -> None:
-    counts = LockstepRun(backend, shape, validate, pool_extents, seed, weights).run(
-        decode_steps=25, max_operations=120)
+                                            weights: tuple[int, ...], residency_map: str) -> None:
+    counts = LockstepRun(backend, shape, validate, pool_extents, seed, weights,
+                         residency_map=residency_map).run(decode_steps=25, max_operations=120)
     assert counts.mismatches == 0, counts.failures
     assert counts.bytes_verified == counts.rows_verified * ROW_BYTES
 

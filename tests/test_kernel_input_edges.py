@@ -137,16 +137,19 @@ def test_real_row_with_a_bad_request_slot_is_treated_as_padding(
     assert_same_state(want, padded)
 
 
+@pytest.mark.parametrize("residency_map", ["host_row", "position"])
 @pytest.mark.parametrize("variant", EDGE_VARIANTS)
-def test_positions_without_a_host_row_count_invalid(variant: str, rng: torch.Generator) -> None:
+def test_positions_without_a_host_row_count_invalid(variant: str, residency_map: str,
+                                                    rng: torch.Generator) -> None:
     """A valid position whose page-table entry is -1, or points past the pool, has no host
     row (an engine bug, never a caller's): both implementations give it -1 and count it as
-    invalid, and neither reads a wrapped or wild residency entry nor plans a copy from it."""
-    tables = make_tables(SIZES, rng)
+    invalid, and neither reads a wrapped or wild residency entry nor plans a copy from it.
+    (Keyed by position, such a position is found out when it misses.)"""
+    tables = make_tables(SIZES, rng, residency_map)
     ext, hot, k = SIZES.extent, SIZES.hot, SIZES.top_k
     n0 = int(tables.seq_lens[0])  # request 0 is long: its oldest pages are not resident
     assert n0 - 1 - hot >= 2 * ext, "request 0 needs two pages older than its hot buffer"
-    num_rows = tables.resident.shape[1]
+    num_rows = tables.num_host_rows
     tables.page_table[0, 0] = -1  # positions 0..ext-1: no extent
     tables.page_table[0, 1] = num_rows // ext + 3  # positions ext..2*ext-1: past the pool
     lost = torch.randperm(2 * ext, generator=rng)[: k // 2]
@@ -292,16 +295,25 @@ def _mismatch(tables: CacheTables, kind: str) -> None:
         tables.host_kv = [host[:-1] for host in tables.host_kv]
     elif kind == "counters-narrow":
         tables.counters = tables.counters[:, :2]
+    elif kind == "position-resident-narrow":
+        tables.resident = tables.resident[:, :-1].contiguous()
+    elif kind == "position-host-layers-differ":
+        tables.host_kv = [tables.host_kv[0], tables.host_kv[1][:-1], *tables.host_kv[2:]]
+    elif kind == "unknown-residency-map":
+        tables.residency_map = "token"  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize("kind", ["seq-lens-short", "last-use-rows-short", "clock-rows-short",
                                   "slot-row-narrow", "last-use-not-contiguous",
-                                  "device-rows-short", "host-rows-short", "counters-narrow"])
+                                  "device-rows-short", "host-rows-short", "counters-narrow",
+                                  "position-resident-narrow", "position-host-layers-differ",
+                                  "unknown-residency-map"])
 def test_swap_in_refuses_tables_whose_shapes_disagree(kind: str, rng: torch.Generator) -> None:
     """The kernels index every table with sizes taken from the others (R from the page table,
-    H from hot_slots, N from resident): a table smaller than that, or laid out otherwise, is
-    refused before any launch instead of being read or written past its end."""
-    tables = make_tables(SIZES, rng)
+    H from hot_slots, N from resident, or from the host rows where the map is keyed by
+    position): a table smaller than that, or laid out otherwise, is refused before any launch
+    instead of being read or written past its end."""
+    tables = make_tables(SIZES, rng, "position" if kind.startswith("position") else "host_row")
     _mismatch(tables, kind)
     before = clone_tables(tables)
     num_requests = tables.page_table.shape[0]

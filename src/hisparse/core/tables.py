@@ -69,10 +69,12 @@ class CacheTables:
 
     @property
     def num_host_rows(self) -> int:
-        """N: host rows a position can map to (a key past them has no host row)."""
+        """N: host rows a position can map to (a key past them has no host row). Keyed by
+        position, the host rows of every layer, which must agree (every layer has one row per
+        token): read per swap-in call, so from one layer, not all."""
         if self.residency_map == "host_row":
             return int(self.resident.shape[1])
-        return min((int(host.shape[0]) for host in self.host_kv), default=0)
+        return int(self.host_kv[0].shape[0]) if self.host_kv else 0
 
     def residency_keys(self, request_slots: torch.Tensor, positions: torch.Tensor,
                        host_rows: torch.Tensor) -> torch.Tensor:

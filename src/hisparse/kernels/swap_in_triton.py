@@ -745,9 +745,13 @@ def _check_tables(tables: CacheTables) -> None:
     if t.device_kv.dim() != 3 or t.device_kv.shape[1] < device_rows:
         raise _fail(f"tables.device_kv must be [L, >= R*S = {device_rows}, W]",
                     list(t.device_kv.shape), "allocate one row per hot slot of every request")
-    if position_keyed:
-        return  # N is the host rows themselves (CacheTables.num_host_rows)
     for layer, host in enumerate(t.host_kv):
+        if position_keyed:  # N is the host rows themselves (CacheTables.num_host_rows)
+            if host.dim() != 2 or host.shape[0] != t.num_host_rows:
+                raise _fail(f"tables.host_kv[{layer}] must hold N = {t.num_host_rows} rows, as "
+                            "every layer does", list(host.shape),
+                            "allocate every layer's host pool with the same rows")
+            continue
         if host.dim() != 2 or host.shape[0] < t.resident.shape[1]:
             raise _fail(f"tables.host_kv[{layer}] must hold at least N = {t.resident.shape[1]} "
                         "rows (tables.resident's width)", list(host.shape),

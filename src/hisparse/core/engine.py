@@ -574,6 +574,12 @@ class HiSparseCache:
         else:
             self._launch_backup()
         self._traffic.backed_up_tokens += step.batch_size
+        if self._prefetch_stream is not None:
+            # A follower the caller skipped leaves its replay queued on the side stream; the
+            # step is done only with it, or a slot freed next could be reseeded and then
+            # overwritten by it (its rows by a new prefill before it read them).
+            for group in self._anchored:
+                self.backend.wait_event(self._replay_done[group], self.device)
         self.backend.record_event(self._step_done, self.device)
         self._step = None
         self._step_records = []

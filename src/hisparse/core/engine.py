@@ -213,6 +213,8 @@ class HiSparseCache:
                 self._step_grew: set[int] = set()  # id() of the step's records given an extent
                 # group -> batch rows its anchor swapped in during the open step (followers match)
                 self._anchored: dict[int, int] = {}
+                # group -> followers whose side-stream replay no swap_in of theirs waited for
+                self._unwaited_replays: dict[int, set[int]] = {}
                 # group -> the anchor's miss plan over those rows, which its followers replay
                 self._anchor_plans: dict[int, MissPlan] = {}
                 self._pending_replay: dict[int, set[int]] = {}  # group -> followers not yet copied
@@ -574,12 +576,13 @@ class HiSparseCache:
         else:
             self._launch_backup()
         self._traffic.backed_up_tokens += step.batch_size
-        if self._prefetch_stream is not None:
-            # A follower the caller skipped leaves its replay queued on the side stream; the
-            # step is done only with it, or a slot freed next could be reseeded and then
-            # overwritten by it (its rows by a new prefill before it read them).
-            for group in self._anchored:
+        # A follower the caller skipped leaves its replay queued on the side stream; the step
+        # is done only with it, or a slot freed next could be reseeded and then overwritten by
+        # it (its rows by a new prefill before it read them).
+        for group, followers in self._unwaited_replays.items():
+            if followers:
                 self.backend.wait_event(self._replay_done[group], self.device)
+        self._unwaited_replays.clear()
         self.backend.record_event(self._step_done, self.device)
         self._step = None
         self._step_records = []
@@ -650,6 +653,7 @@ class HiSparseCache:
         self._step_records = []
         self._step_grew = set()
         self._anchored.clear()
+        self._unwaited_replays.clear()  # waited for above
         self._written_layers.clear()
 
     def device_kv(self, layer: int) -> torch.Tensor:
@@ -871,6 +875,7 @@ class HiSparseCache:
             )
         if self._prefetch_stream is not None:
             self.backend.wait_event(self._follower_ready[layer], self.device)
+            self._unwaited_replays.get(group, set()).discard(layer)
         elif layer in self._pending_replay.get(group, ()):
             self._replay(group, layer)
             self._pending_replay[group].discard(layer)
@@ -885,6 +890,7 @@ class HiSparseCache:
             self._pending_replay[group] = set(self._followers(group))
             return
         self.backend.record_event(self._planned[group], self.device)
+        self._unwaited_replays[group] = set(self._followers(group))
         with self.backend.stream_scope(self._prefetch_stream):
             self.backend.wait_event(self._planned[group], self.device)
             for follower in self._followers(group):

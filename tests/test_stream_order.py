@@ -33,16 +33,25 @@ def check_hot_buffers(cache: hisparse.HiSparseCache, layer: int, names: list[str
                 assert torch.equal(device_kv[r * slots + slot], want[0]), (layer, name, slot)
 
 
-def test_side_stream_work_is_waited_for_before_it_is_needed(rng: torch.Generator) -> None:
-    backend = DeferredStreamCpu()
+def deferred_cache(backend: DeferredStreamCpu, max_requests: int, pool_extents: int,
+                   async_backup: bool = True) -> hisparse.HiSparseCache:
+    """A cache whose follower replays (and backups, with `async_backup`) run on deferred side
+    streams of `backend`."""
     config = hisparse.HiSparseConfig.from_preset(
         "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, device_buffer_size=HOT,
-        index_group_size=GROUP, extent_tokens=EXTENT, max_requests=4, max_batch=3,
-        host_pool_tokens=64 * EXTENT, max_seq_len=64, validate=False,
-        async_backup=True, shared_index_prefetch=True,
+        index_group_size=GROUP, extent_tokens=EXTENT, max_requests=max_requests,
+        max_batch=min(3, max_requests), host_pool_tokens=pool_extents * EXTENT, max_seq_len=64,
+        validate=False, async_backup=async_backup, shared_index_prefetch=True,
     )
     cache = hisparse.HiSparseCache(config, device=backend)
-    assert cache._backup_stream is not None and cache._prefetch_stream is not None
+    assert cache._prefetch_stream is not None
+    assert (cache._backup_stream is not None) == async_backup
+    return cache
+
+
+def test_side_stream_work_is_waited_for_before_it_is_needed(rng: torch.Generator) -> None:
+    backend = DeferredStreamCpu()
+    cache = deferred_cache(backend, max_requests=4, pool_extents=64)
     for name, (uid, tokens) in REQUESTS.items():
         cache.admit(name, tokens)
         cache.write_prefill(name, torch.stack(
@@ -126,13 +135,7 @@ def test_a_freed_slot_and_its_rows_wait_for_the_last_steps_side_stream_work(
     by that late work (a replay copies the old plan's host rows into the old victims' slots;
     a backup writes the old newest token into its host row)."""
     backend = DeferredStreamCpu()
-    config = hisparse.HiSparseConfig.from_preset(
-        "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, device_buffer_size=HOT,
-        index_group_size=GROUP, extent_tokens=EXTENT, max_requests=1, max_batch=1,
-        host_pool_tokens=16 * EXTENT, max_seq_len=64, validate=False,
-        async_backup=async_backup, shared_index_prefetch=True,
-    )
-    cache = hisparse.HiSparseCache(config, device=backend)
+    cache = deferred_cache(backend, max_requests=1, pool_extents=16, async_backup=async_backup)
     uids = {"long": 1, "next": 9}
     tokens = 30
     for name in ("long", "next"):

@@ -103,9 +103,9 @@ def test_side_stream_work_is_waited_for_before_it_is_needed(rng: torch.Generator
 
 
 def _one_step(cache: hisparse.HiSparseCache, uids: dict[str, int], layers: list[int],
-              rng: torch.Generator) -> int:
-    """A decode step whose swap_in runs only on `layers` (the others' replays stay queued);
-    returns how much side-stream work was queued when the step was ended."""
+              rng: torch.Generator, cancel: bool = False) -> int:
+    """A decode step whose swap_in runs only on `layers` (the others' replays stay queued),
+    ended or (`cancel`) cancelled; returns how much side-stream work was queued then."""
     names = list(uids)
     cache.begin_decode_step(names)
     lengths = [cache.seq_len(n) for n in names]
@@ -123,17 +123,21 @@ def _one_step(cache: hisparse.HiSparseCache, uids: dict[str, int], layers: list[
             want = row_pattern(uids[name], layer, top_k[b], WIDTH)
             assert torch.equal(device_kv[rows[b].long()], want), (layer, name)
     queued = cache.backend.pending()
-    cache.end_decode_step()
+    if cancel:
+        cache.cancel_decode_step()
+    else:
+        cache.end_decode_step()
     return queued
 
 
-@pytest.mark.parametrize("async_backup", [False, True])
+@pytest.mark.parametrize(("async_backup", "cancel"), [(False, False), (True, False),
+                                                     (False, True)])
 def test_a_freed_slot_and_its_rows_wait_for_the_last_steps_side_stream_work(
-        async_backup: bool, rng: torch.Generator) -> None:
-    """A request finished right after a step whose follower replays (or backup) are still
-    queued: the request that takes its slot and host rows next must not get them overwritten
-    by that late work (a replay copies the old plan's host rows into the old victims' slots;
-    a backup writes the old newest token into its host row)."""
+        async_backup: bool, cancel: bool, rng: torch.Generator) -> None:
+    """A request finished right after a step (ended or cancelled) whose follower replays (or
+    backup) are still queued: the request that takes its slot and host rows next must not get
+    them overwritten by that late work (a replay copies the old plan's host rows into the old
+    victims' slots; a backup writes the old newest token into its host row)."""
     backend = DeferredStreamCpu()
     cache = deferred_cache(backend, max_requests=1, pool_extents=16, async_backup=async_backup)
     uids = {"long": 1, "next": 9}
@@ -152,7 +156,7 @@ def test_a_freed_slot_and_its_rows_wait_for_the_last_steps_side_stream_work(
         cache.commit_prefill(name)
         if name == "long":
             # Anchors only: every follower's replay stays queued on the side stream.
-            queued = _one_step(cache, {"long": 1}, [0, GROUP], rng)
+            queued = _one_step(cache, {"long": 1}, [0, GROUP], rng, cancel)
             assert queued > 0, "nothing was deferred: the test checks no ordering"
     assert newest_row in cache.host_rows("next"), "the new request got other rows"
     for _ in range(3):

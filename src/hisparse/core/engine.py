@@ -576,13 +576,7 @@ class HiSparseCache:
         else:
             self._launch_backup()
         self._traffic.backed_up_tokens += step.batch_size
-        # A follower the caller skipped leaves its replay queued on the side stream; the step
-        # is done only with it, or a slot freed next could be reseeded and then overwritten by
-        # it (its rows by a new prefill before it read them).
-        for group, followers in self._unwaited_replays.items():
-            if followers:
-                self.backend.wait_event(self._replay_done[group], self.device)
-        self._unwaited_replays.clear()
+        self._wait_for_skipped_replays()
         self.backend.record_event(self._step_done, self.device)
         self._step = None
         self._step_records = []
@@ -603,9 +597,7 @@ class HiSparseCache:
         # Followers must hold the rows their anchor's plan put in the group's tables.
         for group in list(self._pending_replay):
             self._flush_replays(group)
-        if self._prefetch_stream is not None:
-            for group in self._anchored:
-                self.backend.wait_event(self._replay_done[group], self.device)
+        self._wait_for_skipped_replays()
         records = self._step_records
         grew = [r for r in records if id(r) in self._step_grew]
         short = []  # (slot, hot slot, host row) of new tokens that took their own slot
@@ -653,7 +645,6 @@ class HiSparseCache:
         self._step_records = []
         self._step_grew = set()
         self._anchored.clear()
-        self._unwaited_replays.clear()  # waited for above
         self._written_layers.clear()
 
     def device_kv(self, layer: int) -> torch.Tensor:
@@ -897,6 +888,16 @@ class HiSparseCache:
                 self._replay(group, follower)
                 self.backend.record_event(self._follower_ready[follower], self.device)
             self.backend.record_event(self._replay_done[group], self.device)
+
+    def _wait_for_skipped_replays(self) -> None:
+        """Make the compute stream wait for the side-stream replays no follower's swap_in
+        waited for (a follower the caller skipped): the step is done only with them, or a slot
+        freed next could be reseeded and then overwritten by one (its rows by a new prefill
+        before it read them)."""
+        for group, followers in self._unwaited_replays.items():
+            if followers:
+                self.backend.wait_event(self._replay_done[group], self.device)
+        self._unwaited_replays.clear()
 
     def _flush_replays(self, group: int) -> None:
         for follower in sorted(self._pending_replay.pop(group, ())):

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from hisparse.core.tables import CacheTables, MissPlan, residency_dtype
-from hisparse.core.widths import INT16_MAX_HOT_SLOTS
+from hisparse.core.widths import INT16_MAX_HOT_SLOTS, RESIDENCY_MAPS
 from hisparse.errors import InvalidInputError
 
 try:  # grid dependency control (programmatic dependent launch): NVIDIA sm_90+, triton >= 3.3
@@ -712,8 +712,9 @@ def _check_tables(tables: CacheTables) -> None:
                     "tables.resident [G, N] or [G, R * T]",
                     [list(t.page_table.shape), list(t.last_use.shape), list(t.resident.shape)],
                     "build the tables as docs/ARCHITECTURE.md lays them out")
-    if t.residency_map not in ("host_row", "position"):
-        raise _fail("tables.residency_map must be 'host_row' or 'position'", t.residency_map,
+    if t.residency_map not in RESIDENCY_MAPS:
+        raise _fail(f"tables.residency_map must be one of {', '.join(RESIDENCY_MAPS)}",
+                    t.residency_map,
                     "build the tables as docs/ARCHITECTURE.md lays them out")
     num_requests, num_groups = t.page_table.shape[0], t.last_use.shape[0]
     num_layers = t.device_kv.shape[0]

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -27,6 +28,7 @@ def load_script(name: str) -> ModuleType:
     loader = importlib.machinery.SourceFileLoader(f"{name.replace('-', '_')}_script",
                                                   str(SCRIPTS / name))
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    sys.modules[loader.name] = module  # where dataclasses look their module up
     loader.exec_module(module)
     return module
 
@@ -146,6 +148,77 @@ def test_fuzz_long_json_says_what_produced_it(tmp_path: Path, seed: int) -> None
     assert summary["torch"] == torch.__version__
     assert {"triton", "python"} <= summary.keys()
     assert "card" in summary["backends"]["cpu"]
+
+
+# --- scripts/kernel-stress ------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "option"), [
+    (["--processes", "0"], "--processes"),
+    (["--pdl", "maybe"], "--pdl"),
+    (["--seconds", "-1"], "--seconds"),
+    (["--sync", "-2"], "--sync"),
+])
+def test_kernel_stress_usage_errors(capsys: pytest.CaptureFixture[str], args: list[str],
+                                    option: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("kernel-stress").main(args)
+    assert_usage_error(exit_info.value.code, capsys.readouterr().err, option)
+
+
+def test_kernel_stress_json_says_what_produced_it(tmp_path: Path, seed: int) -> None:
+    out = tmp_path / "stress.json"
+    argv = ["--seconds", "2", "--processes", "1", "--steps", "2", "--seed", str(seed),
+            "--json", str(out)]
+    result = run([sys.executable, str(SCRIPTS / "kernel-stress"), *argv], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["command"] == " ".join(["scripts/kernel-stress", *argv])
+    assert summary["torch"] == torch.__version__
+    assert {"triton", "python", "card", "commit"} <= summary.keys()
+    # Every case ran its steps: two swap-in calls each, and no fault or wrong row.
+    assert summary["cases"] >= 1 and summary["swap_in_calls"] >= 2 * 2 * summary["cases"]
+    assert summary["faults"] == [] and summary["wrong_rows"] == []
+
+
+def _stress_job(seconds: float) -> object:
+    stress = load_script("kernel-stress")
+    return stress, stress.Job(deadline=time.time() + seconds, pdl="auto", sync_every=1,
+                              steps=2, seed=7)
+
+
+def test_kernel_stress_reports_a_fault_with_its_replay_and_stops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA fault poisons the process's context: the process reports the case and the seed
+    that replays it, and ends instead of failing every later call."""
+    from interpreted_kernels import swap_in_triton as kernels
+
+    def fault(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+
+    monkeypatch.setattr(kernels, "swap_in_triton", fault)
+    stress, job = _stress_job(seconds=60)
+    began = time.time()
+    report = stress.run_process(job)
+    assert time.time() - began < 30, "the process went on after the fault"
+    assert report["calls"] == 0 and report["cases"] == 0 and report["wrong_rows"] == []
+    (only,) = report["faults"]
+    assert only["error"] == "CUDA error: an illegal memory access was encountered"
+    assert only["step"] == 0 and isinstance(only["seed"], int)
+    assert {"variant", "residency_map", "sizes"} <= only.keys()
+
+
+def test_kernel_stress_counts_wrong_rows_and_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    import test_swap_in_triton
+
+    def wrong(*args: object) -> None:
+        raise AssertionError("rows differ")
+
+    monkeypatch.setattr(test_swap_in_triton, "assert_rows_match_host", wrong)
+    stress, job = _stress_job(seconds=1)
+    report = stress.run_process(job)
+    assert report["faults"] == [] and report["cases"] >= 1
+    assert len(report["wrong_rows"]) == report["cases"]
+    assert report["wrong_rows"][0]["error"] == "rows differ"
+    assert report["wrong_rows"][0]["step"] == job.steps - 1
 
 
 # --- scripts/test, scripts/quickstart -------------------------------------------------------

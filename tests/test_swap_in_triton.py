@@ -25,6 +25,7 @@ from interpreted_kernels import swap_in_triton as triton_kernels
 
 POISON = -7  # never a valid output: every entry must be written over it
 LAYER_GROUPS = (0, 0, 1)  # layer 1 replays layer 0's plan; layer 2 has its own group
+SWAP_IN_CALLS = ((0, 0), (2, 1))  # (layer, group) of each step's swap-in calls
 
 pytestmark = KERNEL_MARK
 
@@ -331,7 +332,7 @@ def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, residency_ma
         for step in range(5):
             if step != 3:  # step 3 repeats step 2's batch: all hits, a miss-free plan
                 req_slots, top_k, num_real = next_top_k(want, sizes, previous, gen)
-            for layer, group in ((0, 0), (2, 1)):
+            for layer, group in SWAP_IN_CALLS:
                 out_want = torch.full_like(top_k, POISON)
                 out_got = torch.full_like(top_k, POISON)
                 plan_want, plan_got = poisoned_plan(sizes), poisoned_plan(sizes)

@@ -390,7 +390,6 @@ def _select_kernel(
     EARLY_LOADS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,
     USE_PDL: tl.constexpr,
-    DEPENDENTS_READ_LOOKUPS: tl.constexpr,  # the next kernel reads the classify output
     FAST_ROUNDS: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= K: the whole top-k row lives in registers
     BLOCK_H: tl.constexpr,  # >= H: the whole stamp row lives in registers
@@ -404,8 +403,6 @@ def _select_kernel(
     never share a request slot), so the LRU needs no atomics (the address-ordered plan's
     entries are claimed with some). A row without misses only advances
     its clock: the hits were stamped by the classify kernel."""
-    if USE_PDL and not DEPENDENTS_READ_LOOKUPS:  # the copy may start: it waits for our plan
-        gdc_launch_dependents()
     b = tl.program_id(0)
     # Written before the classify kernel began: read while it may still run.
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
@@ -413,8 +410,12 @@ def _select_kernel(
     clock = tl.load(lru_clock_ptr + r)
     if USE_PDL:
         gdc_wait()
-        if DEPENDENTS_READ_LOOKUPS:  # the prefetching copy reads `miss_row` before its own
-            gdc_launch_dependents()  # wait: the classify grid must be done by then
+        # Only now may the copy launch: it waits for our plan, and the prefetching copy reads
+        # the classify output before that wait. Triggered at our start instead, the copy ran
+        # while the classify grid still did (three grids in flight), and on an H200 shared by
+        # 8 processes that gave illegal addresses and wrong rows about once per 27k calls
+        # (benchmarks/NOTES.md, sixteenth pass).
+        gdc_launch_dependents()
     num_misses = tl.load(miss_count_ptr + b)
     tl.store(miss_count_ptr + b, 0, mask=num_misses != 0)  # zero for the next call
     installed = 0
@@ -529,7 +530,7 @@ def _copy_prefetched_kernel(
     """The copy by top-k entry instead of by plan: a miss's host row depends on the lookups
     alone, so each program fetches its first rows over the link while the selection still
     chooses victims, and waits for it only to learn where they go. Launched behind a selection
-    kernel that lets it start once the classify grid is done (DEPENDENTS_READ_LOOKUPS)."""
+    kernel, which lets it start once the classify grid is done."""
     words = tl.arange(0, BLOCK_WORDS)
     in_row = words < ROW_WORDS
     first = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -604,10 +605,12 @@ class Tuning:
     # 32 warps cost extents B=128 churn 0.2 10% with or without PDL, 16 warps with PDL 3%,
     # and the miss-free step gained at most 0.6 us, so it stays off.
     large_batch_copy_warps: int | None = None
-    # Programmatic dependent launch between our kernels (NVIDIA sm_90+): each kernel lets the
-    # next one launch at its start, and the next waits on the device (griddepcontrol) before
-    # it reads what the previous wrote, so launch latency and the copy prologue overlap the
-    # selection. None: wherever the device and triton support it.
+    # Programmatic dependent launch between our kernels (NVIDIA sm_90+): the classify kernel
+    # lets the selection launch at its start, the selection lets the copy launch once it has
+    # waited for the classify grid, and each waits on the device (griddepcontrol) before it
+    # reads what the previous wrote, so launch latency and the copy prologue overlap the
+    # selection. Never more than two of our grids in flight (tests/test_pdl_launch_order.py).
+    # None: wherever the device and triton support it.
     pdl: bool | None = None
     # The copy is launched that way only up to this batch capacity (None: always; 0: never).
     pdl_copy_max_batch: int | None = 16
@@ -895,8 +898,7 @@ def _copy_launch(tables: CacheTables, layer: int, num_rows: int, num_entries: in
 
 def _launch_prefetched_copy(tables: CacheTables, layer: int, miss_row: torch.Tensor,
                             out: torch.Tensor, pdl: bool) -> None:
-    """The copy of `_copy_prefetched_kernel`; `pdl`: launched behind a selection kernel
-    compiled with DEPENDENTS_READ_LOOKUPS."""
+    """The copy of `_copy_prefetched_kernel`; `pdl`: launched behind our selection kernel."""
     num_rows, top_k = out.shape
     host, device, grid, options = _copy_launch(tables, layer, num_rows, num_rows * top_k, pdl)
     # Only a launch behind a running plan needs the L2 read; after an ordinary kernel boundary
@@ -1028,7 +1030,7 @@ def swap_in_triton(
             num_requests, t.slots_per_request, k, hot, num_host_rows, positions,
             resident.shape[0], EARLY_LOADS=tune.early_loads, POSITION_KEYED=position_keyed,
             USE_PDL=pdl,
-            DEPENDENTS_READ_LOOKUPS=prefetch and pdl_copy, FAST_ROUNDS=tune.select_fast_rounds,
+            FAST_ROUNDS=tune.select_fast_rounds,
             BLOCK_K=block_k, BLOCK_H=block_h, ADDRESS_ORDER=address_order, NUM_BUCKETS=buckets,
             num_warps=min(32, max(tune.select_warps, max(block_h, block_k) // (32 * 16))),
             **({"launch_pdl": True} if pdl else {}),  # behind the classify kernel

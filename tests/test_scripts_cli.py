@@ -177,6 +177,21 @@ def test_kernel_stress_json_says_what_produced_it(tmp_path: Path, seed: int) -> 
     # Every case ran its steps: two swap-in calls each, and no fault or wrong row.
     assert summary["cases"] >= 1 and summary["swap_in_calls"] >= 2 * 2 * summary["cases"]
     assert summary["faults"] == [] and summary["wrong_rows"] == []
+    assert summary["hung_processes"] == 0
+
+
+def test_kernel_stress_kills_and_reports_a_process_still_running_after_the_grace(
+        tmp_path: Path) -> None:
+    """A hung kernel, or a process that died without reporting, must not hang the run: a case
+    far longer than the run's time stands in for one."""
+    out = tmp_path / "stress.json"
+    argv = ["--seconds", "1", "--grace", "2", "--processes", "1", "--steps", "1000000",
+            "--json", str(out)]
+    result = run([sys.executable, str(SCRIPTS / "kernel-stress"), *argv], timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["hung_processes"] == 1 and summary["seconds"] < 60
+    assert "1 hung processes" in result.stdout
 
 
 def _stress_job(seconds: float) -> object:

@@ -40,6 +40,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hisparse.kernels import swap_in_triton as k
 
+from triton.backends import backends
+
+if "nvidia" not in backends:  # a ROCm or XPU build of triton
+    print(json.dumps({"skip": f"this triton ({triton.__version__}) has no NVIDIA backend"}))
+    sys.exit(0)
 if not k._HAVE_GDC:
     print(json.dumps({"skip": f"triton {triton.__version__} has no grid dependency control"}))
     sys.exit(0)

@@ -1,7 +1,9 @@
 """The engine's event waits, checked on CPU: side-stream work (follower replays, backups) runs
 as late as the recorded events allow (`fakes.deferred_streams`), so a missing wait reads rows
-a replay has not copied yet, or lets a backup copy buffers the next step already rewrote.
-Every returned row is checked as soon as `swap_in` returns, and every host row at the end."""
+a replay has not copied yet, or lets a backup copy buffers the next step already rewrote; and
+host rows a default-stream kernel read count as in use until the host has waited for it, so a
+missing drain before the CPU rewrites them shows in `host_races`. Every returned row is checked
+as soon as `swap_in` returns, and every host row at the end."""
 
 from __future__ import annotations
 
@@ -100,6 +102,7 @@ def test_side_stream_work_is_waited_for_before_it_is_needed(rng: torch.Generator
             want = row_pattern(uid, layer, torch.arange(rows.numel()), WIDTH)
             assert torch.equal(cache.host_tensors()[layer][rows], want), (name, layer)
     cache.close()
+    assert backend.host_races == []
 
 
 def _one_step(cache: hisparse.HiSparseCache, uids: dict[str, int], layers: list[int],
@@ -137,7 +140,8 @@ def test_a_freed_slot_and_its_rows_wait_for_the_last_steps_side_stream_work(
     """A request finished right after a step (ended or cancelled) whose follower replays (or
     backup) are still queued: the request that takes its slot and host rows next must not get
     them overwritten by that late work (a replay copies the old plan's host rows into the old
-    victims' slots; a backup writes the old newest token into its host row)."""
+    victims' slots; a backup writes the old newest token into its host row), nor its prefill
+    written into rows the step's swap-ins may still be reading."""
     backend = DeferredStreamCpu()
     cache = deferred_cache(backend, max_requests=1, pool_extents=16, async_backup=async_backup)
     uids = {"long": 1, "next": 9}
@@ -147,6 +151,7 @@ def test_a_freed_slot_and_its_rows_wait_for_the_last_steps_side_stream_work(
             # One token longer: it takes the freed slot and host extents, with the row of the
             # token the last step appended to "long" (and backed up) among its prompt's rows.
             newest_row = int(cache.host_rows("long")[-1])
+            assert backend.pending_reads, "no swap-in read is pending: the test checks no drain"
             cache.finish("long")
             tokens += 1
         cache.admit(name, tokens)
@@ -168,3 +173,4 @@ def test_a_freed_slot_and_its_rows_wait_for_the_last_steps_side_stream_work(
         want = row_pattern(uids["next"], layer, torch.arange(rows.numel()), WIDTH)
         assert torch.equal(cache.host_tensors()[layer][rows], want), layer
     cache.close()
+    assert backend.host_races == []

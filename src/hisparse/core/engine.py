@@ -577,9 +577,7 @@ class HiSparseCache:
             self._launch_backup()
         self._traffic.backed_up_tokens += step.batch_size
         self._wait_for_skipped_replays()
-        self.backend.record_event(self._step_done, self.device)
-        self._step = None
-        self._step_records = []
+        self._close_step()
 
     @_bookkeeping
     def cancel_decode_step(self) -> None:
@@ -640,12 +638,14 @@ class HiSparseCache:
         # Kernels of the step may still run; the freed extent held only the new token's row,
         # which they never read, but its next writer waits for them all the same.
         self._rows_recycled = self._rows_recycled or bool(grew)
+        self._close_step()
+
+    def _close_step(self) -> None:
+        """Mark where the open step's device work ends (`_step_done`: what slot release, reseeding
+        and host-row writers wait for) and close it; `begin_decode_step` resets the rest."""
         self.backend.record_event(self._step_done, self.device)
         self._step = None
         self._step_records = []
-        self._step_grew = set()
-        self._anchored.clear()
-        self._written_layers.clear()
 
     def device_kv(self, layer: int) -> torch.Tensor:
         """`[R*S, W]` uint8: the rows attention reads at the indices `swap_in` returned."""

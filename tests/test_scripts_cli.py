@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -36,6 +37,14 @@ def load_script(name: str) -> ModuleType:
 def run(argv: list[str], timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**ENV, **env})
+
+
+def assert_main_refuses(capsys: pytest.CaptureFixture[str], main: Callable[[list[str]], int],
+                        argv: list[str], option: str) -> None:
+    """A script's `main(argv)` exits with a usage error naming `option`."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert_usage_error(exit_info.value.code, capsys.readouterr().err, option)
 
 
 def assert_usage_error(code: object, err: str, option: str) -> None:
@@ -63,16 +72,14 @@ SOAK_SMALL = ["--device", "cpu", "--requests", "2", "--pool-tokens", "16384", "-
 ])
 def test_soak_usage_errors(capsys: pytest.CaptureFixture[str], args: list[str],
                            option: str) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        load_script("soak").main([*SOAK_SMALL, "--steps", "2", *args])
-    assert_usage_error(exit_info.value.code, capsys.readouterr().err, option)
+    assert_main_refuses(capsys, load_script("soak").main,
+                        [*SOAK_SMALL, "--steps", "2", *args], option)
 
 
 @NO_CUDA
 def test_soak_on_a_missing_cuda_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        load_script("soak").main([*SOAK_SMALL, "--steps", "2", "--device", "cuda"])
-    assert_usage_error(exit_info.value.code, capsys.readouterr().err, "--device")
+    assert_main_refuses(capsys, load_script("soak").main,
+                        [*SOAK_SMALL, "--steps", "2", "--device", "cuda"], "--device")
 
 
 def test_soak_refuses_an_unwritable_json_before_running(
@@ -80,9 +87,8 @@ def test_soak_refuses_an_unwritable_json_before_running(
 ) -> None:
     soak = load_script("soak")
     monkeypatch.setattr(soak.Soak, "run", lambda self: pytest.fail("ran"))
-    with pytest.raises(SystemExit) as exit_info:
-        soak.main([*SOAK_SMALL, "--steps", "2", "--json", str(tmp_path)])
-    assert_usage_error(exit_info.value.code, capsys.readouterr().err, "--json")
+    assert_main_refuses(capsys, soak.main,
+                        [*SOAK_SMALL, "--steps", "2", "--json", str(tmp_path)], "--json")
 
 
 def test_soak_json_says_what_produced_it(tmp_path: Path, seed: int) -> None:
@@ -106,27 +112,24 @@ def test_soak_json_says_what_produced_it(tmp_path: Path, seed: int) -> None:
 ])
 def test_fuzz_long_usage_errors(capsys: pytest.CaptureFixture[str], args: list[str],
                                 option: str) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        load_script("fuzz-long").main(["--backend", "cpu", "--steps", "1", "--jobs", "1", *args])
-    assert_usage_error(exit_info.value.code, capsys.readouterr().err, option)
+    assert_main_refuses(capsys, load_script("fuzz-long").main,
+                        ["--backend", "cpu", "--steps", "1", "--jobs", "1", *args], option)
 
 
 @NO_CUDA
 def test_fuzz_long_on_a_missing_cuda_is_a_usage_error(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        load_script("fuzz-long").main(["--backend", "cuda", "--steps", "1", "--jobs", "1"])
-    assert_usage_error(exit_info.value.code, capsys.readouterr().err, "--backend")
+    assert_main_refuses(capsys, load_script("fuzz-long").main,
+                        ["--backend", "cuda", "--steps", "1", "--jobs", "1"], "--backend")
 
 
 def test_fuzz_long_refuses_an_unwritable_json_before_running(
     capsys: pytest.CaptureFixture[str], tmp_path: Path,
 ) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        load_script("fuzz-long").main(["--backend", "cpu", "--steps", "1", "--jobs", "1",
-                                       "--json", str(tmp_path)])
-    assert_usage_error(exit_info.value.code, capsys.readouterr().err, "--json")
+    assert_main_refuses(capsys, load_script("fuzz-long").main,
+                        ["--backend", "cpu", "--steps", "1", "--jobs", "1", "--json",
+                         str(tmp_path)], "--json")
 
 
 def test_fuzz_long_bad_steps_in_the_environment_is_a_usage_error() -> None:
@@ -159,9 +162,7 @@ def test_fuzz_long_json_says_what_produced_it(tmp_path: Path, seed: int) -> None
 ])
 def test_kernel_stress_usage_errors(capsys: pytest.CaptureFixture[str], args: list[str],
                                     option: str) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        load_script("kernel-stress").main(args)
-    assert_usage_error(exit_info.value.code, capsys.readouterr().err, option)
+    assert_main_refuses(capsys, load_script("kernel-stress").main, args, option)
 
 
 def test_kernel_stress_json_says_what_produced_it(tmp_path: Path, seed: int) -> None:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from hisparse import benchmarking
 from hisparse.core.tables import CacheTables, MissPlan
-from hisparse.kernels import swap_in_triton as kernels
+from hisparse.kernels import swap_in as kernels
 
 ROW_BYTES = 656  # DeepSeek-V3.2 fp8 row
 GIB = 1 << 30

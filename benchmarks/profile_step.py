@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print("profile_step: needs a CUDA GPU", file=sys.stderr)
         return 2
     from hisparse.core.tables import MissPlan
-    from hisparse.kernels import swap_in_triton as kernels
+    from hisparse.kernels import swap_in as kernels
 
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     sizes = sw1.SIZES

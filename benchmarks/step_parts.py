@@ -34,27 +34,24 @@ import triton
 
 from hisparse import benchmarking
 from hisparse.backends.registry import get_backend
-from hisparse.kernels import swap_in_triton as kernels
+from hisparse.kernels import swap_in as kernels
 
 
 @contextlib.contextmanager
 def classify_only() -> Iterator[None]:
-    """The swap-in launcher with its selection and copy launches turned into no-ops."""
-    saved = {name: getattr(kernels, name) for name in
-             ("_select_kernel", "_launch_copy", "_launch_prefetched_copy")}
+    """The swap-in launcher running its lookup launch alone (selection and copy left out)."""
+    from hisparse.kernels.swap_in import launch
 
-    class NoLaunch:
-        def __getitem__(self, grid: object) -> Callable[..., None]:
-            return lambda *args, **options: None
+    saved = launch._run
 
-    for name in saved:
-        setattr(kernels, name, NoLaunch() if name.endswith("_kernel") else
-                (lambda *args, **options: None))
+    def lookup_only(launches: tuple[Callable[[], None], ...], scratch: object) -> None:
+        launches[0]()
+
+    launch._run = lookup_only
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(kernels, name, value)
+        launch._run = saved
 
 
 def time_parts(backend, pool: torch.Tensor, mirror: torch.Tensor, layout: str, batch: int,
@@ -143,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python " + " ".join(sys.argv),
         "workload": f"SW-1 churn 0, caches flushed ({args.flush}) before every step, each part "
                     "one CUDA graph timed with device events behind a GPU sleep",
-        "tuning": dataclasses.asdict(kernels._tuning),
+        "tuning": dataclasses.asdict(kernels.current_tuning()),
         "all_correct": all(checked), "records": records,
     }
     out = Path(args.out_dir) / args.output

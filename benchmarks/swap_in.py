@@ -201,7 +201,7 @@ def miss_free_warm(pool: Pool, rng: np.random.Generator, args,
                    residency_map: str | None = None) -> dict[str, float]:
     """B=128, churn 0, the same top-k replayed back to back (a warm L2, unlike SW-1's cells):
     graph replay, eager device time and eager wall time."""
-    from hisparse.kernels.swap_in_triton import swap_in_triton
+    from hisparse.kernels.swap_in import swap_in_triton
 
     batch = min(128, pool.host.shape[0] // SIZES.seq_len)  # --quick sizes the pool smaller
     cell = build_cell(pool, batch, 0.0, "extents", SIZES.extent_tokens, rng,
@@ -345,7 +345,7 @@ def run_ab(pool: Pool, batches: list[int], churns: list[float], args, rng: np.ra
            results: dict, save: Callable[[], None], path: Path) -> int:
     """Every variant of the round on the same reduced grid, in one process (same pool, same
     GPU state), then one median-us table per layout on stdout."""
-    from hisparse.kernels import swap_in_triton as kernels
+    from hisparse.kernels import swap_in as kernels
 
     variants: dict[str, dict[str, object] | None] = dict(AB_ROUNDS[args.ab])
     results["ab_round"] = args.ab
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     host = alloc_registered(rows * SIZES.row_bytes).view(rows, SIZES.row_bytes)
     peer_run = args.vs_sglang is not None
     limits = measure(host) if not (args.quick or args.ab or args.padding or peer_run) else {}
-    from hisparse.kernels import swap_in_triton as kernels
+    from hisparse.kernels import swap_in as kernels
 
     chosen = limits.get("copy_tuning_choice", {}) if args.tune_copy else {}
     tuning_scope = kernels.tuning(**chosen)
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                                             f"{SIZES.extent_tokens}-token extents, fresh pool",
                                  "shuffled-extents": "extents of E rows in random order"}},
         "limits": limits, "records": [],
-        "tuning": dataclasses.asdict(kernels._tuning),
+        "tuning": dataclasses.asdict(kernels.current_tuning()),
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

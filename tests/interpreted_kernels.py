@@ -19,11 +19,17 @@ if not ON_GPU:
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
 
-from hisparse.kernels import backup_triton, swap_in_triton  # noqa: E402
+from hisparse.kernels import backup_triton  # noqa: E402
+from hisparse.kernels import swap_in as swap_in_triton  # noqa: E402, F401 (for the tests)
+from hisparse.kernels.swap_in import select  # noqa: E402
+
+# The kernel modules in import order: each binds the jit functions of those before it.
+_SWAP_IN_MODULES = ("pdl", "lookup", "select", "copy", "launch")
 
 if not ON_GPU:
-    if type(swap_in_triton._select_kernel).__name__ != "InterpretedFunction":
-        swap_in_triton = importlib.reload(swap_in_triton)
+    if type(select.select_kernel).__name__ != "InterpretedFunction":
+        for name in _SWAP_IN_MODULES:
+            importlib.reload(importlib.import_module(f"hisparse.kernels.swap_in.{name}"))
     if type(backup_triton._backup_kernel).__name__ != "InterpretedFunction":
         backup_triton = importlib.reload(backup_triton)
 

@@ -22,7 +22,8 @@ from hisparse.backends import _accelerator, _host_register, registry
 from hisparse.backends.base import Backend
 from hisparse.backends.cpu import CpuBackend
 from hisparse.errors import BackendUnavailableError, HostAllocationError
-from hisparse.kernels import swap_in_reference
+from hisparse.kernels import backup_reference
+from hisparse.kernels.swap_in import reference as swap_in_reference
 
 SRC = Path(hisparse.__file__).resolve().parent
 PAGE = _host_register.PAGE_BYTES
@@ -295,7 +296,7 @@ def test_cpu_binds_the_torch_reference() -> None:
 
 
 def test_gpu_backends_bind_the_triton_kernels(fake_env) -> None:
-    triton_kernels = pytest.importorskip("hisparse.kernels.swap_in_triton")
+    triton_kernels = pytest.importorskip("hisparse.kernels.swap_in.launch")
     fake_env("cuda")
     backend = hisparse.get_backend()
     assert backend.swap_in_kernel() is triton_kernels.swap_in_triton
@@ -318,7 +319,7 @@ def test_without_triton_gpu_backends_fall_back_and_say_so_once(
     with caplog.at_level(logging.WARNING, logger="hisparse.backends"):
         assert backend.swap_in_kernel() is swap_in_reference.swap_in_reference
         assert backend.copy_planned_kernel() is swap_in_reference.copy_planned_reference
-        assert backend.backup_kernel() is swap_in_reference.backup_newest_reference
+        assert backend.backup_kernel() is backup_reference.backup_newest_reference
     assert [r.message.count("pip install 'hisparse[triton]'") for r in caplog.records] == [1]
 
 
@@ -332,7 +333,7 @@ def test_a_missing_kernels_module_is_not_mistaken_for_missing_triton(
         raise ModuleNotFoundError(f"No module named '{name}'", name=name)
 
     monkeypatch.setattr(_accelerator, "_import_triton_kernels", broken)
-    with pytest.raises(ModuleNotFoundError, match="swap_in_triton"):
+    with pytest.raises(ModuleNotFoundError, match=r"swap_in\.launch"):
         hisparse.get_backend().swap_in_kernel()
 
 

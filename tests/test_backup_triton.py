@@ -11,7 +11,7 @@ import torch
 
 from hisparse.core.tables import CacheTables
 from hisparse.errors import InvalidInputError
-from hisparse.kernels.swap_in_reference import backup_newest_reference
+from hisparse.kernels.backup_reference import backup_newest_reference
 from interpreted_kernels import (  # sets TRITON_INTERPRET before kernels compile
     DEVICE,
     KERNEL_MARK,

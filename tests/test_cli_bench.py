@@ -229,7 +229,7 @@ def test_sw1_tables_are_row_major_and_agree_with_the_hot_buffers(layout: str,
     CPU reference (torch indexing honours strides) would never show. Every seeded slot's key
     (its host row, or its request and position) must be the key `resident` maps back to that
     slot."""
-    from hisparse.kernels.swap_in_triton import _check_tables
+    from hisparse.kernels.swap_in.checks import check_tables
 
     backend = get_backend("cpu")
     sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128)
@@ -240,7 +240,7 @@ def test_sw1_tables_are_row_major_and_agree_with_the_hot_buffers(layout: str,
     for name in ("page_table", "seq_lens", "slot_key", "last_use", "lru_clock", "resident",
                  "counters"):
         assert getattr(tables, name).is_contiguous(), name
-    _check_tables(tables)
+    check_tables(tables)
     slot_key = tables.slot_key[0].numpy()
     hot = sizes.hot_slots
     seeded = np.arange(sizes.seq_len - 1 - hot, sizes.seq_len - 1)

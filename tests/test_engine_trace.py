@@ -488,7 +488,7 @@ def _test_case_for(backend: str, name: str, tuning: dict[str, object] | None = N
                 COVERAGE[key] = 0
             with contextlib.ExitStack() as stack:
                 if tuning:
-                    from hisparse.kernels import swap_in_triton
+                    from hisparse.kernels import swap_in as swap_in_triton
 
                     stack.enter_context(swap_in_triton.tuning(**tuning))
                 base.runTest(self)

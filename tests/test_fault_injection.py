@@ -335,7 +335,7 @@ def test_a_reservation_whose_host_drain_fails_reserves_nothing(
     run.decode(["a"], steps=2)
 
 
-@pytest.mark.parametrize("kernel", ["_swap_in", "_copy_planned", "_backup"])
+@pytest.mark.parametrize("kernel", ["_launcher.swap_in", "_launcher.replay", "_backup"])
 def test_a_kernel_that_fails_mid_step_stops_decoding_but_frees_everything(
     backend: Any, seed: int, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -349,8 +349,10 @@ def test_a_kernel_that_fails_mid_step_stops_decoding_but_frees_everything(
     run.admit("b", 5)
     run.decode(["a", "b"], steps=2)
     cache = run.cache
-    fault = FailOnce(getattr(cache, kernel))
-    monkeypatch.setattr(cache, kernel, fault)
+    owner_name, _, name = kernel.rpartition(".")
+    owner = getattr(cache, owner_name) if owner_name else cache
+    fault = FailOnce(getattr(owner, name))
+    monkeypatch.setattr(owner, name, fault)
     fault.armed = True
     top_k = torch.tensor([[0, 1, 2, 3], [0, 1, 2, -1]], dtype=torch.int32, device=cache.device)
     cache.begin_decode_step(["a", "b"])

@@ -16,6 +16,7 @@ from hisparse.backends.base import FEATURE_ENTRY_POINTS, Backend
 from hisparse.backends.cpu import CpuBackend
 from hisparse.backends.cuda import CudaBackend
 from hisparse.backends.features import (
+    LAUNCH_OPTIONS,
     RAISE_WHEN_REQUESTED,
     Feature,
     FeatureTable,
@@ -39,6 +40,8 @@ DESIGN_MATRIX = {
     Feature.ASYNC_BACKUP: {"cuda": S, "rocm": S, "xpu": S, "cpu": U},
     Feature.SHARED_INDEX_PREFETCH: {"cuda": S, "rocm": S, "xpu": D, "cpu": S},
     Feature.SKIP_IO_PROBE: {"cuda": S, "rocm": S, "xpu": U, "cpu": S},
+    # Not in DESIGN.md's table: an internal launch option the backends state (issue 21).
+    Feature.PROGRAMMATIC_DEPENDENT_LAUNCH: {"cuda": S, "rocm": U, "xpu": U, "cpu": U},
 }
 BUILTINS: dict[str, type[Backend]] = {
     "cuda": CudaBackend, "rocm": RocmBackend, "xpu": XpuBackend, "cpu": CpuBackend,
@@ -95,7 +98,19 @@ def test_only_rocm_and_xpu_are_unverified_on_hardware() -> None:
 
 def test_every_feature_that_can_be_off_has_an_entry_point() -> None:
     can_be_off = {f for f, cells in DESIGN_MATRIX.items() if set(cells.values()) != {S}}
-    assert can_be_off <= set(FEATURE_ENTRY_POINTS)
+    assert can_be_off - LAUNCH_OPTIONS <= set(FEATURE_ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_launch_options_follow_the_table(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend without PDL in its table never hands the launch plan PDL, whatever the
+    device says; one with it passes on what the device and triton say."""
+    backend_class = BUILTINS[name]
+    monkeypatch.setattr(backend_class, "device_has_pdl", lambda self, device: True)
+    monkeypatch.setattr(backend_class, "compute_units", lambda self, index=None: 7)
+    traits = backend_class().kernel_traits(torch.device("cpu"))
+    has_pdl = DESIGN_MATRIX[Feature.PROGRAMMATIC_DEPENDENT_LAUNCH][name] is S
+    assert (traits.pdl, traits.compute_units) == (has_pdl, 7)
 
 
 def test_a_table_must_cover_every_feature_and_explain_every_gap() -> None:

@@ -13,11 +13,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
 
 from hisparse.core.tables import MissPlan
-from hisparse.kernels.swap_in_reference import (
-    copy_planned_reference,
-    swap_in_reference,
-)
-from hisparse.kernels.swap_in_triton import copy_planned_triton, swap_in_triton, tuning
+from hisparse.kernels.swap_in import copy_planned_triton, swap_in_triton, tuning
+from hisparse.kernels.swap_in.reference import copy_planned_reference, swap_in_reference
 from test_swap_in_triton import (
     DEVICE,
     POISON,

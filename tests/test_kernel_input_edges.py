@@ -15,11 +15,8 @@ import torch
 import test_backup_triton as backup_helpers
 from hisparse.core.tables import CacheTables, MissPlan
 from hisparse.errors import InvalidInputError
-from hisparse.kernels.swap_in_reference import (
-    backup_newest_reference,
-    copy_planned_reference,
-    swap_in_reference,
-)
+from hisparse.kernels.backup_reference import backup_newest_reference
+from hisparse.kernels.swap_in.reference import copy_planned_reference, swap_in_reference
 from interpreted_kernels import (  # sets TRITON_INTERPRET before kernels compile
     DEVICE,
     KERNEL_MARK,

@@ -38,26 +38,26 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hisparse.kernels import swap_in_triton as k
+from hisparse.kernels.swap_in import copy, lookup, pdl, select
 
 from triton.backends import backends
 
 if "nvidia" not in backends:  # a ROCm or XPU build of triton
     print(json.dumps({"skip": f"this triton ({triton.__version__}) has no NVIDIA backend"}))
     sys.exit(0)
-if not k._HAVE_GDC:
+if not pdl.HAVE_GDC:
     print(json.dumps({"skip": f"triton {triton.__version__} has no grid dependency control"}))
     sys.exit(0)
 POINTER_TYPES = {"resident_ptr": "*i16", "counters_ptr": "*i64"}
 SHARED = {"EARLY_LOADS": True, "POSITION_KEYED": False, "USE_PDL": True,
           "ADDRESS_ORDER": False, "NUM_BUCKETS": 16}
 KERNELS = {
-    "classify": (k._classify_kernel, 4, {**SHARED, "COUNTER_SEM": "relaxed", "CHUNK_K": 16}),
-    "select": (k._select_kernel, 4, {**SHARED, "FAST_ROUNDS": 2, "BLOCK_K": 16,
+    "classify": (lookup.classify_kernel, 4, {**SHARED, "COUNTER_SEM": "relaxed", "CHUNK_K": 16}),
+    "select": (select.select_kernel, 4, {**SHARED, "FAST_ROUNDS": 2, "BLOCK_K": 16,
                                      "BLOCK_H": 32}),
-    "copy": (k._copy_kernel, 2, {"ROW_WORDS": 4, "BLOCK_WORDS": 4, "BLOCK_BATCH": 4,
+    "copy": (copy.copy_kernel, 2, {"ROW_WORDS": 4, "BLOCK_WORDS": 4, "BLOCK_BATCH": 4,
                                  "ROWS": 2, "USE_PDL": True}),
-    "prefetched_copy": (k._copy_prefetched_kernel, 2, {"ROW_WORDS": 4, "BLOCK_WORDS": 4,
+    "prefetched_copy": (copy.copy_prefetched_kernel, 2, {"ROW_WORDS": 4, "BLOCK_WORDS": 4,
                                                        "ROWS": 2, "USE_PDL": True,
                                                        "MISS_ROW_CACHE": ".cg"}),
 }

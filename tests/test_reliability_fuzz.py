@@ -355,7 +355,7 @@ def test_random_lifecycles_match_the_oracle(backend: Any, shape: tuple[int, int,
 
 def test_the_fuzzer_finds_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None:
     """An LRU that forgets to evict shows up as a counted, replayable mismatch."""
-    from hisparse.kernels import swap_in_reference
+    from hisparse.kernels.swap_in import reference as swap_in_reference
 
     real = swap_in_reference.swap_in_reference
 

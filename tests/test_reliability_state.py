@@ -74,9 +74,9 @@ def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
             f"tables.{f.name}": _cpu(getattr(t, f.name)) for f in dataclasses.fields(t)
         })
         for name in ("_req_slots", "_num_real", "_newest_rows", "_newest_rows_long",
-                     "_newest_host_rows", "_top_k", "_out", "_anchor_delta"):
+                     "_newest_host_rows", "_out", "_anchor_delta"):
             state[f"buffers.{name}"] = _cpu(getattr(cache, name))
-        for group, plan in enumerate(cache._plans):
+        for group, plan in enumerate(cache._launcher.plans or []):
             if plan is not None:
                 state[f"plans.{group}"] = [_cpu(plan.src), _cpu(plan.dst), _cpu(plan.count)]
     state["requests"] = [
@@ -178,7 +178,7 @@ MUTATIONS: dict[str, Callable[[hisparse.HiSparseCache], None]] = {
     "an LRU stamp": lambda c: c.tables.last_use[0, 0, 1].fill_(-2),
     "an LRU clock": lambda c: c.tables.lru_clock[0, 0].add_(1),
     "a counter": lambda c: c.tables.counters[1, 2].add_(1),
-    "a batch buffer": lambda c: c._top_k[1, 1].fill_(5),
+    "a batch buffer": lambda c: c._out[0, 1, 1].fill_(5),
     "a request record": lambda c: setattr(next(iter(c._requests)), "admitted_tokens", 9),
     "the freed-id memory": lambda c: c._requests._ended.update({"x": RequestState.FINISHED}),
     "the pool's free runs": lambda c: c._pool.allocator.allocate(1),

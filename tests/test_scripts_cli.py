@@ -333,18 +333,6 @@ def test_swap_in_usage_errors_come_before_the_gpu(args: list[str], option: str) 
     assert_usage_error(result.returncode, result.stderr, option)
 
 
-@pytest.mark.parametrize(("args", "option"), [
-    (["--base", "/nonexistent/swap_in_triton.py"], "--base"),
-    (["--flush", "sometimes"], "--flush"),
-    (["--cells", "diagonal:1:0.2"], "--cells"),
-])
-def test_kernel_module_ab_usage_errors_come_before_the_gpu(args: list[str],
-                                                           option: str) -> None:
-    base = ["--base", str(ROOT / "src" / "hisparse" / "kernels" / "swap_in_triton.py")]
-    result = run([sys.executable, str(BENCHMARKS / "kernel_module_ab.py"), *base, *args])
-    assert_usage_error(result.returncode, result.stderr, option)
-
-
 def test_copy_limits_json_says_what_produced_it(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")

@@ -15,7 +15,7 @@ import torch
 
 from hisparse.core.tables import CacheTables, MissPlan, ResidencyMap
 from hisparse.errors import InvalidInputError
-from hisparse.kernels.swap_in_reference import copy_planned_reference, swap_in_reference
+from hisparse.kernels.swap_in.reference import copy_planned_reference, swap_in_reference
 from interpreted_kernels import (  # sets TRITON_INTERPRET before kernels compile
     DEVICE,
     KERNEL_MARK,
@@ -345,7 +345,7 @@ def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, residency_ma
                                     got.num_host_rows)
                 if step == 3:
                     assert int(plan_got.count.sum()) == 0, "a repeated batch must all hit"
-                scratch = triton_kernels._get_scratch(got, sizes.batch_cap, sizes.top_k)
+                scratch = triton_kernels.scratch_for(got, sizes.batch_cap, sizes.top_k)
                 assert int(scratch.miss_count.abs().sum()) == 0, "miss counts reset per call"
                 assert int(scratch.address_order.abs().sum()) == 0, "bucket state reset per call"
                 if layer == 0:  # follower layer 1 of group 0 replays the anchor's plan
@@ -464,28 +464,32 @@ def test_hot_buffer_smaller_than_top_k_is_refused() -> None:
 
 
 def test_compute_units_come_from_the_triton_driver() -> None:
-    """Grid sizing asks Triton's driver, not a vendor module; it must agree with torch's."""
+    """Grid sizing asks Triton's driver, not a vendor module; it must agree with torch's and
+    with the backend's traits."""
+    from hisparse.kernels.swap_in.launch import _compute_units
+
     if not ON_GPU:
-        assert triton_kernels._compute_units(torch.device("cpu")) == 1
+        assert _compute_units(torch.device("cpu")) == 1
         return
     expected = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    assert triton_kernels._compute_units(DEVICE) == expected
-    assert triton_kernels._compute_units(torch.device("cuda", torch.cuda.current_device())) == (
-        expected)
+    assert _compute_units(DEVICE) == expected
+    assert _compute_units(torch.device("cuda", torch.cuda.current_device())) == expected
+    assert triton_kernels.default_traits(DEVICE).compute_units == expected
 
 
 @pytest.mark.parametrize("extent_tokens", [1, 16, 17, 512])
-def test_copy_width_follows_batch_and_extent_size(extent_tokens: int,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_copy_width_follows_batch_and_extent_size(extent_tokens: int) -> None:
     """Small batches copy over `copy_programs_per_unit` programs per SM; from the large-batch
     threshold on the narrow width, or the fine-extent one for token-granular tables."""
-    units = int(torch.randint(1, 200, ()).item())
-    monkeypatch.setattr(triton_kernels, "_compute_units", lambda device: units)
-    host, gpu = torch.empty(1, 4), torch.device("cuda")
-    entries = 1 << 30  # more than any grid, so the width alone decides
+    from hisparse.kernels.swap_in.plan import copy_plan
 
-    def programs(rows: int) -> int:
-        return triton_kernels._copy_grid(host, gpu, rows, entries, extent_tokens)[0]
+    units = int(torch.randint(1, 200, ()).item())
+    gpu = triton_kernels.DeviceTraits(compute_units=units, pdl=False, interpreted=False)
+    top_k = 1 << 24  # more entries than any grid, so the width alone decides
+
+    def programs(rows: int, device: object = gpu) -> int:
+        return copy_plan(rows, top_k, extent_tokens, device, "planned", False,
+                         triton_kernels.current_tuning()).programs
 
     with triton_kernels.tuning(large_batch_copy_min_batch=64, copy_programs_per_unit=8,
                                large_batch_copy_programs_per_unit=1,
@@ -497,8 +501,8 @@ def test_copy_width_follows_batch_and_extent_size(extent_tokens: int,
         fine = extent_tokens <= 16
         assert (programs(63), programs(64)) == (8 * units, (4 if fine else 1) * units)
     # The interpreter's grid stays tiny whatever the layout.
-    assert triton_kernels._copy_grid(host, torch.device("cpu"), 64, entries, extent_tokens)[0] \
-        == triton_kernels._tuning.interpreter_copy_programs
+    interpreted = triton_kernels.DeviceTraits(compute_units=units, pdl=False, interpreted=True)
+    assert programs(64, interpreted) == triton_kernels.current_tuning().interpreter_copy_programs
 
 
 def test_hot_buffers_past_16384_slots_scan_their_counts_separately(rng: torch.Generator) -> None:

@@ -12,16 +12,19 @@ from typing import Any
 import torch
 
 from hisparse.backends.base import Backend, BackupFn, CopyPlannedFn, SwapInFn
-from hisparse.kernels import swap_in_reference
+from hisparse.kernels import backup_reference
+from hisparse.kernels.swap_in import reference as swap_in_reference
 
 logger = logging.getLogger("hisparse.backends")
 
-TRITON_KERNELS = "hisparse.kernels.swap_in_triton"
+TRITON_KERNELS = "hisparse.kernels.swap_in.launch"
 # Triton kernel -> (its module, the torch reference that replaces it without triton).
 _KERNELS = {
-    "swap_in_triton": (TRITON_KERNELS, "swap_in_reference"),
-    "copy_planned_triton": (TRITON_KERNELS, "copy_planned_reference"),
-    "backup_newest_triton": ("hisparse.kernels.backup_triton", "backup_newest_reference"),
+    "swap_in_triton": (TRITON_KERNELS, swap_in_reference.swap_in_reference),
+    "copy_planned_triton": (TRITON_KERNELS, swap_in_reference.copy_planned_reference),
+    "backup_newest_triton": ("hisparse.kernels.backup_triton",
+                             backup_reference.backup_newest_reference),
+    "SwapInLauncher": (TRITON_KERNELS, None),
 }
 _warned_no_triton = False
 
@@ -33,7 +36,7 @@ def _import_triton_kernels(module_name: str = TRITON_KERNELS) -> ModuleType:
 def bind_triton_kernel(name: str) -> Any:
     """`name` from the Triton kernels, or its torch reference when triton is not installed."""
     global _warned_no_triton
-    module_name, reference_name = _KERNELS[name]
+    module_name, reference = _KERNELS[name]
     try:
         module = _import_triton_kernels(module_name)
     except ModuleNotFoundError as exc:
@@ -45,7 +48,7 @@ def bind_triton_kernel(name: str) -> Any:
                 "triton is not installed, so swap-in runs the torch reference (it syncs with "
                 "the host every step). Install it with: pip install 'hisparse[triton]'"
             )
-        return getattr(swap_in_reference, reference_name)
+        return reference
     return getattr(module, name)
 
 
@@ -111,4 +114,14 @@ class AcceleratorBackend(Backend):
 
     def backup_kernel(self) -> BackupFn:
         return bind_triton_kernel("backup_newest_triton")
+
+    def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
+                         out: torch.Tensor, *, record_plans: bool, skip_io: bool = False
+                         ) -> Any:
+        launcher = bind_triton_kernel("SwapInLauncher")
+        if launcher is None:  # no triton: the reference, as for every kernel
+            return super().swap_in_launcher(tables, req_slots, num_real, out,
+                                            record_plans=record_plans, skip_io=skip_io)
+        return launcher(tables, req_slots, num_real, out, traits=self.kernel_traits(
+            tables.last_use.device), record_plans=record_plans, skip_io=skip_io)
 

@@ -16,7 +16,8 @@ import torch
 
 from hisparse.backends.features import Feature, FeatureTable, Support
 from hisparse.errors import UnsupportedFeatureError
-from hisparse.kernels.swap_in_reference import backup_newest_reference
+from hisparse.kernels.backup_reference import backup_newest_reference
+from hisparse.kernels.swap_in.plan import DeviceTraits
 
 # swap_in(tables, layer, group, req_slots, top_k, num_real, out, plan=None, skip_io=False)
 SwapInFn = Callable[..., None]
@@ -34,6 +35,9 @@ class Backend(abc.ABC):
     features: FeatureTable
     # False until the backend's GPU paths have run on real hardware; the probe says so.
     verified_on_hardware: bool = True
+    # Whether bound kernel launches may call triton's compiled launcher directly
+    # (kernels.launching): true where that launcher takes raw addresses (CUDA, ROCm).
+    direct_kernel_launch: bool = False
 
     # --- detection -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -54,6 +58,31 @@ class Backend(abc.ABC):
     def compute_units(self, index: int | None = None) -> int:
         """Parallel units of the device (SMs, CUs, Xe cores), for sizing kernel grids."""
         return 1
+
+    def kernel_traits(self, device: torch.device) -> DeviceTraits:
+        """What the swap-in launch plan needs to know of `device`: its parallel units and
+        whether its kernels may launch as programmatic dependents."""
+        return DeviceTraits(compute_units=self.compute_units(device.index),
+                            pdl=self.supports(Feature.PROGRAMMATIC_DEPENDENT_LAUNCH)
+                            and self.device_has_pdl(device),
+                            interpreted=device.type == "cpu",
+                            direct_launch=self.direct_kernel_launch)
+
+    def device_has_pdl(self, device: torch.device) -> bool:
+        """Beyond the feature table: whether this device and triton have PDL."""
+        return False
+
+    def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
+                         out: torch.Tensor, *, record_plans: bool, skip_io: bool = False
+                         ) -> Any:
+        """The engine's swap-in over its tables and batch buffers: the torch reference here;
+        the GPU backends bind the Triton launcher."""
+        from hisparse.kernels.swap_in.reference import ReferenceSwapInLauncher
+
+        return ReferenceSwapInLauncher(tables, req_slots, num_real, out,
+                                       record_plans=record_plans, skip_io=skip_io,
+                                       swap_in=self.swap_in_kernel(),
+                                       copy_planned=self.copy_planned_kernel())
 
     def runtime_versions(self) -> dict[str, str | None]:
         """Driver and runtime versions the probe reports (e.g. {"cuda_runtime": "12.8"})."""

@@ -11,9 +11,12 @@ from hisparse.backends._host_memory import LiveBuffers
 from hisparse.backends._host_register import allocate_plain
 from hisparse.backends.base import Backend, CopyPlannedFn, SwapInFn
 from hisparse.backends.features import Feature, FeatureTable, supported, unsupported
-from hisparse.kernels.swap_in_reference import copy_planned_reference, swap_in_reference
+from hisparse.kernels.swap_in.reference import copy_planned_reference, swap_in_reference
 
 CPU_FEATURES = FeatureTable({
+    Feature.PROGRAMMATIC_DEPENDENT_LAUNCH: unsupported(
+        "the CPU runs the torch reference, which has no kernel launches to overlap",
+        "nothing to do"),
     Feature.REGISTER_HOST_MEMORY: unsupported(
         "host memory is already the device's memory, so there is nothing to register",
         "pass the tensor as it is, or allocate it with backend.alloc_host()",

@@ -20,6 +20,8 @@ CUDA_FEATURES = FeatureTable({
     Feature.ASYNC_BACKUP: supported("side stream"),
     Feature.SHARED_INDEX_PREFETCH: supported("replay on a side stream"),
     Feature.SKIP_IO_PROBE: supported(),
+    Feature.PROGRAMMATIC_DEPENDENT_LAUNCH: supported(
+        "griddepcontrol between the swap-in kernels, on sm_90 and newer with triton >= 3.3"),
 })
 
 # One registry per process for everything registered through torch's cudart binding.
@@ -31,6 +33,7 @@ class CudaBackend(AcceleratorBackend):
     torch_device_type = "cuda"
     features = CUDA_FEATURES
     host_registry = _registry
+    direct_kernel_launch = True
 
     def unavailable_reason(self) -> str | None:
         if torch.version.hip is not None:
@@ -46,6 +49,12 @@ class CudaBackend(AcceleratorBackend):
                 "check the driver and CUDA_VISIBLE_DEVICES"
             )
         return None
+
+    def device_has_pdl(self, device: torch.device) -> bool:
+        from hisparse.kernels.swap_in.pdl import triton_launches_dependents
+
+        return torch.cuda.get_device_capability(device) >= (9, 0) and (
+            triton_launches_dependents())
 
     def runtime_versions(self) -> dict[str, str | None]:
         return {"cuda_runtime": torch.version.cuda, "cuda_driver": _cuda_driver_version()}

@@ -18,6 +18,9 @@ class Feature(str, enum.Enum):
     ASYNC_BACKUP = "async_backup"
     SHARED_INDEX_PREFETCH = "shared_index_prefetch"
     SKIP_IO_PROBE = "skip_io_probe"
+    # Kernels of one swap-in overlap their launch with the one ahead (griddepcontrol). Not a
+    # config key: the launch plan uses it wherever the backend and the device have it.
+    PROGRAMMATIC_DEPENDENT_LAUNCH = "programmatic_dependent_launch"
 
     def __str__(self) -> str:
         return self.value
@@ -26,6 +29,9 @@ class Feature(str, enum.Enum):
 # A config that asks for one of these on a backend that lacks it must fail, not be turned off:
 # turning the skip-IO probe off would silently time the copy it exists to leave out.
 RAISE_WHEN_REQUESTED = frozenset({Feature.SKIP_IO_PROBE})
+# Features no caller asks for, so they have no raising entry point: the launch plan uses them
+# where the backend has them (Backend.kernel_traits), and goes without them elsewhere.
+LAUNCH_OPTIONS = frozenset({Feature.PROGRAMMATIC_DEPENDENT_LAUNCH})
 
 
 class Status(str, enum.Enum):

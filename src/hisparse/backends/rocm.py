@@ -17,9 +17,18 @@ import torch
 
 from hisparse.backends._host_register import HostRegistry
 from hisparse.backends.cuda import CUDA_FEATURES, CudaBackend
+from hisparse.backends.features import Feature, FeatureTable, unsupported
 from hisparse.errors import BackendUnavailableError, HostAllocationError
 
 HIP_LIBRARY_NAMES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")
+
+# DESIGN.md section 4: the same matrix as CUDA, but AMD has no programmatic dependent launch.
+ROCM_FEATURES = FeatureTable({
+    **CUDA_FEATURES,
+    Feature.PROGRAMMATIC_DEPENDENT_LAUNCH: unsupported(
+        "AMD GPUs have no programmatic dependent launch (griddepcontrol is NVIDIA's)",
+        "nothing to do: the swap-in kernels launch in stream order"),
+})
 
 _registry = HostRegistry(lambda: torch.cuda.cudart(), "hipHostRegister")
 
@@ -43,7 +52,7 @@ def hip_library() -> ctypes.CDLL:
 class RocmBackend(CudaBackend):
     name = "rocm"
     torch_device_type = "cuda"  # torch calls HIP devices "cuda"
-    features = CUDA_FEATURES  # DESIGN.md section 4: the same matrix as CUDA
+    features = ROCM_FEATURES
     verified_on_hardware = False
     host_registry = _registry
 

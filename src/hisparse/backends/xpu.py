@@ -19,6 +19,9 @@ from hisparse.errors import HostAllocationError
 logger = logging.getLogger("hisparse.backends")
 
 XPU_FEATURES = FeatureTable({
+    Feature.PROGRAMMATIC_DEPENDENT_LAUNCH: unsupported(
+        "Intel GPUs have no programmatic dependent launch",
+        "nothing to do: the swap-in kernels launch in stream order"),
     Feature.REGISTER_HOST_MEMORY: unsupported(
         "torch XPU cannot pin existing memory in place (no register_host_memory in torch yet)",
         "allocate the buffer with backend.alloc_host(), which returns USM host memory",

@@ -28,7 +28,7 @@ from hisparse.core.requests import (
     SlotAllocator,
 )
 from hisparse.core.stats import CacheStats, Occupancy, TrafficCounters
-from hisparse.core.tables import CacheTables, MissPlan, residency_dtype
+from hisparse.core.tables import CacheTables, residency_dtype
 from hisparse.core.validation import (
     as_rows,
     check_batch_rows,
@@ -37,7 +37,7 @@ from hisparse.core.validation import (
     same_device,
 )
 from hisparse.errors import ConfigError, HisparseError, InvalidInputError, RequestStateError
-from hisparse.kernels.swap_in_reference import backup_newest_reference
+from hisparse.kernels.backup_reference import backup_newest_reference
 
 LIVE = (RequestState.RESERVED, RequestState.PREFILLING, RequestState.RUNNING,
         RequestState.PREEMPTED)
@@ -172,19 +172,20 @@ class HiSparseCache:
                 self._newest_rows = torch.full((B,), self._padding_row, **i32)
                 self._newest_rows_long = self._newest_rows.long()
                 self._newest_host_rows = torch.full((B,), -1, **i32)
-                self._top_k = torch.full((B, K), -1, **i32)
                 self._out = torch.full((G, B, K), -1, **i32)
+                # Views of `_out` by (group, batch rows), made once: a view costs host time.
+                self._out_rows: dict[tuple[int, int], torch.Tensor] = {}
                 has_followers = config.index_group_size > 1
-                self._plans = [MissPlan.empty(B, K, dev) if has_followers else None
-                               for _ in range(G)]
                 self._anchor_delta = torch.zeros(G, 3, dtype=torch.int64, device=dev)
 
-                self._swap_in = (
-                    backend.skip_io_swap_in_kernel() if config.skip_io
-                    else backend.zero_copy_swap_in_kernel() if config.zero_copy_swap_in
-                    else backend.swap_in_kernel()
-                )
-                self._copy_planned = backend.copy_planned_kernel()
+                # Asked for by name so that a backend without the feature raises here.
+                if config.skip_io:
+                    backend.skip_io_swap_in_kernel()
+                elif config.zero_copy_swap_in:
+                    backend.zero_copy_swap_in_kernel()
+                self._launcher = backend.swap_in_launcher(
+                    self.tables, self._req_slots, self._num_real, self._out,
+                    record_plans=has_followers, skip_io=config.skip_io)
                 # Fused backup kernels come with the GPU path; every backend has the reference.
                 backup_kernel = getattr(backend, "backup_kernel", None)
                 self._backup = backup_kernel() if backup_kernel else backup_newest_reference
@@ -213,10 +214,10 @@ class HiSparseCache:
                 self._step_grew: set[int] = set()  # id() of the step's records given an extent
                 # group -> batch rows its anchor swapped in during the open step (followers match)
                 self._anchored: dict[int, int] = {}
+                # group -> the top-k tensor its anchor swapped in (validate compares followers')
+                self._anchor_top_k: dict[int, torch.Tensor] = {}
                 # group -> followers whose side-stream replay no swap_in of theirs waited for
                 self._unwaited_replays: dict[int, set[int]] = {}
-                # group -> the anchor's miss plan over those rows, which its followers replay
-                self._anchor_plans: dict[int, MissPlan] = {}
                 self._pending_replay: dict[int, set[int]] = {}  # group -> followers not yet copied
                 self._written_layers: set[int] = set()  # layers given write_newest this step
                 self._closed = False
@@ -528,30 +529,32 @@ class HiSparseCache:
             check_positions_against_lengths(
                 top_k, [r.num_tokens for r in self._step_records], step.request_ids
             )
-        if top_k.data_ptr() != self._top_k.data_ptr():
-            self._top_k[:rows].copy_(top_k)
-        plan = self._plans[group]
-        if plan is not None:
+        records_plan = self._launcher.plans is not None
+        if records_plan:
             self._flush_replays(group)
             # The side stream reads the plan.
             self.backend.wait_event(self._replay_done[group], self.device)
             counts_before = self.tables.counters[layer].clone()
-            plan = self._anchor_plans[group] = plan.first_rows(rows)
         # The kernels run over the B rows the caller passed, not over `max_batch`: a caller
         # that captures one graph per batch size gets small grids (and the kernels' small-batch
         # paths) for small batches.
         try:  # (a try costs nothing until it catches; a context manager would, per layer)
-            self._swap_in(self.tables, layer, group, self._req_slots[:rows],
-                          self._top_k[:rows], self._num_real, self._out[group][:rows],
-                          plan=plan, skip_io=self.config.skip_io)
+            self._launcher.swap_in(layer, group, rows, top_k)
         except BaseException as exc:
             self._launch_failed(f"swap_in({layer})", exc)
             raise
         self._anchored[group] = rows
-        if plan is not None:
+        self._anchor_top_k[group] = top_k
+        if records_plan:
             torch.sub(self.tables.counters[layer], counts_before, out=self._anchor_delta[group])
             self._issue_replays(group)
-        return self._out[group][:rows]
+        return self._out_view(group, rows)
+
+    def _out_view(self, group: int, rows: int) -> torch.Tensor:
+        view = self._out_rows.get((group, rows))
+        if view is None:
+            view = self._out_rows[(group, rows)] = self._out[group][:rows]
+        return view
 
     @_bookkeeping
     def end_decode_step(self) -> None:
@@ -858,7 +861,7 @@ class HiSparseCache:
                 f"{self._anchored[group]}; layers {anchor}..{anchor + self.index_group_size - 1} "
                 "share one indexer, so pass the anchor's top-k tensor"
             )
-        if self.config.validate and not torch.equal(top_k, self._top_k[:rows]):
+        if self.config.validate and not torch.equal(top_k, self._anchor_top_k[group]):
             raise InvalidInputError(
                 f"layer {layer} got a top-k that differs from its anchor layer {anchor}'s; "
                 f"layers {anchor}..{anchor + self.index_group_size - 1} share one indexer, "
@@ -870,7 +873,7 @@ class HiSparseCache:
         elif layer in self._pending_replay.get(group, ()):
             self._replay(group, layer)
             self._pending_replay[group].discard(layer)
-        return self._out[group][:rows]
+        return self._out_view(group, rows)
 
     def _followers(self, group: int) -> range:
         anchor = group * self.index_group_size
@@ -906,7 +909,7 @@ class HiSparseCache:
     def _replay(self, group: int, layer: int) -> None:
         if not self.config.skip_io:
             try:
-                self._copy_planned(self.tables, layer, self._anchor_plans[group])
+                self._launcher.replay(layer, group, self._anchored[group])
             except BaseException as exc:
                 self._launch_failed(f"the replay of layer {layer}", exc)
                 raise
@@ -995,7 +998,7 @@ class HiSparseCache:
 # What close() releases: every attribute holding device tensors, streams or events.
 _DEVICE_STATE = (
     "tables", "_req_slots", "_num_real", "_newest_rows", "_newest_rows_long",
-    "_newest_host_rows", "_top_k", "_out", "_plans", "_anchor_delta", "_anchor_plans",
+    "_newest_host_rows", "_out", "_out_rows", "_launcher", "_anchor_delta", "_anchor_top_k",
     "_backup_stream", "_prefetch_stream", "_backup_done", "_step_written", "_planned",
     "_follower_ready", "_replay_done", "_step_done", "_tables_changed",
 )

@@ -7,6 +7,8 @@ with the host on accelerators, which is why the GPU backends bind the Triton ker
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hisparse.core.tables import CacheTables, MissPlan
@@ -147,30 +149,27 @@ def copy_planned_reference(tables: CacheTables, layer: int, plan: MissPlan) -> N
         )
 
 
-def backup_newest_reference(
-    tables: CacheTables,
-    newest_rows: torch.Tensor,  # [Bcap] int32 device row of each batch row's newest token
-    host_rows: torch.Tensor,  # [Bcap] int32 host row the newest token belongs to
-    num_real: torch.Tensor,  # [1] int32: rows >= num_real are padding
-) -> None:
-    """Copy every layer's newest rows back to their host rows (the decode backup path).
+class ReferenceSwapInLauncher:
+    """`launch.SwapInLauncher`'s interface over the torch reference (the CPU backend, and any
+    backend without triton): the engine drives both alike."""
 
-    Reads the real count back to the host: fine on the CPU, a sync on accelerators, which
-    bind a kernel that writes host memory directly instead.
-    """
-    # Rows b < num_real are real, as in the Triton backup: a negative count is none (as a
-    # slice bound it would count from the end).
-    count = max(0, int(num_real.reshape(-1)[0]))
-    if count == 0:
-        return
-    device_rows = newest_rows[:count].long()
-    targets = host_rows[:count].long()
-    # Out-of-range rows would be an engine bug; skipped, as the Triton backup skips them,
-    # rather than wrapped around (-1 is the last row) or raised on halfway through the layers.
-    num_host_rows = min((host.shape[0] for host in tables.host_kv), default=0)
-    keep = (device_rows >= 0) & (device_rows < tables.device_kv.shape[1]) & (targets >= 0)
-    keep &= targets < num_host_rows
-    device_rows, targets = device_rows[keep], targets[keep]
-    rows = tables.device_kv[:, device_rows]  # [L, B, W]
-    for layer, host in enumerate(tables.host_kv):
-        host[targets.to(host.device)] = rows[layer].to(host.device)
+    def __init__(self, tables: CacheTables, req_slots: torch.Tensor, num_real: torch.Tensor,
+                 out: torch.Tensor, *, record_plans: bool, skip_io: bool = False,
+                 swap_in: Callable[..., None] | None = None,
+                 copy_planned: Callable[..., None] | None = None) -> None:
+        groups, batch_cap, top_k = out.shape
+        device = tables.last_use.device
+        self.tables, self.skip_io = tables, skip_io
+        self._req_slots, self._num_real, self._out = req_slots, num_real, out
+        self._swap_in = swap_in or swap_in_reference
+        self._copy_planned = copy_planned or copy_planned_reference
+        self.plans = ([MissPlan.empty(batch_cap, top_k, device) for _ in range(groups)]
+                      if record_plans else None)
+
+    def swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:
+        plan = self.plans[group].first_rows(rows) if self.plans else None
+        self._swap_in(self.tables, layer, group, self._req_slots[:rows], top_k, self._num_real,
+                      self._out[group][:rows], plan=plan, skip_io=self.skip_io)
+
+    def replay(self, layer: int, group: int, rows: int) -> None:
+        self._copy_planned(self.tables, layer, self.plans[group].first_rows(rows))

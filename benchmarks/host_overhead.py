@@ -1,0 +1,296 @@
+"""Host time of the eager decode path: what a framework pays per call outside a CUDA graph.
+
+A cache of the deepseek-v3.2 shape (61 layers, 656 B rows, top-k 2048, hot buffer 4096) decodes
+B requests at `--seq-len` tokens each, eagerly, the way a framework drives it without graphs:
+`begin_decode_step`, then per layer `write_newest` and `swap_in`, then `end_decode_step`. Every
+call's host time (wall clock from call to return, no synchronisation inside the step) is
+recorded; the device is synchronised between steps, so one step's launches never wait behind
+the previous step's queue. Two traces: churn 0 (the top-k of each layer is the same every step,
+so every warm step is miss-free) and churn 0.2 (a fifth of each row new every step). Each
+layer draws its own top-k (DeepSeek-V3.2 has an indexer per layer).
+
+Besides the medians per call, `--breakdown` times every Triton launch the calls make (a wrapper
+around `triton.runtime.jit.JITFunction.run`), which tells the launch cost from the Python
+around it; it adds the wrapper's own cost, so its step figures are not the headline ones.
+
+    PYTHONPATH=src python benchmarks/host_overhead.py --device cuda \
+        --output benchmarks/results/host-overhead-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+import hisparse
+
+CALLS = ("begin_decode_step", "write_newest", "swap_in", "end_decode_step")
+
+
+def make_cache(device: str, max_batch: int, seq_len: int, steps: int, layers: int | None,
+               ) -> hisparse.HiSparseCache:
+    overrides: dict[str, object] = {"max_requests": max_batch,
+                                    "max_seq_len": seq_len + steps + 8}
+    if layers is not None:
+        overrides["num_layers"] = layers
+    probe = hisparse.HiSparseConfig.from_preset("deepseek-v3.2", **overrides)
+    # Whole extents for every request and its decoded tokens, nothing more (host RAM).
+    per_request = -(-(seq_len + steps + 1) // probe.extent_tokens) + 1
+    overrides["host_pool_tokens"] = max_batch * per_request * probe.extent_tokens
+    return hisparse.HiSparseCache(
+        hisparse.HiSparseConfig.from_preset("deepseek-v3.2", **overrides), device=device)
+
+
+def admit_all(cache: hisparse.HiSparseCache, count: int, seq_len: int) -> list[str]:
+    """Requests whose host rows are reserved and marked transferred (the PD path: no prefill
+    bytes to write; the rows' content does not change host time)."""
+    ids = [f"r{i}" for i in range(count)]
+    for request_id in ids:
+        cache.reserve_host_slots(request_id, seq_len)
+        cache.complete_transfer(request_id)
+    return ids
+
+
+class TopK:
+    """Per layer and request, a window of a fixed random permutation of the first `seq_len`
+    positions: unique entries in every row; churn c moves the window by c * K each step."""
+
+    def __init__(self, layers: int, batch: int, seq_len: int, top_k: int, churn: float,
+                 device: torch.device, seed: int) -> None:
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        keys = torch.rand(layers, batch, seq_len - 1, generator=generator)
+        self.perm = keys.argsort(dim=-1).to(torch.int32).to(device)
+        self.shift = round(churn * top_k)
+        self.columns = torch.arange(top_k, device=device)
+        self.span = seq_len - 1
+
+    def step(self, index: int) -> torch.Tensor:
+        """[L, B, K] int32, contiguous per layer."""
+        window = (self.columns + index * self.shift) % self.span
+        return self.perm.index_select(2, window).contiguous()
+
+
+@contextlib.contextmanager
+def launch_timer(record: dict[str, list[float]]) -> Iterator[None]:
+    """Time every Triton JIT launch (dispatch, argument binding and the driver call)."""
+    import triton.runtime.jit as jit
+
+    original = jit.JITFunction.run
+
+    def timed(self: object, *args: object, **kwargs: object) -> object:
+        start = time.perf_counter_ns()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            record[getattr(self, "__name__", "?")].append((time.perf_counter_ns() - start) / 1e3)
+
+    jit.JITFunction.run = timed
+    try:
+        yield
+    finally:
+        jit.JITFunction.run = original
+
+
+def run_trace(cache: hisparse.HiSparseCache, ids: list[str], trace: TopK, kv: torch.Tensor,
+              warmup: int, steps: int, sync: callable) -> dict[str, object]:
+    times: dict[str, list[float]] = defaultdict(list)
+    step_host: list[float] = []
+    layers = cache.num_layers
+    for index in range(warmup + steps):
+        top_k = trace.step(index)
+        sync()
+        keep = index >= warmup
+        clock = time.perf_counter_ns
+        t0 = clock()
+        cache.begin_decode_step(ids)
+        t1 = clock()
+        for layer in range(layers):
+            a = clock()
+            cache.write_newest(layer, kv[layer])
+            b = clock()
+            cache.swap_in(layer, top_k[layer])
+            c = clock()
+            if keep:
+                times["write_newest"].append((b - a) / 1e3)
+                times["swap_in"].append((c - b) / 1e3)
+        t2 = clock()
+        cache.end_decode_step()
+        t3 = clock()
+        if keep:
+            times["begin_decode_step"].append((t1 - t0) / 1e3)
+            times["end_decode_step"].append((t3 - t2) / 1e3)
+            step_host.append((t3 - t0) / 1e3)
+        sync()
+    summary = {name: {"median_us": statistics.median(times[name]),
+                      "p90_us": sorted(times[name])[int(0.9 * (len(times[name]) - 1))],
+                      "calls": len(times[name])} for name in CALLS}
+    begin_end = [b + e for b, e in zip(times["begin_decode_step"], times["end_decode_step"],
+                                       strict=True)]
+    summary["begin_plus_end"] = {"median_us": statistics.median(begin_end)}
+    summary["step"] = {"median_us": statistics.median(step_host), "steps": len(step_host)}
+    return summary
+
+
+def measure(device: str, batches: list[int], churns: list[float], seq_len: int, warmup: int,
+            steps: int, layers: int | None, breakdown: bool, seed: int) -> dict[str, object]:
+    cache = make_cache(device, max(batches), seq_len, len(batches) * len(churns) *
+                       (warmup + steps) * (2 if breakdown else 1), layers)
+    dev = cache.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (
+        (lambda: torch.xpu.synchronize(dev)) if dev.type == "xpu" else (lambda: None))
+    ids = admit_all(cache, max(batches), seq_len)
+    cells = []
+    for batch in batches:
+        kv = torch.randint(0, 256, (cache.num_layers, batch, cache.row_bytes),
+                           dtype=torch.uint8, device=dev)
+        for churn in churns:
+            trace = TopK(cache.num_layers, batch, seq_len, cache.top_k, churn, dev,
+                         seed + batch)
+            cell: dict[str, object] = {"batch": batch, "churn": churn, "mode": "eager"}
+            cell.update(run_trace(cache, ids[:batch], trace, kv, warmup, steps, sync))
+            if breakdown:
+                launches: dict[str, list[float]] = defaultdict(list)
+                with launch_timer(launches):
+                    run_trace(cache, ids[:batch], trace, kv, 1, steps, sync)
+                cell["triton_launches"] = {
+                    name: {"median_us": statistics.median(v), "calls": len(v)}
+                    for name, v in sorted(launches.items())}
+            stats = cache.stats().to_dict()
+            cell["hit_rate_so_far"] = stats.get("hit_rate")
+            cells.append(cell)
+            print(json.dumps({k: cell[k] for k in ("batch", "churn")} |
+                             {k: round(cell[k]["median_us"], 1) for k in
+                              (*CALLS, "begin_plus_end", "step")}), flush=True)
+    cache.close()
+    return {"cells": cells}
+
+
+def environment(device: str) -> dict[str, object]:
+    info: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available() and device.startswith("cuda"):
+        info["card"] = torch.cuda.get_device_name()
+        info["cuda_runtime"] = torch.version.cuda
+    return info
+
+
+def _nop_kernel() -> object:
+    import triton
+    import triton.language as tl
+
+    # Annotations are strings here (`from __future__`): triton resolves them in globals.
+    globals()["tl"] = tl
+
+    @triton.jit
+    def nop(a, b, c, d, e, f, g, h, n0, n1, n2, n3, X: tl.constexpr, Y: tl.constexpr):
+        pass
+
+    return nop
+
+
+def launch_floors(device: str, repeats: int = 2000) -> dict[str, float]:
+    """Median host cost of the primitives an eager call is built from, on this machine."""
+    _nop = _nop_kernel()
+    dev = torch.device(device)
+    t = [torch.zeros(64, dtype=torch.int32, device=dev) for _ in range(8)]
+    ints = (7, 9, 2048, 4096)
+
+    def median_us(call: callable) -> float:
+        for _ in range(20):
+            call()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter_ns()
+            call()
+            samples.append(time.perf_counter_ns() - start)
+        torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+        return statistics.median(samples) / 1e3
+
+    kernel = _nop[(1,)](*t, *ints, X=1, Y=2)
+    floors = {"triton_jit_launch_12_args": median_us(lambda: _nop[(1,)](*t, *ints, X=1, Y=2))}
+    if hasattr(kernel, "packed_metadata"):
+        from triton.runtime import driver
+
+        stream = driver.active.get_current_stream(dev.index or 0)
+        ptrs = [x.data_ptr() for x in t]
+        args = (*ptrs, *ints, 1, 2)
+        run, fn, meta = kernel.run, kernel.function, kernel.packed_metadata
+        floors["compiled_run_12_args"] = median_us(
+            lambda: run(1, 1, 1, stream, fn, meta, None, None, None, *args))
+        floors["get_current_stream"] = median_us(
+            lambda: driver.active.get_current_stream(dev.index or 0))
+    src, dst = t[0], t[1]
+    floors["torch_copy_"] = median_us(lambda: dst.copy_(src))
+    index = torch.zeros(4, dtype=torch.long, device=dev)
+    rows = torch.zeros(4, 656, dtype=torch.uint8, device=dev)
+    table = torch.zeros(2, 64, 656, dtype=torch.uint8, device=dev)
+    floors["torch_index_copy_"] = median_us(lambda: table[1].index_copy_(0, index, rows))
+    floors["torch_view_index"] = median_us(lambda: table[1])
+    floors["torch_slice"] = median_us(lambda: src[:4])
+    event = torch.Event(device=dev)
+    floors["event_record"] = median_us(lambda: event.record())
+    return floors
+
+
+TARGETS_US = {"swap_in": 25.0, "write_newest": 8.0, "begin_plus_end": 60.0, "step": 2500.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, help="backend or device (default: best here)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
+    parser.add_argument("--churns", type=float, nargs="+", default=[0.0, 0.2])
+    parser.add_argument("--seq-len", type=int, default=6144,
+                        help="tokens per request (> the hot buffer: the long regime)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="fewer layers than the preset's 61 (quick runs only)")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each Triton JIT launch (an extra pass per cell)")
+    parser.add_argument("--floors", action="store_true",
+                        help="also time the primitives (a Triton launch, a torch copy, ...)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args(argv)
+    device = args.device or str(hisparse.get_backend().device())
+    result = {
+        "benchmark": "host-overhead",
+        "command": "python benchmarks/host_overhead.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
+        "mode": "eager calls (no graph), host wall time per call; device synchronised "
+                "between steps only",
+        "environment": environment(device),
+        "targets_us": TARGETS_US,
+        **measure(device, args.batches, args.churns, args.seq_len, args.warmup, args.steps,
+                  args.layers, args.breakdown, args.seed),
+    }
+    if args.floors:
+        try:
+            result["floors_us"] = launch_floors(device)
+        except Exception as exc:  # the floors are context; the cells are the measurement
+            result["floors_us"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(result["floors_us"]))
+    if args.output is not None:
+        args.output.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Kernel launches with their arguments bound once, replayed at the driver's own cost.
+
+`kernel[grid](*args)` costs 15-35 us of host time per call on an H200 (triton 3.6): binding the
+arguments, computing the specialization key, looking the compiled kernel up. A decode step makes
+three such launches per layer, 61 layers a step, eagerly wherever a framework does not capture
+graphs. A `BoundLaunch` pays that once: its first call goes through triton as usual and keeps
+the compiled kernel; later calls hand the same arguments, as addresses and integers, straight
+to the compiled kernel's launcher (about 5 us). Measured: benchmarks/NOTES.md, "Host path".
+
+The direct call is triton's own launch sequence (`JITFunction.run` in triton 3.3 and newer) with
+the specialization fixed by the first call. It is used only where that holds: triton >= 3.3,
+no launch hooks (a profiler's) installed, a compiled kernel (not the interpreter), and a backend
+whose traits allow it (`DeviceTraits.direct_launch`). Elsewhere every call goes through triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import triton
+
+# (major, minor) from which JITFunction.run passes every bound argument, constexprs included,
+# to CompiledKernel.run after (grid, stream, function, packed metadata, launch metadata, hooks).
+_DIRECT_FROM = (3, 3)
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def _knobs() -> Any | None:
+    try:
+        from triton import knobs
+    except ImportError:  # triton < 3.4 keeps the hooks on CompiledKernel
+        return None
+    return knobs.runtime
+
+
+DIRECT_LAUNCH_AVAILABLE = _triton_version() >= _DIRECT_FROM
+_RUNTIME_KNOBS = _knobs()
+
+
+def _hooks_installed() -> bool:
+    if _RUNTIME_KNOBS is None:
+        from triton.compiler.compiler import CompiledKernel
+
+        return getattr(CompiledKernel, "launch_enter_hook", None) is not None
+    return (_RUNTIME_KNOBS.launch_enter_hook is not None
+            or _RUNTIME_KNOBS.launch_exit_hook is not None)
+
+
+def _current_stream(device_index: int) -> int:
+    return triton.runtime.driver.active.get_current_stream(device_index)
+
+
+class BoundLaunch:
+    """One launch of `kernel` over `grid` with `args` (tensors and ints, positional) and
+    `constants` (the constexpr and launch options, by name) fixed.
+
+    `addresses` gives, by position in `args`, the address the kernel must receive for a tensor
+    whose data pointer is not it (host memory on ROCm: backend.device_address); triton's own
+    path translates those tensors itself. `direct=False` keeps every call on triton's path.
+    """
+
+    __slots__ = ("_args", "_compiled", "_constants", "_device_index", "_direct", "_flat",
+                 "_grid", "_kernel", "_pointer_slots")
+
+    def __init__(self, kernel: Any, grid: Sequence[int], args: Sequence[Any],
+                 constants: Mapping[str, Any], *, device: torch.device,
+                 addresses: Mapping[int, int] | None = None, direct: bool = True) -> None:
+        self._kernel = kernel
+        self._grid = tuple(grid) + (1,) * (3 - len(grid))
+        self._args = tuple(args)
+        self._constants = dict(constants)
+        self._device_index = device.index if device.index is not None else 0
+        self._direct = direct and DIRECT_LAUNCH_AVAILABLE
+        self._compiled: Any | None = None
+        names = list(kernel.arg_names)
+        missing = [n for n in names[len(self._args):] if n not in self._constants]
+        if missing:
+            raise TypeError(f"{kernel.__name__}: no value bound for {missing}")
+        values = [*self._args, *(self._constants[n] for n in names[len(self._args):])]
+        addresses = addresses or {}
+        self._flat = tuple(addresses.get(i, v.data_ptr()) if isinstance(v, torch.Tensor) else v
+                           for i, v in enumerate(values))
+        self._pointer_slots = {i for i, v in enumerate(values) if isinstance(v, torch.Tensor)}
+
+    @property
+    def direct(self) -> bool:
+        """Whether calls after the first skip triton's dispatch."""
+        return self._compiled is not None
+
+    def __call__(self) -> None:
+        compiled = self._compiled
+        if compiled is None or _hooks_installed():
+            self._launch_through_triton()
+            return
+        compiled.run(*self._grid, _current_stream(self._device_index), compiled.function,
+                     compiled.packed_metadata, None, None, None, *self._flat)
+
+    def address(self, index: int) -> int:
+        """The address (or value) positional argument `index` is launched with."""
+        return self._flat[index]
+
+    def with_tensor(self, index: int, tensor: torch.Tensor) -> BoundLaunch:
+        """This launch with positional argument `index` replaced by `tensor` (same dtype): a
+        copy that keeps the compiled kernel where the address's 16-byte alignment, the only
+        property of a pointer triton specializes on, is unchanged."""
+        clone = BoundLaunch.__new__(BoundLaunch)
+        for name in BoundLaunch.__slots__:
+            setattr(clone, name, getattr(self, name))
+        clone._args = (*self._args[:index], tensor, *self._args[index + 1:])
+        address = tensor.data_ptr()
+        clone._flat = (*self._flat[:index], address, *self._flat[index + 1:])
+        old = self._flat[index]
+        if (old % 16 == 0) != (address % 16 == 0):
+            clone._compiled = None
+        return clone
+
+    def _launch_through_triton(self) -> None:
+        kernel = self._kernel[self._grid](*self._args, **self._constants)
+        if (self._direct and self._compiled is None and kernel is not None
+                and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function")):
+            self._compiled = kernel

@@ -1,0 +1,367 @@
+"""The swap-in launcher: binds tables, buffers and a launch plan to the three kernels.
+
+Two ways in, one binding (`_bind`):
+* `SwapInLauncher`, which an engine builds once over its tables and persistent batch buffers.
+  It checks everything when it is built, keeps one launch plan per batch size and one set of
+  bound launches per (layer, group, batch size), and replays them directly on the driver
+  (`kernels.launching.BoundLaunch`): the eager host path.
+* `swap_in_triton` / `copy_planned_triton`, the standalone calls with the reference's
+  signature (tests, benchmarks), which check their arguments and bind anew on every call.
+
+Neither synchronises with the host, and every grid is sized from the batch rows and K alone,
+so a call can be captured in a graph (after one eager call) and replayed with another
+`num_real`. Scratch is allocated once per (tables, batch capacity, K).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from hisparse.core.tables import CacheTables, MissPlan, residency_dtype
+from hisparse.core.widths import INT16_MAX_HOT_SLOTS
+from hisparse.kernels.launching import BoundLaunch
+from hisparse.kernels.swap_in.checks import (
+    check_int32,
+    check_plan,
+    check_tables,
+    fail,
+    layer_rows,
+)
+from hisparse.kernels.swap_in.copy import copy_kernel, copy_prefetched_kernel
+from hisparse.kernels.swap_in.lookup import classify_kernel
+from hisparse.kernels.swap_in.plan import (
+    CopyPlan,
+    DeviceTraits,
+    LaunchPlan,
+    Tuning,
+    current_tuning,
+    plan_launch,
+    replay_plan,
+)
+from hisparse.kernels.swap_in.select import select_kernel
+
+
+@dataclass(eq=False)
+class Scratch:
+    """The kernels' working memory for one batch capacity; the counts are zero between
+    calls (the selection resets what the lookup adds)."""
+
+    order: torch.Tensor  # [Bcap, H] int32: each row's victims in slot order
+    miss_row: torch.Tensor  # [Bcap, K] int32: each entry's code (lookup.py, _entry_codes)
+    miss_count: torch.Tensor  # [Bcap] int32: misses per batch row
+    # [2 * buckets + 1] int32: misses per host-address bucket, entries handed out per bucket,
+    # selection programs done
+    address_order: torch.Tensor
+    row_buckets: torch.Tensor  # [Bcap, buckets] int32: a row's misses per bucket
+    plan: MissPlan  # the plan of a call that records none for followers
+
+    @classmethod
+    def allocate(cls, batch_cap: int, top_k: int, hot_slots: int, buckets: int,
+                 device: torch.device) -> Scratch:
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int32, device=device)
+
+        return cls(order=zeros(batch_cap, hot_slots), miss_row=zeros(batch_cap, top_k),
+                   miss_count=zeros(batch_cap), address_order=zeros(2 * buckets + 1),
+                   row_buckets=zeros(batch_cap, buckets),
+                   plan=MissPlan.empty(batch_cap, top_k, device))
+
+    @property
+    def buckets(self) -> int:
+        return (self.address_order.numel() - 1) // 2
+
+    def reset_counts(self) -> None:
+        """After a launch failed between the lookup (which adds to the counts) and the
+        selection (which resets them): queued behind the lookup, so the next call starts
+        from zero."""
+        self.miss_count.zero_()
+        self.address_order.zero_()
+        self.row_buckets.zero_()
+
+
+_scratch: weakref.WeakKeyDictionary[CacheTables, dict[tuple[int, int], Scratch]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def scratch_for(tables: CacheTables, batch_cap: int, top_k: int) -> Scratch:
+    """The standalone calls' scratch for (tables, Bcap, K), checking the tables the first time
+    (once per allocation rather than per call: tables are never rebound)."""
+    per_shape = _scratch.setdefault(tables, {})
+    scratch = per_shape.get((batch_cap, top_k))
+    buckets = current_tuning().address_buckets
+    if scratch is None or scratch.buckets != buckets:
+        check_tables(tables)
+        scratch = per_shape[(batch_cap, top_k)] = Scratch.allocate(
+            batch_cap, top_k, tables.hot_slots, buckets, tables.last_use.device)
+    return scratch
+
+
+@functools.cache
+def _compute_units(device: torch.device) -> int:
+    """SMs / CUs / Xe cores as Triton's own driver reports them; 1 on the CPU."""
+    if device.type == "cpu":
+        return 1
+    driver = triton.runtime.driver.active
+    index = device.index if device.index is not None else driver.get_current_device()
+    return int(driver.utils.get_device_properties(index)["multiprocessor_count"])
+
+
+def default_traits(device: torch.device) -> DeviceTraits:
+    """The traits of `device` as its backend states them (PDL is a backend feature)."""
+    from hisparse.backends.registry import get_backend
+
+    if device.type == "cpu":
+        return DeviceTraits(compute_units=1, pdl=False, interpreted=True)
+    return get_backend(device.type).kernel_traits(device)
+
+
+_host_addresses: weakref.WeakKeyDictionary[CacheTables, list[int]] = weakref.WeakKeyDictionary()
+
+
+def _host_address(tables: CacheTables, layer: int) -> int:
+    """The raw address a kernel must receive for `host_kv[layer]` (read back once per tables:
+    `host_kv_addresses` is the backend's device-side address, which on ROCm differs from the
+    host pointer)."""
+    addresses = _host_addresses.get(tables)
+    if addresses is None:
+        source = tables.host_kv_addresses
+        addresses = _host_addresses[tables] = (
+            source.tolist() if source is not None else [h.data_ptr() for h in tables.host_kv])
+    return addresses[layer]
+
+
+def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
+          req_slots: torch.Tensor, top_k: torch.Tensor, num_real: torch.Tensor,
+          out: torch.Tensor, miss_plan: MissPlan, scratch: Scratch, direct: bool,
+          ) -> tuple[BoundLaunch, ...]:
+    """The lookup, selection and (unless skip-IO) copy launches of one call."""
+    t, device = tables, tables.last_use.device
+    num_requests, max_pages = t.page_table.shape
+    rows, k, hot = plan.rows, plan.top_k, plan.hot_slots
+    n_rows, positions = t.num_host_rows, t.positions_per_request
+    buckets = plan.address_buckets
+    bucket_count, bucket_cursor, done = (scratch.address_order[:buckets],
+                                         scratch.address_order[buckets:-1],
+                                         scratch.address_order[-1:])
+    resident, last_use, lru_clock = t.resident[group], t.last_use[group], t.lru_clock[group]
+    shared = {"EARLY_LOADS": plan.early_loads, "POSITION_KEYED": plan.position_keyed,
+              "USE_PDL": plan.pdl, "ADDRESS_ORDER": plan.address_order, "NUM_BUCKETS": buckets}
+    launches = [
+        BoundLaunch(classify_kernel, plan.classify_grid, (
+            num_real, req_slots, t.seq_lens, top_k, out, t.page_table, resident, last_use,
+            lru_clock, scratch.miss_row, scratch.miss_count, t.counters[layer], bucket_count,
+            num_requests, t.slots_per_request, k, hot, t.extent_tokens, max_pages, n_rows,
+            positions), {**shared, "COUNTER_SEM": plan.counter_sem, "CHUNK_K": plan.classify_chunk,
+                         "num_warps": plan.classify_warps}, device=device, direct=direct),
+        BoundLaunch(select_kernel, (rows,), (
+            num_real, req_slots, t.seq_lens, top_k, out, resident, t.slot_key[group], last_use,
+            lru_clock, scratch.miss_row, scratch.miss_count, scratch.order, miss_plan.src,
+            miss_plan.dst, miss_plan.count, miss_plan.src.stride(0), bucket_count,
+            bucket_cursor, done, scratch.row_buckets, num_requests, t.slots_per_request, k,
+            hot, n_rows, positions, resident.shape[0]),
+            {**shared, "FAST_ROUNDS": plan.select_fast_rounds, "BLOCK_K": plan.block_k,
+             "BLOCK_H": plan.block_h, "num_warps": plan.select_warps,
+             **({"launch_pdl": True} if plan.pdl else {})}, device=device, direct=direct),
+    ]
+    if plan.copy.variant == "prefetched":
+        launches.append(_bind_prefetched_copy(t, layer, plan.copy, scratch.miss_row, out,
+                                              rows * k, direct))
+    elif plan.copy.variant == "planned":
+        launches.append(_bind_copy(t, layer, plan.copy, miss_plan, rows, direct))
+    return tuple(launches)
+
+
+def _copy_constants(tables: CacheTables, copy: CopyPlan) -> dict[str, object]:
+    row_words = tables.row_bytes // 4
+    return {"ROW_WORDS": row_words, "BLOCK_WORDS": triton.next_power_of_2(row_words),
+            "ROWS": copy.rows_per_iteration, "USE_PDL": copy.pdl, "num_warps": copy.warps,
+            **({"launch_pdl": True} if copy.pdl else {})}
+
+
+def _bind_prefetched_copy(tables: CacheTables, layer: int, copy: CopyPlan,
+                          miss_row: torch.Tensor, out: torch.Tensor, entries: int,
+                          direct: bool) -> BoundLaunch:
+    host, device = layer_rows(tables, layer)
+    # Only a launch behind a running selection needs the L2 read; after an ordinary kernel
+    # boundary a plain load is right on every vendor's backend.
+    constants = {**_copy_constants(tables, copy), "MISS_ROW_CACHE": ".cg" if copy.pdl else ""}
+    return BoundLaunch(copy_prefetched_kernel, (copy.programs,),
+                       (miss_row, out, host, device, entries), constants,
+                       device=device.device, addresses={2: _host_address(tables, layer)},
+                       direct=direct)
+
+
+def _bind_copy(tables: CacheTables, layer: int, copy: CopyPlan, plan: MissPlan, rows: int,
+               direct: bool) -> BoundLaunch:
+    host, device = layer_rows(tables, layer)
+    return BoundLaunch(copy_kernel, (copy.programs,), (
+        plan.src, plan.dst, plan.count, plan.src.stride(0), host, device, rows,
+        plan.src.shape[1], host.shape[0], device.shape[0]),
+        {**_copy_constants(tables, copy), "BLOCK_BATCH": triton.next_power_of_2(rows)},
+        device=device.device, addresses={4: _host_address(tables, layer)}, direct=direct)
+
+
+def _run(launches: tuple[BoundLaunch, ...], scratch: Scratch) -> None:
+    launches[0]()
+    try:
+        launches[1]()
+    except BaseException:
+        scratch.reset_counts()
+        raise
+    for launch in launches[2:]:
+        launch()
+
+
+# Positions of the top-k tensor among the lookup's and the selection's arguments.
+_TOP_K_ARG = 3
+
+
+class SwapInLauncher:
+    """The Triton swap-in of one cache, over its tables and persistent batch buffers.
+
+    `req_slots [Bcap]`, `num_real [1]` and `out [G, Bcap, K]` are the engine's; a call over
+    `rows <= Bcap` batch rows uses their first rows. With `record_plans`, every group's
+    selection records its misses in `plans[group]` for the group's followers to replay.
+    """
+
+    def __init__(self, tables: CacheTables, req_slots: torch.Tensor, num_real: torch.Tensor,
+                 out: torch.Tensor, *, traits: DeviceTraits, record_plans: bool,
+                 skip_io: bool = False) -> None:
+        device = tables.last_use.device
+        check_tables(tables)
+        groups, batch_cap, top_k = out.shape
+        check_int32("req_slots", req_slots, (batch_cap,), device)
+        check_int32("num_real", num_real, (1,), device)
+        check_int32("out", out, (groups, batch_cap, top_k), device)
+        _check_shape(tables, top_k)
+        self.tables, self.traits, self.skip_io = tables, traits, skip_io
+        self.batch_capacity, self.top_k = batch_cap, top_k
+        self._req_slots, self._num_real, self._out = req_slots, num_real, out
+        self.plans = ([MissPlan.empty(batch_cap, top_k, device) for _ in range(groups)]
+                      if record_plans else None)
+        self._tuning: Tuning | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        tune = current_tuning()
+        self._tuning = tune
+        self._scratch = Scratch.allocate(self.batch_capacity, self.top_k,
+                                         self.tables.hot_slots, tune.address_buckets,
+                                         self.tables.last_use.device)
+        self._launch_plans: dict[int, LaunchPlan] = {}
+        self._swap_ins: dict[tuple[int, int, int], tuple[BoundLaunch, ...]] = {}
+        self._replays: dict[tuple[int, int, int], BoundLaunch] = {}
+
+    def launch_plan(self, rows: int) -> LaunchPlan:
+        """The plan of a call over `rows` batch rows (computed once per batch size)."""
+        plan = self._launch_plans.get(rows)
+        if plan is None:
+            t = self.tables
+            plan = self._launch_plans[rows] = plan_launch(
+                rows, self.top_k, t.hot_slots, t.extent_tokens, t.residency_map == "position",
+                self.traits, skip_io=self.skip_io, tune=self._tuning)
+        return plan
+
+    def swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:
+        """Swap in `layer` of `group` for the first `rows` batch rows. `top_k` must be an
+        int32 `[rows, K]` contiguous tensor on the device (the engine checks it)."""
+        if current_tuning() is not self._tuning:
+            self._reset()
+        key = (layer, group, rows)
+        launches = self._swap_ins.get(key)
+        if launches is None:
+            plan = self.plans[group].first_rows(rows) if self.plans else self._scratch.plan
+            launches = _bind(self.tables, self.launch_plan(rows), layer, group,
+                             self._req_slots[:rows], top_k, self._num_real,
+                             self._out[group][:rows], plan, self._scratch,
+                             direct=self.traits.direct_launch)
+        elif launches[0].address(_TOP_K_ARG) != top_k.data_ptr():
+            # Another top-k tensor (the bound launches keep the last one alive).
+            launches = (launches[0].with_tensor(_TOP_K_ARG, top_k),
+                        launches[1].with_tensor(_TOP_K_ARG, top_k), *launches[2:])
+        self._swap_ins[key] = launches
+        _run(launches, self._scratch)
+
+    def replay(self, layer: int, group: int, rows: int) -> None:
+        """Copy the rows `group`'s last swap-in recorded into `layer` (a follower)."""
+        key = (layer, group, rows)
+        launch = self._replays.get(key)
+        if launch is None:
+            t = self.tables
+            copy = replay_plan(rows, self.top_k, t.extent_tokens, self.traits, self._tuning)
+            launch = self._replays[key] = _bind_copy(t, layer, copy,
+                                                     self.plans[group].first_rows(rows), rows,
+                                                     direct=self.traits.direct_launch)
+        launch()
+
+
+def _check_shape(tables: CacheTables, top_k: int) -> None:
+    hot = tables.hot_slots
+    if hot < top_k:
+        raise fail("the hot buffer must hold at least top_k slots", f"H={hot} < K={top_k}",
+                   "raise device_buffer_size to at least top_k")
+    if tables.resident.dtype not in (residency_dtype(hot), torch.int32):
+        raise fail(f"tables.resident must be int16 (while H <= {INT16_MAX_HOT_SLOTS}) or int32",
+                   f"{tables.resident.dtype} with H={hot}",
+                   "allocate it with core.tables.residency_dtype(hot_slots)")
+
+
+def swap_in_triton(
+    tables: CacheTables,
+    layer: int,
+    group: int,
+    req_slots: torch.Tensor,  # [Bcap] int32 request slot per batch row
+    top_k: torch.Tensor,  # [Bcap, K] int32 token positions, -1 = none
+    num_real: torch.Tensor,  # [1] int32 device scalar: rows >= num_real are padding
+    out: torch.Tensor,  # [Bcap, K] int32: device row per entry, -1 = none
+    plan: MissPlan | None = None,
+    skip_io: bool = False,
+    traits: DeviceTraits | None = None,
+) -> None:
+    """Swap-in of one layer for a padded batch (docs/ARCHITECTURE.md), checked and bound on
+    every call. `traits`: the device's, by default as its backend states them. Raises
+    InvalidInputError, before any launch, for inputs it cannot use."""
+    t = tables
+    device = t.last_use.device
+    if top_k.dim() != 2:
+        raise fail("top_k must be [Bcap, K]", list(top_k.shape), "pass a 2-D tensor")
+    batch_cap, k = top_k.shape
+    if k < 1:
+        raise fail("top_k needs at least one column", list(top_k.shape),
+                   "pass [Bcap, K] positions with K >= 1 (-1 marks an unused entry)")
+    check_int32("top_k", top_k, (batch_cap, k), device)
+    check_int32("out", out, (batch_cap, k), device)
+    check_int32("req_slots", req_slots, (batch_cap,), device)
+    check_int32("num_real", num_real, (1,), device)
+    _check_shape(t, k)
+    num_groups = t.last_use.shape[0]
+    if not 0 <= group < num_groups:
+        raise fail(f"group must be in [0, {num_groups})", group, "pass the layer's index group")
+    layer_rows(t, layer)
+    if plan is not None:
+        check_plan(plan, batch_cap, k, device)
+    scratch = scratch_for(t, batch_cap, k)
+    launch_plan = plan_launch(batch_cap, k, t.hot_slots, t.extent_tokens,
+                              t.residency_map == "position", traits or default_traits(device),
+                              skip_io=skip_io)
+    _run(_bind(t, launch_plan, layer, group, req_slots, top_k, num_real, out,
+               plan if plan is not None else scratch.plan, scratch, direct=False), scratch)
+
+
+def copy_planned_triton(tables: CacheTables, layer: int, plan: MissPlan,
+                        traits: DeviceTraits | None = None) -> None:
+    """Copy the rows a plan recorded into `layer`'s device rows (shared-index replay)."""
+    device = tables.last_use.device
+    if plan.src.dim() != 2:
+        raise fail("plan.src must be [Bcap, K]", list(plan.src.shape),
+                   "allocate it with MissPlan.empty(batch_capacity, top_k, device)")
+    batch_cap, k = plan.src.shape
+    check_plan(plan, batch_cap, k, device)
+    copy = replay_plan(batch_cap, k, tables.extent_tokens, traits or default_traits(device))
+    _bind_copy(tables, layer, copy, plan, batch_cap, direct=False)()

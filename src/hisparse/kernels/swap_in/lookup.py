@@ -1,0 +1,203 @@
+"""Step 1 of a swap-in: the lookup (classify) kernel and the entry-level helpers it shares.
+
+Grid (Bcap, K / chunk). Each top-k entry is resolved through the persistent `resident` map,
+keyed by host row (through `page_table`) or by position (the page table read for misses alone):
+short regime, newest slot, hit, miss or invalid. A hit stamps its slot with the request's LRU
+clock (`last_use`), which is all the LRU work a hit needs; misses are counted per batch row
+(and, for a plan in address order, per address bucket).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hisparse.kernels.swap_in.pdl import gdc_launch_dependents
+
+# Above every stamp a clock reaches (it advances once per decode step).
+_NO_STAMP = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def _row_context(
+    b,
+    num_real_ptr,  # [1] int32: rows >= num_real are padding
+    req_slots_ptr,  # [Bcap] int32 request slot per batch row
+    seq_lens_ptr,  # [R] int32 tokens per request slot
+    R,
+    S,
+    EARLY_LOADS: tl.constexpr,
+):
+    if EARLY_LOADS:
+        # b < Bcap always, so the request slot needs no mask and its load flies together with
+        # num_real's instead of after it (one global round trip less).
+        real = b < tl.load(num_real_ptr)
+        r = tl.load(req_slots_ptr + b)
+    else:
+        real = b < tl.load(num_real_ptr)
+        r = tl.load(req_slots_ptr + b, mask=real, other=0)
+    # A bad slot on a real row is the caller's bug; treating the row as padding keeps every
+    # access in bounds (the engine's validate mode rejects it before the call).
+    real = real & (r >= 0) & (r < R)
+    r = tl.where(real, r, 0)
+    n = tl.load(seq_lens_ptr + r, mask=real, other=0)
+    return real, r, n, r * S
+
+
+@triton.jit
+def _entry_regime(pos, n, base, H):
+    """What a top-k position needs before any lookup: (valid, invalid, the device row of a
+    short-regime entry or of the newest token (-1 elsewhere), and whether the hot buffer's
+    map must be asked: a long-regime position other than the newest)."""
+    valid = (pos >= 0) & (pos < n)  # padding rows read -1 and have n = 0: neither flag is set
+    invalid = (pos < -1) | (pos >= n)
+    long_seq = n > H
+    newest = valid & (pos == n - 1)
+    result = tl.where(long_seq, tl.where(newest, base + H, -1), tl.where(valid, base + pos, -1))
+    candidate = tl.where(long_seq, valid & (pos != n - 1), False)
+    return valid, invalid, result, candidate
+
+
+@triton.jit
+def _lookup_chunk(
+    b,
+    k_offsets,
+    real,
+    r,
+    n,
+    base,
+    top_k_ptr,  # [Bcap, K] int32 positions, -1 = none
+    page_table_ptr,  # [R, P] int32 extent ids
+    resident_ptr,  # [N] or [R * T] int16 / int32 hot slot per residency key (this group)
+    K,
+    H,
+    E,
+    P,
+    N,
+    T,  # positions per request (keys by position: r * T + position)
+    EARLY_LOADS: tl.constexpr,
+    POSITION_KEYED: tl.constexpr,
+):
+    """Resolve top-k entries: the device row of every non-miss (-1 for none/invalid), the hit
+    slot / host row of long-regime entries, and each entry's code (`_entry_codes`)."""
+    in_k = k_offsets < K
+    if EARLY_LOADS:
+        # Neither load waits for num_real or seq_len: the top-k row is read unconditionally
+        # and the page table is masked by position alone (r is already clamped in range).
+        pos = tl.load(top_k_ptr + b * K + k_offsets, mask=in_k, other=-1)
+        pos = tl.where(real, pos, -1)
+        if not POSITION_KEYED:  # keyed by position, the page table is read for misses alone
+            page_index = pos // E
+            page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,
+                           mask=(pos >= 0) & (page_index < P), other=-1)
+    else:
+        # Scalar conditions enter vectors through tl.where: `vector & scalar` gives an integer
+        # mask under TRITON_INTERPRET=1 (triton 3.9), which tl.load rejects.
+        pos = tl.load(top_k_ptr + b * K + k_offsets, mask=tl.where(real, in_k, False),
+                      other=-1)
+    valid, invalid, result, candidate = _entry_regime(pos, n, base, H)
+    if POSITION_KEYED:
+        # A hit needs no host row; a position the page table cannot map is lost (below).
+        lost = candidate & (pos >= T)
+        candidate = candidate & ~lost
+        slot = tl.load(resident_ptr + r.to(tl.int64) * T + pos, mask=candidate,
+                       other=-1).to(tl.int32)
+        hit = candidate & (slot >= 0) & (slot < H)
+        miss = candidate & (slot < 0)
+        page_index = pos // E
+        page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index, mask=miss, other=-1)
+        row = page * E + pos % E
+        no_row = miss & ((page < 0) | (row >= N))
+        lost = lost | no_row
+        miss = miss & ~no_row
+    else:
+        if not EARLY_LOADS:
+            page_index = pos // E
+            page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,
+                           mask=candidate & (page_index < P), other=-1)
+        row = page * E + pos % E
+        # A position without a host row would be an engine bug; counting it as invalid keeps
+        # the kernel in bounds instead of copying from a wild address.
+        lost = candidate & ((page < 0) | (row >= N))
+        candidate = candidate & ~lost
+        slot = tl.load(resident_ptr + row, mask=candidate, other=-1).to(tl.int32)
+        hit = candidate & (slot >= 0) & (slot < H)
+        miss = candidate & (slot < 0)
+    result = tl.where(hit, base + slot, result)
+    code = _entry_codes(miss, row, valid & ~miss & ~lost, invalid | lost)
+    return in_k, result, hit, slot, miss, row, code
+
+
+@triton.jit
+def _entry_codes(miss, row, served, invalid):
+    """What `miss_row` holds per top-k entry: a miss's host row (>= 0); else -3 served (hit,
+    short regime or newest token), -2 invalid, -1 no entry. The selection and the prefetching
+    copy read the misses from it."""
+    return tl.where(miss, row, tl.where(served, -3, tl.where(invalid, -2, -1)))
+
+
+@triton.jit
+def _count_codes(code):
+    """(hits, misses, invalid) among entry codes; hits count every served entry."""
+    n_hit = tl.sum((code == -3).to(tl.int32), axis=0)
+    n_miss = tl.sum((code >= 0).to(tl.int32), axis=0)
+    n_invalid = tl.sum((code == -2).to(tl.int32), axis=0)
+    return n_hit, n_miss, n_invalid
+
+
+@triton.jit
+def _address_bucket(row, N, NUM_BUCKETS: tl.constexpr):
+    """Which of NUM_BUCKETS equal ranges of the layer's N host rows `row` lies in."""
+    return (row.to(tl.int64) * NUM_BUCKETS // N).to(tl.int32)
+
+
+@triton.jit
+def _add_counters(counters_ptr, n_hit, n_miss, n_invalid, SEM: tl.constexpr):
+    tl.atomic_add(counters_ptr + 0, n_hit.to(tl.int64), mask=n_hit != 0, sem=SEM)
+    tl.atomic_add(counters_ptr + 1, n_miss.to(tl.int64), mask=n_miss != 0, sem=SEM)
+    tl.atomic_add(counters_ptr + 2, n_invalid.to(tl.int64), mask=n_invalid != 0, sem=SEM)
+
+
+@triton.jit
+def classify_kernel(
+    num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
+    resident_ptr,  # [N] or [R * T] int16 / int32 this group's residency map
+    last_use_ptr,  # [R, H] int32 this group's LRU stamps
+    lru_clock_ptr,  # [R] int32 this group's LRU clocks
+    miss_row_ptr,  # [Bcap, K] int32 scratch: each entry's code (_entry_codes)
+    miss_count_ptr,  # [Bcap] int32 scratch: misses per batch row (zero between calls)
+    counters_ptr,  # [3] int64 this layer's counters
+    bucket_count_ptr,  # [NUM_BUCKETS] int32 scratch: misses per host-address bucket (zero
+    # between calls; ADDRESS_ORDER only)
+    R, S, K, H, E, P, N, T,
+    EARLY_LOADS: tl.constexpr,
+    POSITION_KEYED: tl.constexpr,  # resident is indexed by r * T + position, not by host row
+    USE_PDL: tl.constexpr,
+    COUNTER_SEM: tl.constexpr,  # atomics' memory order
+    CHUNK_K: tl.constexpr,
+    ADDRESS_ORDER: tl.constexpr,  # the selection writes the plan in host-address order
+    NUM_BUCKETS: tl.constexpr,
+):
+    if USE_PDL:  # the selection kernel may start now: it waits (gdc_wait) before our output
+        gdc_launch_dependents()
+    b = tl.program_id(0)
+    real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
+                                    EARLY_LOADS)
+    clock = tl.load(lru_clock_ptr + r)
+    k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
+    in_k, result, hit, slot, miss, row, code = _lookup_chunk(
+        b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
+        K, H, E, P, N, T, EARLY_LOADS, POSITION_KEYED,
+    )
+    if ADDRESS_ORDER:
+        tl.atomic_add(bucket_count_ptr + _address_bucket(row, N, NUM_BUCKETS),
+                      tl.full(row.shape, 1, tl.int32), mask=miss, sem=COUNTER_SEM)
+    tl.store(out_ptr + b * K + k_offsets, result, mask=in_k)
+    tl.store(miss_row_ptr + b * K + k_offsets, code, mask=in_k)
+    # A hit is the whole LRU update of its slot: it takes the clock's value.
+    tl.store(last_use_ptr + r.to(tl.int64) * H + slot, tl.zeros(slot.shape, tl.int32) + clock,
+             mask=hit)
+    # One count of the chunk's codes serves the layer's counters and the row's miss count.
+    n_hit, n_miss, n_invalid = _count_codes(code)
+    _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
+    tl.atomic_add(miss_count_ptr + b, n_miss, mask=n_miss > 0, sem=COUNTER_SEM)

@@ -522,3 +522,53 @@ def test_hot_buffers_past_16384_slots_scan_their_counts_separately(rng: torch.Ge
         assert_same_state(got, want)
         assert_rows_match_host(got, 0, req_slots, top_k, out_got)
     assert int(got.counters[0, 1]) > 0, "no misses: the selection never ran"
+
+
+@pytest.mark.parametrize("sizes", SIZES[:2], ids=lambda s: f"K{s.top_k}-H{s.hot}")
+def test_the_bound_launcher_matches_the_reference(sizes: Sizes, rng: torch.Generator) -> None:
+    """The engine's launcher: persistent batch buffers bound once, one plan and one set of
+    launches per (layer, group, batch rows), a new top-k tensor on most calls (its address
+    swapped into the bound launches), follower replays of the recorded plan. On a GPU its
+    launches go straight to triton's compiled launcher after the first."""
+    want = make_tables(sizes, rng)
+    got = clone_tables(want)
+    groups = max(LAYER_GROUPS) + 1
+    req_buffer = torch.zeros(sizes.batch_cap, dtype=torch.int32, device=DEVICE)
+    real_buffer = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    out_buffer = torch.full((groups, sizes.batch_cap, sizes.top_k), POISON, dtype=torch.int32,
+                            device=DEVICE)
+    traits = triton_kernels.default_traits(DEVICE)
+    launcher = triton_kernels.SwapInLauncher(got, req_buffer, real_buffer, out_buffer,
+                                             traits=traits, record_plans=True)
+    previous: dict[int, list[int]] = {}
+    kept_top_k = None
+    for step in range(6):
+        req_slots, top_k, num_real = next_top_k(want, sizes, previous, rng)
+        rows = int(torch.randint(int(num_real), sizes.batch_cap + 1, ()).item())
+        req_buffer.copy_(req_slots)
+        real_buffer.copy_(num_real)
+        # Steps 2 and 4 reuse the tensor of the step before (same address, new contents).
+        if step in (2, 4) and kept_top_k is not None and kept_top_k.shape[0] == rows:
+            kept_top_k.copy_(top_k[:rows])
+            call_top_k = kept_top_k
+        else:
+            call_top_k = kept_top_k = top_k[:rows].clone()
+        for layer, group in SWAP_IN_CALLS:
+            out_want = torch.full((rows, sizes.top_k), POISON, dtype=torch.int32, device=DEVICE)
+            plan_want = poisoned_plan(sizes).first_rows(rows)
+            swap_in_reference(want, layer, group, req_slots[:rows], top_k[:rows], num_real,
+                              out_want, plan_want)
+            out_buffer[group].fill_(POISON)
+            launcher.swap_in(layer, group, rows, call_top_k)
+            out_got = out_buffer[group][:rows]
+            assert torch.equal(out_got, out_want), f"step {step} layer {layer} rows {rows}"
+            if layer == 0:
+                copy_planned_reference(want, 1, plan_want)
+                launcher.replay(1, 0, rows)
+                assert_rows_match_host(got, 1, req_slots[:rows], top_k[:rows], out_got)
+            assert_same_state(got, want)
+            assert_rows_match_host(got, layer, req_slots[:rows], top_k[:rows], out_got)
+    assert int(got.counters[:, 1].sum()) > 0, "no misses: the test is too weak"
+    bound = list(launcher._swap_ins.values())
+    assert all(launch.direct == traits.direct_launch for launches in bound
+               for launch in launches), "launches did not (or wrongly did) go direct"

@@ -36,7 +36,7 @@ class Backend(abc.ABC):
     # False until the backend's GPU paths have run on real hardware; the probe says so.
     verified_on_hardware: bool = True
     # Whether bound kernel launches may call triton's compiled launcher directly
-    # (kernels.launching): true where that launcher takes raw addresses (CUDA, ROCm).
+    # (kernels.launching): possible where that launcher takes raw addresses (CUDA, ROCm).
     direct_kernel_launch: bool = False
 
     # --- detection -------------------------------------------------------------------------

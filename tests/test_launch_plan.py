@@ -1,0 +1,57 @@
+"""The swap-in launch plan: every path choice of a shape in one frozen, printable object."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hisparse.kernels.swap_in.plan import DeviceTraits, LaunchPlan, Tuning, plan_launch
+
+H200 = DeviceTraits(compute_units=132, pdl=True, interpreted=False, direct_launch=True)
+NO_PDL = dataclasses.replace(H200, pdl=False)
+
+
+def plan(rows: int, extent: int = 512, device: DeviceTraits = H200, **tune: object
+         ) -> LaunchPlan:
+    return plan_launch(rows, 2048, 4096, extent, False, device, tune=Tuning(**tune))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 63, 64, 128])
+def test_the_shipped_tuning_picks_the_measured_paths(rows: int) -> None:
+    """Tuning's thresholds, as benchmarks/NOTES.md measured them: the prefetching copy at
+    B=1, a PDL copy up to B=16, small classify chunks up to 16 rows, address order from 64
+    rows over token-granular extents only."""
+    got = plan(rows)
+    assert got.copy.variant == ("prefetched" if rows == 1 else "planned")
+    assert got.copy.pdl == (rows <= 16)
+    assert got.classify_chunk == (64 if rows <= 16 else 256)
+    assert got.classify_grid == (rows, 2048 // got.classify_chunk)
+    assert not got.address_order
+    assert plan(rows, extent=1).address_order == (rows >= 64)
+    # The copy's width: 8 programs per SM, 1 from 64 rows on.
+    assert got.copy.programs == min(-(-rows * 2048 // 2), 132 * (1 if rows >= 64 else 8))
+
+
+def test_pdl_comes_from_the_device_and_can_only_be_turned_off() -> None:
+    assert plan(8).pdl and plan(8).copy.pdl
+    assert not plan(8, device=NO_PDL).pdl and not plan(8, device=NO_PDL).copy.pdl
+    assert not plan(8, pdl=False).pdl
+    assert not plan(8, device=NO_PDL, pdl=True).pdl, "tuning cannot force PDL on a device"
+
+
+def test_skip_io_plans_no_copy_and_the_interpreter_keeps_grids_tiny() -> None:
+    assert plan_launch(4, 2048, 4096, 512, False, H200, skip_io=True).copy.variant == "none"
+    interpreted = DeviceTraits(compute_units=1, pdl=False, interpreted=True)
+    assert plan(64, device=interpreted).copy.programs == Tuning().interpreter_copy_programs
+
+
+def test_a_plan_is_frozen_and_prints_every_choice() -> None:
+    got = plan(64, extent=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.rows = 2  # type: ignore[misc]
+    text = str(got)
+    for part in ("B=64", "classify: grid 64x8", "host-address order (1024 buckets)",
+                 "copy:     planned", "PDL behind classify"):
+        assert part in text, (part, text)
+    assert "PDL behind select" not in text  # the copy is a dependent launch up to B=16 only

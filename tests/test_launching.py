@@ -1,0 +1,111 @@
+"""Bound launches: the first call through triton, later ones straight to the compiled launcher
+with the same arguments (kernels/launching.py). A fake kernel records both ways in, so the
+argument order, the addresses and the fallbacks are checked without a GPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
+
+from hisparse.kernels import launching  # noqa: E402
+
+
+class FakeCompiled:
+    def __init__(self) -> None:
+        self.function, self.packed_metadata = object(), object()
+        self.metadata = SimpleNamespace()
+        self.calls: list[tuple[Any, ...]] = []
+
+    def run(self, *args: Any) -> None:
+        self.calls.append(args)
+
+
+class FakeKernel:
+    """Parameters (a, b, n, X): X a constexpr passed by name."""
+
+    arg_names = ("a", "b", "n", "X")
+    __name__ = "fake"
+
+    def __init__(self, compiled: FakeCompiled | None) -> None:
+        self.compiled = compiled
+        self.triton_calls: list[tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> FakeCompiled | None:
+            self.triton_calls.append((grid, args, kwargs))
+            return self.compiled
+        return launch
+
+
+@pytest.fixture
+def no_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launching, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(launching, "_current_stream", lambda index: 1234)
+    monkeypatch.setattr(launching, "DIRECT_LAUNCH_AVAILABLE", True)
+
+
+def test_later_calls_go_to_the_compiled_launcher_with_every_argument_in_order(
+        no_hooks: None) -> None:
+    compiled = FakeCompiled()
+    kernel = FakeKernel(compiled)
+    a, b = torch.zeros(8, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)
+    launch = launching.BoundLaunch(kernel, (3, 2), (a, b, 7), {"X": 5, "num_warps": 4},
+                                   device=torch.device("cpu"), addresses={1: 4096})
+    launch()
+    assert kernel.triton_calls == [((3, 2, 1), (a, b, 7), {"X": 5, "num_warps": 4})]
+    assert launch.direct and compiled.calls == []
+    launch()
+    launch()
+    # grid, stream, function, metadata, no launch metadata or hooks, then a, b, n, X: tensors
+    # as their addresses (b's given), constexprs too, launch options (num_warps) not.
+    expected = (3, 2, 1, 1234, compiled.function, compiled.packed_metadata, None, None, None,
+                a.data_ptr(), 4096, 7, 5)
+    assert compiled.calls == [expected, expected]
+    assert len(kernel.triton_calls) == 1
+
+
+def test_a_new_tensor_keeps_the_kernel_only_at_the_same_alignment(no_hooks: None) -> None:
+    compiled = FakeCompiled()
+    kernel = FakeKernel(compiled)
+    storage = torch.zeros(64, dtype=torch.int32)
+    launch = launching.BoundLaunch(kernel, (1,), (storage[:8], storage[:8], 1), {"X": 1},
+                                   device=torch.device("cpu"))
+    launch()
+    aligned = storage[16:24]  # 64 bytes in: still 16-byte aligned
+    moved = launch.with_tensor(0, aligned)
+    moved()
+    assert compiled.calls[-1][9] == aligned.data_ptr() and len(kernel.triton_calls) == 1
+    misaligned = storage[1:9]  # 4 bytes in: triton would specialize differently
+    again = launch.with_tensor(0, misaligned)
+    assert not again.direct
+    again()
+    assert kernel.triton_calls[-1][1][0] is misaligned, "went back through triton"
+
+
+def test_hooks_the_interpreter_or_an_opt_out_keep_every_call_on_triton(
+        no_hooks: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = torch.zeros(4, dtype=torch.int32)
+    for kernel, direct in ((FakeKernel(None), True), (FakeKernel(FakeCompiled()), False)):
+        launch = launching.BoundLaunch(kernel, (1,), (a, a, 2), {"X": 0},
+                                       device=torch.device("cpu"), direct=direct)
+        launch()
+        launch()
+        assert len(kernel.triton_calls) == 2 and not launch.direct
+    compiled = FakeCompiled()
+    kernel = FakeKernel(compiled)
+    launch = launching.BoundLaunch(kernel, (1,), (a, a, 2), {"X": 0}, device=torch.device("cpu"))
+    launch()
+    monkeypatch.setattr(launching, "_hooks_installed", lambda: True)  # a profiler attached
+    launch()
+    assert len(kernel.triton_calls) == 2 and compiled.calls == []
+
+
+def test_a_missing_constexpr_is_refused_when_bound() -> None:
+    with pytest.raises(TypeError, match=r"no value bound for \['X'\]"):
+        launching.BoundLaunch(FakeKernel(None), (1,), (None, None, 1), {},
+                              device=torch.device("cpu"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from cli_checks import assert_plot_written_or_matplotlib_missing
+from cli_checks import assert_plot_written_or_matplotlib_missing, usage_error_line
 from hisparse import benchmarking
 from hisparse.backends.base import Backend
 from hisparse.backends.registry import get_backend
@@ -122,7 +122,7 @@ def test_bad_arguments_exit_2_naming_the_argument(
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", *TINY, *argv])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    error = usage_error_line(capsys.readouterr().err, "bench")
     assert error.startswith("hisparse bench: error: argument") and named in error
 
 

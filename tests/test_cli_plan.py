@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from cli_checks import assert_plot_written_or_matplotlib_missing
+from cli_checks import assert_plot_written_or_matplotlib_missing, usage_error_line
 from hisparse import planning
 from hisparse.cli.main import main
 from hisparse.errors import InvalidInputError
@@ -165,7 +165,7 @@ def test_bad_arguments_exit_2_naming_the_argument(
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", *argv])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    error = usage_error_line(capsys.readouterr().err, "plan")
     assert error.startswith("hisparse plan: error:") and named in error
 
 

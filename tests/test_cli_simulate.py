@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from cli_checks import assert_plot_written_or_matplotlib_missing
+from cli_checks import assert_plot_written_or_matplotlib_missing, usage_error_line
 from hisparse.cli import simulate as simulate_cli
 from hisparse.cli.main import main
 from hisparse.simulation import TraceModel, make_traces
@@ -174,7 +174,7 @@ def test_bad_arguments_exit_2_naming_the_argument(
     with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--preset", "tiny", "--no-progress", *argv])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    error = usage_error_line(capsys.readouterr().err, "simulate")
     assert error.startswith("hisparse simulate: error: argument") and named in error
 
 

@@ -14,10 +14,23 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 # Bumped when a field is renamed or removed; adding fields keeps the version.
 JSON_SCHEMA_VERSION = 1
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors lead with the one line that matters.
+
+    argparse prints the whole usage (10-13 lines for `simulate`) before the error; here the
+    error comes first, then one line pointing at `--help`. Subparsers made through
+    `add_subparsers` are of this class too (argparse uses the parent's class).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"`{self.prog} --help` lists the options\n")
 
 
 def fail(command: str, message: str) -> int:

@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-checks", dest="run_checks", action="store_false",
         help="only report; skip the allocation and swap-in checks",
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -118,8 +118,8 @@ def test_plan_json_for_the_deepseek_preset(capsys: pytest.CaptureFixture[str]) -
                    "--weights-gib", "80", "--reserve-gib", "10", "--context", "32768", "8192")
     assert doc["schema_version"] == 1 and doc["command"] == "plan"
     assert doc["model"] == {
-        "preset": "deepseek-v3.2", "kv_dtype": "fp8", "num_layers": 61, "row_bytes": 656,
-        "indexer_key_bytes": 132, "index_group_size": 1, "num_groups": 61,
+        "preset": "deepseek-v3.2", "config_file": None, "kv_dtype": "fp8", "num_layers": 61,
+        "row_bytes": 656, "indexer_key_bytes": 132, "index_group_size": 1, "num_groups": 61,
     }
     assert doc["settings"]["available_bytes"] == 50 * GIB
     first, second = doc["contexts"]

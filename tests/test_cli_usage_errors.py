@@ -44,7 +44,6 @@ def test_a_seed_out_of_range_is_a_usage_error(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     command: str, seed: str,
 ) -> None:
-    monkeypatch.chdir(tmp_path)  # where bench would write its default JSON
     argv = [*SIM_SMALL, "--preset", "tiny"] if command == "simulate" else BENCH_COPY
     with pytest.raises(SystemExit) as exit_info:
         main([command, *argv, "--seed", seed])
@@ -85,18 +84,6 @@ def test_bench_refuses_an_unwritable_output_before_running(
     assert exit_info.value.code == 2
     error = usage_error_line(capsys.readouterr().err, "bench")
     assert error.startswith("hisparse bench: error: argument --output") and str(target) in error
-
-
-def test_bench_default_output_in_an_unwritable_directory_is_refused_before_running(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    (tmp_path / "hisparse-bench-cpu.json").mkdir()  # where the default JSON would go
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(benchmarking, "bulk_copies", _must_not_run)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", *BENCH_COPY])
-    assert exit_info.value.code == 2
-    assert "argument --output" in capsys.readouterr().err
 
 
 def _must_not_run(*args: object, **kwargs: object) -> None:

@@ -155,13 +155,14 @@ def run(args: argparse.Namespace) -> int:
         ),
         seed=args.seed,
     )
-    passes = 1 if args.no_split else 2
-    progress = out.Progress(workload.steps * passes, "simulate: decode steps",
-                            enabled=not args.no_progress)
+    # One count per pass, each to --steps: the summary's steps are the first pass's; the
+    # skip-IO replay (the planning/copy split) decodes the same steps again without copying.
+    progress = PassProgress(workload.steps, enabled=not args.no_progress)
     try:
         with progress:
             result = simulate(config, workload, device=args.device or backend,
-                              measure_planning=not args.no_split, on_step=progress.update)
+                              measure_planning=not args.no_split, on_step=progress.update,
+                              on_pass=progress.start)
     except HisparseError as exc:
         return out.fail("simulate", str(exc).replace("\n", " "))
 
@@ -176,6 +177,35 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"wrote {plot(pyplot, result, args.plot)}", file=sys.stderr)
     return 0
+
+
+class PassProgress:
+    """A progress count of `steps` per pass of `simulate` ("simulate: decode steps 24/24",
+    then "simulate: skip-IO replay 24/24"), never one count over both passes."""
+
+    def __init__(self, steps: int, enabled: bool) -> None:
+        self.steps = steps
+        self.enabled = enabled
+        self._current: out.Progress | None = None
+
+    def start(self, name: str) -> None:
+        self.close()
+        self._current = out.Progress(self.steps, f"simulate: {name}", enabled=self.enabled)
+
+    def update(self) -> None:
+        if self._current is not None:
+            self._current.update()
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+
+    def __enter__(self) -> PassProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def render(result: Any) -> str:

@@ -68,6 +68,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "requires(feature): skip unless the backend fixture supports the feature"
     )
+    chosen = config.getoption("--backend")
+    if chosen:
+        # Refuse the whole run at once, with one line, rather than failing case by case.
+        try:
+            reason = registry.find_backend(chosen).unavailable_reason()
+        except Exception as exc:  # an unknown name
+            reason = str(exc)
+        if reason is not None:
+            raise pytest.UsageError(f"--backend {chosen} was asked for but is not usable here: "
+                                    f"{reason}")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -246,6 +246,21 @@ def test_scripts_test_names_the_missing_test_dependencies(tmp_path: Path) -> Non
     assert "pip install -e '.[dev]'" in result.stderr, result.stderr
 
 
+@NO_CUDA
+@pytest.mark.parametrize("name", ["cuda", "no-such-backend"])
+def test_scripts_test_for_a_backend_that_is_not_here_stops_at_once(name: str) -> None:
+    """`./scripts/test --backend cuda` on a machine without CUDA ran the whole suite, failing
+    case by case; now it stops before collecting anything, with one line that says why."""
+    started = time.monotonic()
+    result = run([str(SCRIPTS / "test"), "--backend", name], timeout=60,
+                 PYTHON=sys.executable)
+    assert result.returncode == 4, result.stdout + result.stderr  # pytest's usage error
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"ERROR: --backend {name} was asked for but is not usable here: ")
+    assert time.monotonic() - started < 30
+
+
 STUB_PYTHON = """#!/bin/sh
 # `python -m venv ... DIR`: a venv whose pip and hisparse log their arguments.
 echo "python $*" >> "$LOG"

@@ -297,6 +297,24 @@ def test_quickstart_installs_what_scripts_test_needs(tmp_path: Path) -> None:
     installs = [line for line in (tmp_path / "log").read_text().splitlines()
                 if line.startswith("pip install") and "-e" in line]
     assert installs and "dev" in installs[-1], installs
+    # The CLI's --plot (matplotlib) and progress bars (tqdm) work after the quick start.
+    extras = installs[-1].split("[", 1)[1].split("]", 1)[0].split(",")
+    assert {"dev", "tools", "triton"} <= set(extras), installs
+
+
+def test_ci_installs_every_extra_the_suite_tests() -> None:
+    """CI's venv has each optional dependency, so no test of one is skipped there; pyproject
+    declares the metrics extra with the client hisparse.metrics imports."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras["metrics"] == ["prometheus_client>=0.17"]
+    assert set(extras["tools"]) == {"matplotlib>=3.7", "tqdm>=4.66"}
+    (install,) = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                  if "pip install" in line and " -e " in line]
+    installed = set(install.split("[", 1)[1].split("]", 1)[0].split(","))
+    assert installed == set(extras), install
 
 
 def test_quickstart_repairs_a_venv_left_without_pip(tmp_path: Path) -> None:

@@ -20,14 +20,20 @@ Marker
   @pytest.mark.requires(Feature.X)   skips unless the `backend` supports X; the reason is
                                      generated from the feature table.
 
-Helpers (`from conftest import random_bytes, poisoned, POISON_BYTE, POISON_INDEX`)
+Helpers (`from conftest import random_bytes, poisoned, needs_module, POISON_BYTE, POISON_INDEX`)
   random_bytes(shape, generator, device)  uint8 noise
   poisoned(shape, dtype, device)          a tensor full of POISON_BYTE / POISON_INDEX, so any
                                           entry a kernel failed to write shows up
+  needs_module(module, extra)             a skipif marker: the test needs an optional
+                                          dependency (triton, nixl, matplotlib, ...); the
+                                          reason names the extra that installs it. A test
+                                          module that imports it at the top uses
+                                          pytest.importorskip with the same reason instead.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 
@@ -53,6 +59,12 @@ def poisoned(
 ) -> torch.Tensor:
     value = POISON_BYTE if dtype == torch.uint8 else POISON_INDEX
     return torch.full(shape, value, dtype=dtype, device=device)
+
+
+def needs_module(module: str, extra: str) -> pytest.MarkDecorator:
+    """Skip unless the optional `module` is importable, saying which extra installs it."""
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"{module} is not installed (pip install 'hisparse[{extra}]')")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

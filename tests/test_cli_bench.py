@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cli_checks import assert_plot_written_or_matplotlib_missing, usage_error_line
+from conftest import needs_module
 from hisparse import benchmarking
 from hisparse.backends.base import Backend
 from hisparse.backends.registry import get_backend
@@ -313,6 +314,7 @@ def test_a_cell_with_clean_cache_lines_and_an_unknown_flush_mode() -> None:
         benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed, flush="evict")
 
 
+@needs_module("triton", "triton")  # _check_tables is the Triton kernels' own check
 @pytest.mark.parametrize("residency_map", ["host_row", "position"])
 @pytest.mark.parametrize("layout", benchmarking.LAYOUTS)
 def test_sw1_tables_are_row_major_and_agree_with_the_hot_buffers(layout: str,

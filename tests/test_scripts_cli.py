@@ -19,6 +19,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from conftest import needs_module
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS, BENCHMARKS = ROOT / "scripts", ROOT / "benchmarks"
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
@@ -165,6 +167,7 @@ def test_kernel_stress_usage_errors(capsys: pytest.CaptureFixture[str], args: li
     assert_main_refuses(capsys, load_script("kernel-stress").main, args, option)
 
 
+@needs_module("triton", "triton")  # the script refuses to run without it
 def test_kernel_stress_json_says_what_produced_it(tmp_path: Path, seed: int) -> None:
     out = tmp_path / "stress.json"
     argv = ["--seconds", "2", "--processes", "1", "--steps", "2", "--seed", str(seed),
@@ -181,6 +184,7 @@ def test_kernel_stress_json_says_what_produced_it(tmp_path: Path, seed: int) -> 
     assert summary["hung_processes"] == 0
 
 
+@needs_module("triton", "triton")  # the script refuses to run without it
 def test_kernel_stress_kills_and_reports_a_process_still_running_after_the_grace(
         tmp_path: Path) -> None:
     """A hung kernel, or a process that died without reporting, must not hang the run: a case
@@ -378,9 +382,9 @@ def test_kernel_module_ab_usage_errors_come_before_the_gpu(args: list[str],
     assert_usage_error(result.returncode, result.stderr, option)
 
 
+@needs_module("triton", "triton")
 def test_copy_limits_json_says_what_produced_it(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("triton")
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import copy_limits
 

@@ -18,7 +18,7 @@ import sys
 import time
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from hisparse.backends.registry import (
 )
 from hisparse.errors import BackendUnavailableError
 
+if TYPE_CHECKING:
+    from hisparse.config import HiSparseConfig
+
 # Bump when a key is removed or changes meaning; adding keys keeps the version.
 SCHEMA_VERSION = 1
 HOST_CHECK_BYTES = 1 << 20
@@ -40,7 +43,7 @@ IPEX_MODULE = "intel_extension_for_pytorch"
 
 
 def probe(device: str | torch.device | Backend | None = None, run_checks: bool = True,
-          config: Any = None) -> dict:
+          config: HiSparseConfig | None = None) -> dict:
     """Detect the backend (or take `device`), describe it, and prove it works.
 
     Args:
@@ -265,7 +268,7 @@ def _check_register_host(backend: Backend) -> str:
     return f"register_host of {HOST_CHECK_BYTES} bytes, read back byte-equal; unregistered"
 
 
-def _check_swap_in(backend: Backend, config: Any = None) -> str:
+def _check_swap_in(backend: Backend, config: HiSparseConfig | None = None) -> str:
     try:
         from hisparse.config import HiSparseConfig
         from hisparse.core.engine import HiSparseCache
@@ -321,8 +324,8 @@ class _CallableModule(types.ModuleType):
     (importing a submodule always rebinds the package attribute of the same name)."""
 
     def __call__(self, device: str | torch.device | Backend | None = None,
-                 run_checks: bool = True) -> dict:
-        return probe(device, run_checks=run_checks)
+                 run_checks: bool = True, config: HiSparseConfig | None = None) -> dict:
+        return probe(device, run_checks=run_checks, config=config)
 
 
 sys.modules[__name__].__class__ = _CallableModule

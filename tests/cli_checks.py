@@ -23,3 +23,14 @@ def assert_plot_written_or_matplotlib_missing(
     else:
         assert code == 0
         assert target.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def usage_error_line(err: str, command: str) -> str:
+    """The error line of a `hisparse COMMAND` usage error, checked to come first: the error,
+    then at most one line that points at `--help` (no 10-line usage in front of it)."""
+    lines = err.strip().splitlines()
+    assert lines and lines[0].startswith(f"hisparse {command}: error: "), err
+    assert len(lines) <= 2, err
+    if len(lines) == 2:
+        assert lines[1] == f"`hisparse {command} --help` lists the options", err
+    return lines[0]

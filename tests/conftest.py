@@ -20,14 +20,20 @@ Marker
   @pytest.mark.requires(Feature.X)   skips unless the `backend` supports X; the reason is
                                      generated from the feature table.
 
-Helpers (`from conftest import random_bytes, poisoned, POISON_BYTE, POISON_INDEX`)
+Helpers (`from conftest import random_bytes, poisoned, needs_module, POISON_BYTE, POISON_INDEX`)
   random_bytes(shape, generator, device)  uint8 noise
   poisoned(shape, dtype, device)          a tensor full of POISON_BYTE / POISON_INDEX, so any
                                           entry a kernel failed to write shows up
+  needs_module(module, extra)             a skipif marker: the test needs an optional
+                                          dependency (triton, nixl, matplotlib, ...); the
+                                          reason names the extra that installs it. A test
+                                          module that imports it at the top uses
+                                          pytest.importorskip with the same reason instead.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 
@@ -55,6 +61,12 @@ def poisoned(
     return torch.full(shape, value, dtype=dtype, device=device)
 
 
+def needs_module(module: str, extra: str) -> pytest.MarkDecorator:
+    """Skip unless the optional `module` is importable, saying which extra installs it."""
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"{module} is not installed (pip install 'hisparse[{extra}]')")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--backend",
@@ -68,6 +80,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "requires(feature): skip unless the backend fixture supports the feature"
     )
+    chosen = config.getoption("--backend")
+    if chosen:
+        # Refuse the whole run at once, with one line, rather than failing case by case.
+        try:
+            reason = registry.find_backend(chosen).unavailable_reason()
+        except Exception as exc:  # an unknown name
+            reason = str(exc)
+        if reason is not None:
+            raise pytest.UsageError(f"--backend {chosen} was asked for but is not usable here: "
+                                    f"{reason}")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

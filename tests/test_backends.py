@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hisparse
-from conftest import random_bytes
+from conftest import needs_module, random_bytes
 from fakes.environment import CUDA_ERROR_MEMORY_ALLOCATION, HIP_DEVICE_OFFSET
 from hisparse.backends import _accelerator, _host_register, registry
 from hisparse.backends.base import Backend
@@ -295,13 +295,15 @@ def test_cpu_binds_the_torch_reference() -> None:
     assert backend.copy_planned_kernel() is swap_in_reference.copy_planned_reference
 
 
+@needs_module("triton", "triton")
 def test_gpu_backends_bind_the_triton_kernels(fake_env) -> None:
-    triton_kernels = pytest.importorskip("hisparse.kernels.swap_in.launch")
+    from hisparse.kernels import backup_triton as backup_kernels
+    from hisparse.kernels.swap_in import launch as triton_kernels
+
     fake_env("cuda")
     backend = hisparse.get_backend()
     assert backend.swap_in_kernel() is triton_kernels.swap_in_triton
     assert backend.copy_planned_kernel() is triton_kernels.copy_planned_triton
-    backup_kernels = pytest.importorskip("hisparse.kernels.backup_triton")
     assert backend.backup_kernel() is backup_kernels.backup_newest_triton
 
 

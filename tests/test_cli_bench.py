@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from cli_checks import assert_plot_written_or_matplotlib_missing
+from cli_checks import assert_plot_written_or_matplotlib_missing, usage_error_line
+from conftest import needs_module
 from hisparse import benchmarking
 from hisparse.backends.base import Backend
 from hisparse.backends.registry import get_backend
+from hisparse.cli import bench as bench_cli
 from hisparse.cli.main import main
 from hisparse.errors import InvalidInputError
 
@@ -29,9 +31,10 @@ def filled_pool(backend: Backend, requests: int, seq_len: int = 1024) -> torch.T
     return pool
 
 
-def bench_json(capsys: pytest.CaptureFixture[str], tmp_path, *argv: str) -> dict:
+def bench_json(capsys: pytest.CaptureFixture[str], tmp_path, *argv: str,
+               base: Sequence[str] = TINY) -> dict:
     target = tmp_path / "bench.json"
-    assert main(["bench", *TINY, "--json", "--output", str(target), *argv]) == 0
+    assert main(["bench", *base, "--json", "--output", str(target), *argv]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert json.loads(target.read_text()) == doc
     return doc
@@ -39,7 +42,7 @@ def bench_json(capsys: pytest.CaptureFixture[str], tmp_path, *argv: str) -> dict
 
 def test_sw1_cells_and_copy_probes(capsys: pytest.CaptureFixture[str], tmp_path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)  # the default PNG lands here, if matplotlib is installed
+    monkeypatch.chdir(tmp_path)  # where a file written unasked would land
     seed = str(np.random.default_rng().integers(2**31))
     doc = bench_json(capsys, tmp_path, "--seed", seed)
     assert doc["schema_version"] == 1 and doc["command"] == "bench"
@@ -69,6 +72,10 @@ def test_sw1_cells_and_copy_probes(capsys: pytest.CaptureFixture[str], tmp_path,
                            ("gather", 100), ("gather", 1000)}
     assert copies[("bulk host-to-device", None)]["num_bytes"] == 1 << 20
     assert copies[("bulk host-to-device", None)]["h200_measured_limit"] == "52-55 GB/s"
+    assert copies[("bulk host-to-device", None)]["h200_limit_bytes_per_second"] == [52e9, 55e9]
+    # Only the 2048, 16384 and 131072-row gathers were measured on the H200.
+    assert copies[("gather", 1000)]["h200_limit_bytes_per_second"] is None
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["bench.json"]
     assert copies[("gather", 1000)]["num_bytes"] == 1000 * 656
     for result in copies.values():
         assert result["bytes_per_second"] == pytest.approx(
@@ -77,13 +84,100 @@ def test_sw1_cells_and_copy_probes(capsys: pytest.CaptureFixture[str], tmp_path,
 
 def test_only_copy_and_table_output(capsys: pytest.CaptureFixture[str], tmp_path,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)  # the default PNG lands here, if matplotlib is installed
+    monkeypatch.chdir(tmp_path)
     target = tmp_path / "copy.json"
     assert main(["bench", *TINY, "--only", "copy", "--output", str(target)]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "CPU numbers" in text and "Copy limits" in text and "SW-1" not in text
+    assert f"wrote {target}" in captured.err
     doc = json.loads(target.read_text())
     assert doc["sw1"]["cells"] == [] and len(doc["copy_limits"]) == 4
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["copy.json"]
+
+
+def test_bench_writes_no_file_unless_asked(capsys: pytest.CaptureFixture[str], tmp_path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hisparse bench` used to leave hisparse-bench-cpu.json (and a PNG, with matplotlib) in
+    the current directory: now only --output and --plot write files."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", *TINY, "--only", "copy"]) == 0
+    captured = capsys.readouterr()
+    assert "Copy limits" in captured.out and "wrote" not in captured.err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_h200_column_is_a_rate_in_every_row(capsys: pytest.CaptureFixture[str]) -> None:
+    """The copy-limit table's H200 column mixed "35-56 us" (the 2048-row gather, measured as a
+    time) into a column of GB/s; now every entry is a rate, that one converted from its bytes."""
+    assert main(["bench", *TINY, "--only", "copy", "--gather-pool-mib", "16",
+                 "--gather-rows", "2048", "16384"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("copy "))
+    assert lines[header].split()[-3:] == ["H200", "measured", "rate"]
+    rows = lines[header + 2:header + 6]
+    references = [row.split("B/s", 1)[1].strip() for row in rows]  # after the "rate" cell
+    assert references == ["52.0-55.0 GB/s", "55.0 GB/s", "24.0-38.4 GB/s (measured as 35-56 us)",
+                          "41.0-47.0 GB/s"], rows
+    assert not any(row.rstrip().endswith(" us") for row in rows)
+    low, high = bench_cli.COPY_LIMITS[("gather", 2048)].low_bytes_per_second, \
+        bench_cli.COPY_LIMITS[("gather", 2048)].high_bytes_per_second
+    assert (low, high) == pytest.approx((2048 * 656 / 56e-6, 2048 * 656 / 35e-6))
+
+
+def test_the_plot_shows_the_reference_values_the_tables_show(
+        capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    pyplot = pytest.importorskip("matplotlib.pyplot", reason="matplotlib is not installed "
+                                 "(pip install 'hisparse[tools]')")
+    target = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--gather-pool-mib", "16", "--gather-rows", "2048", "16384",
+                 "--output", str(target)]) == 0
+    document = json.loads(target.read_text())
+    figure = bench_cli.draw(pyplot, document)
+    try:
+        sw1_axes, copy_axes = figure.axes
+        target_lines = [line for line in sw1_axes.get_lines()
+                        if line.get_label().startswith("H200 target 44 GB/s")]
+        assert len(target_lines) == 1 and list(target_lines[0].get_ydata()) == [44, 44]
+        (errorbars,) = [c for c in copy_axes.containers if c.get_label() == "H200 measured"]
+        segments = errorbars.lines[2][0].get_segments()
+        drawn = sorted((round(seg[0][0], 3), round(seg[1][0], 3)) for seg in segments)
+        expected = sorted((round(low / 1e9, 3), round(high / 1e9, 3))
+                          for low, high in (r["h200_limit_bytes_per_second"]
+                                            for r in document["copy_limits"]))
+        assert drawn == expected and len(drawn) == 4  # both bulk copies and both gathers
+    finally:
+        pyplot.close(figure)
+
+
+def test_bench_takes_its_swap_in_shape_from_a_config_file(
+        capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    config = tmp_path / "mine.yaml"
+    config.write_text("top_k: 32\ndevice_buffer_size: 80\nrow_bytes: 128\nextent_tokens: 256\n"
+                      "residency_map: position\n")
+    # TINY without its --top-k 64 --hot-buffer 128, which would win over the file.
+    base = TINY[:TINY.index("--top-k")] + TINY[TINY.index("--hot-buffer") + 2:]
+    doc = bench_json(capsys, tmp_path, "--config", str(config), "--churns", "1",
+                     "--batches", "1", "--layouts", "extents", base=base)
+    sizes = doc["sw1"]["sizes"]
+    assert (sizes["top_k"], sizes["hot_slots"], sizes["row_bytes"], sizes["extent_tokens"]) == (
+        32, 80, 128, 256)
+    (cell,) = doc["sw1"]["cells"]
+    assert cell["residency_map"] == "position" and cell["verified"]
+    assert cell["misses_per_step"] == 32 and cell["extent_tokens"] == 256
+    gathers = [r for r in doc["copy_limits"] if r["name"] == "gather"]
+    assert [r["num_bytes"] for r in gathers] == [100 * 128, 1000 * 128]
+    # An option still wins over the file, under the same hot-buffer rule as plan and simulate.
+    doc = bench_json(capsys, tmp_path, "--config", str(config), "--top-k", "16", "--only",
+                     "sw1", "--churns", "0", "--batches", "1", "--layouts", "extents",
+                     base=base)
+    assert (doc["sw1"]["sizes"]["top_k"], doc["sw1"]["sizes"]["hot_slots"]) == (16, 80)
+    with pytest.raises(SystemExit):
+        main(["bench", *base, "--config", str(config), "--top-k", "100"])
+    error = usage_error_line(capsys.readouterr().err, "bench")
+    assert error.startswith("hisparse bench: error: argument --top-k: 100 entries do not fit "
+                            f"the hot buffer of config file {config} (80 slots); pass "
+                            "--hot-buffer too")
 
 
 def test_a_wrong_device_row_fails_the_byte_check() -> None:
@@ -122,7 +216,7 @@ def test_bad_arguments_exit_2_naming_the_argument(
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", *TINY, *argv])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    error = usage_error_line(capsys.readouterr().err, "bench")
     assert error.startswith("hisparse bench: error: argument") and named in error
 
 
@@ -220,6 +314,7 @@ def test_a_cell_with_clean_cache_lines_and_an_unknown_flush_mode() -> None:
         benchmarking.sw1_cell(backend, pool, "extents", 2, 0.5, sizes, seed, flush="evict")
 
 
+@needs_module("triton", "triton")  # _check_tables is the Triton kernels' own check
 @pytest.mark.parametrize("residency_map", ["host_row", "position"])
 @pytest.mark.parametrize("layout", benchmarking.LAYOUTS)
 def test_sw1_tables_are_row_major_and_agree_with_the_hot_buffers(layout: str,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hisparse
+from cli_checks import usage_error_line
 from hisparse.backends import registry
 from hisparse.cli import _output as out
 from hisparse.cli import plan as plan_cli
@@ -76,7 +77,7 @@ def test_cli_refuses_a_device_index_that_is_not_there(
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--device", "cuda:1"])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    error = usage_error_line(capsys.readouterr().err, command[0])
     assert error.startswith(f"hisparse {command[0]}: error: argument --device")
     assert "sees 1 device" in error
 
@@ -103,5 +104,5 @@ def test_plan_refuses_an_unwritable_plot_before_plotting(
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--plot", str(tmp_path)])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    error = usage_error_line(capsys.readouterr().err, "plan")
     assert error.startswith("hisparse plan: error: argument --plot")

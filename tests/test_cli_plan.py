@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from cli_checks import assert_plot_written_or_matplotlib_missing
+from cli_checks import assert_plot_written_or_matplotlib_missing, usage_error_line
 from hisparse import planning
 from hisparse.cli.main import main
 from hisparse.errors import InvalidInputError
@@ -118,8 +118,8 @@ def test_plan_json_for_the_deepseek_preset(capsys: pytest.CaptureFixture[str]) -
                    "--weights-gib", "80", "--reserve-gib", "10", "--context", "32768", "8192")
     assert doc["schema_version"] == 1 and doc["command"] == "plan"
     assert doc["model"] == {
-        "preset": "deepseek-v3.2", "kv_dtype": "fp8", "num_layers": 61, "row_bytes": 656,
-        "indexer_key_bytes": 132, "index_group_size": 1, "num_groups": 61,
+        "preset": "deepseek-v3.2", "config_file": None, "kv_dtype": "fp8", "num_layers": 61,
+        "row_bytes": 656, "indexer_key_bytes": 132, "index_group_size": 1, "num_groups": 61,
     }
     assert doc["settings"]["available_bytes"] == 50 * GIB
     first, second = doc["contexts"]
@@ -165,7 +165,7 @@ def test_bad_arguments_exit_2_naming_the_argument(
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", *argv])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    error = usage_error_line(capsys.readouterr().err, "plan")
     assert error.startswith("hisparse plan: error:") and named in error
 
 

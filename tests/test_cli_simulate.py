@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import sys
 from collections.abc import Sequence
 
 import pytest
 
-from cli_checks import assert_plot_written_or_matplotlib_missing
+from cli_checks import assert_plot_written_or_matplotlib_missing, usage_error_line
 from hisparse.cli import simulate as simulate_cli
 from hisparse.cli.main import main
 from hisparse.simulation import TraceModel, make_traces
@@ -174,7 +175,7 @@ def test_bad_arguments_exit_2_naming_the_argument(
     with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--preset", "tiny", "--no-progress", *argv])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    error = usage_error_line(capsys.readouterr().err, "simulate")
     assert error.startswith("hisparse simulate: error: argument") and named in error
 
 
@@ -196,3 +197,30 @@ def test_help_defaults_match_the_trace_model(capsys: pytest.CaptureFixture[str])
     text = capsys.readouterr().out
     assert "hisparse simulate --preset deepseek-v3.2" in text
     assert "arXiv 2604.22312" in text
+
+
+def test_progress_counts_each_pass_to_the_steps_the_summary_reports(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The progress counted 48 steps where the summary said 24: it ran one count over the run
+    and its skip-IO replay. Now each pass counts to --steps under its own name."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the plain counter: one line per update
+    code = main(["simulate", "--device", "cpu", "--preset", "tiny", "--requests", "1",
+                 "--steps", "3", "--warmup", "1", "--context", "512"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "x 3 steps (1 warm-up)" in captured.out
+    counts = [line for line in captured.err.splitlines() if line.startswith("simulate: ")]
+    assert counts == [f"simulate: decode steps: {i}/3" for i in (1, 2, 3)] + [
+        f"simulate: skip-IO replay: {i}/3" for i in (1, 2, 3)]
+
+
+def test_without_the_split_only_the_decode_steps_are_counted(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    assert main(["simulate", "--device", "cpu", "--preset", "tiny", "--requests", "1",
+                 "--steps", "2", "--warmup", "0", "--context", "512", "--no-split"]) == 0
+    counts = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("simulate: ")]
+    assert counts == ["simulate: decode steps: 1/2", "simulate: decode steps: 2/2"]

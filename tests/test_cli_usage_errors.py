@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_checks import usage_error_line
 from hisparse import benchmarking
 from hisparse.cli import bench as bench_cli
 from hisparse.cli.main import main
@@ -43,12 +44,11 @@ def test_a_seed_out_of_range_is_a_usage_error(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     command: str, seed: str,
 ) -> None:
-    monkeypatch.chdir(tmp_path)  # where bench would write its default JSON
     argv = [*SIM_SMALL, "--preset", "tiny"] if command == "simulate" else BENCH_COPY
     with pytest.raises(SystemExit) as exit_info:
         main([command, *argv, "--seed", seed])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    error = usage_error_line(capsys.readouterr().err, command)
     assert error.startswith(f"hisparse {command}: error: argument --seed")
 
 
@@ -68,7 +68,7 @@ def test_simulate_refuses_an_unwritable_output_before_running(
     with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--preset", "tiny", *SIM_SMALL, "--output", str(target)])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    error = usage_error_line(capsys.readouterr().err, "simulate")
     assert error.startswith("hisparse simulate: error: argument --output") and str(target) in error
 
 
@@ -82,20 +82,8 @@ def test_bench_refuses_an_unwritable_output_before_running(
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", *BENCH_COPY, "--output", str(target)])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    error = usage_error_line(capsys.readouterr().err, "bench")
     assert error.startswith("hisparse bench: error: argument --output") and str(target) in error
-
-
-def test_bench_default_output_in_an_unwritable_directory_is_refused_before_running(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    (tmp_path / "hisparse-bench-cpu.json").mkdir()  # where the default JSON would go
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(benchmarking, "bulk_copies", _must_not_run)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", *BENCH_COPY])
-    assert exit_info.value.code == 2
-    assert "argument --output" in capsys.readouterr().err
 
 
 def _must_not_run(*args: object, **kwargs: object) -> None:
@@ -149,3 +137,43 @@ def test_python_dash_m_hisparse_is_the_console_script() -> None:
     refused = subprocess.run([sys.executable, "-m", "hisparse", "simulate", "--seed", "-1"],
                              capture_output=True, text=True, env=env, timeout=120)
     assert refused.returncode == 2 and "--seed" in refused.stderr
+
+
+@pytest.mark.parametrize("command", [["plan"], ["simulate", *SIM_SMALL, "--preset", "tiny"]])
+def test_a_reader_that_stops_reading_ends_the_run_without_a_traceback(command: list[str]) -> None:
+    """`hisparse plan | head -2`: the pipe's read end closes before (or while) the table is
+    written. The run exits as a process ended by SIGPIPE does (141), with nothing on stderr;
+    it used to end in a BrokenPipeError traceback."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write: deterministic
+    try:
+        done = subprocess.run([sys.executable, "-m", "hisparse", *command], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate", "bench", "probe"])
+def test_an_unknown_option_is_reported_by_its_subcommand_first(
+    capsys: pytest.CaptureFixture[str], command: str,
+) -> None:
+    """`hisparse plan --frobnicate` printed the top-level usage; now plan's error line comes
+    first, then a pointer to plan's --help (not 10-13 lines of usage before it)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--frobnicate"])
+    assert exit_info.value.code == 2
+    error = usage_error_line(capsys.readouterr().err, command)
+    assert error == f"hisparse {command}: error: unrecognized arguments: --frobnicate"
+
+
+def test_a_bad_value_leads_with_its_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--top-k", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" not in err
+    assert usage_error_line(err, "simulate").startswith(
+        "hisparse simulate: error: argument --top-k: expected a whole number >= 1")

@@ -153,3 +153,33 @@ def test_pool_that_fails_halfway_frees_what_it_got() -> None:
     with pytest.raises(HostAllocationError):
         HostPool(backend, num_layers=4, num_extents=2, extent_tokens=4, row_bytes=8)
     assert len(backend.freed) == 2
+
+
+def test_a_failed_layer_allocation_names_the_pools_total_and_host_pool_tokens() -> None:
+    """The error named the one buffer that failed (656 MiB, a layer's), not what the pool
+    needs in all nor the config key that sizes it."""
+    backend = CountingBackend(fail_at=3)
+    with pytest.raises(HostAllocationError) as caught:
+        HostPool(backend, num_layers=4, num_extents=2, extent_tokens=4, row_bytes=8)
+    message = str(caught.value)
+    assert message.startswith("the host pool needs 256 B (0.00 MiB) in all (4 layers x 8 rows x "
+                              "8 B; the rows are host_pool_tokens rounded up to whole 4-token "
+                              "extents); layer 2's buffer of 64 B (0.00 MiB) failed after 2 of 4 "
+                              "layers were allocated (injected failure for 64 bytes)")
+    assert message.endswith("lower host_pool_tokens (rows per layer) or free host memory.")
+    assert len(backend.freed) == 2
+
+
+def test_a_pool_larger_than_the_host_is_refused_before_any_layer_is_allocated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every layer's buffer fits on its own (48 B each), the pool (192 B) does not.
+    monkeypatch.setattr("hisparse.core.host_pool.available_host_bytes", lambda: 100)
+    backend = CountingBackend()
+    with pytest.raises(HostAllocationError) as caught:
+        HostPool(backend, num_layers=4, num_extents=3, extent_tokens=2, row_bytes=8)
+    assert str(caught.value) == (
+        "the host pool needs 192 B (0.00 MiB) in all (4 layers x 6 rows x 8 B; the rows are "
+        "host_pool_tokens rounded up to whole 2-token extents), but only 100 B (0.00 MiB) of "
+        "host memory is available; lower host_pool_tokens (rows per layer) or free host memory.")
+    assert backend.allocations == 0

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
 
-from hisparse.kernels import launching  # noqa: E402
+from hisparse.kernels import launching
 
 
 class FakeCompiled:

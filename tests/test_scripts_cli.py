@@ -19,6 +19,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from conftest import needs_module
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS, BENCHMARKS = ROOT / "scripts", ROOT / "benchmarks"
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
@@ -165,6 +167,7 @@ def test_kernel_stress_usage_errors(capsys: pytest.CaptureFixture[str], args: li
     assert_main_refuses(capsys, load_script("kernel-stress").main, args, option)
 
 
+@needs_module("triton", "triton")  # the script refuses to run without it
 def test_kernel_stress_json_says_what_produced_it(tmp_path: Path, seed: int) -> None:
     out = tmp_path / "stress.json"
     argv = ["--seconds", "2", "--processes", "1", "--steps", "2", "--seed", str(seed),
@@ -181,6 +184,7 @@ def test_kernel_stress_json_says_what_produced_it(tmp_path: Path, seed: int) -> 
     assert summary["hung_processes"] == 0
 
 
+@needs_module("triton", "triton")  # the script refuses to run without it
 def test_kernel_stress_kills_and_reports_a_process_still_running_after_the_grace(
         tmp_path: Path) -> None:
     """A hung kernel, or a process that died without reporting, must not hang the run: a case
@@ -246,6 +250,21 @@ def test_scripts_test_names_the_missing_test_dependencies(tmp_path: Path) -> Non
     assert "pip install -e '.[dev]'" in result.stderr, result.stderr
 
 
+@NO_CUDA
+@pytest.mark.parametrize("name", ["cuda", "no-such-backend"])
+def test_scripts_test_for_a_backend_that_is_not_here_stops_at_once(name: str) -> None:
+    """`./scripts/test --backend cuda` on a machine without CUDA ran the whole suite, failing
+    case by case; now it stops before collecting anything, with one line that says why."""
+    started = time.monotonic()
+    result = run([str(SCRIPTS / "test"), "--backend", name], timeout=60,
+                 PYTHON=sys.executable)
+    assert result.returncode == 4, result.stdout + result.stderr  # pytest's usage error
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"ERROR: --backend {name} was asked for but is not usable here: ")
+    assert time.monotonic() - started < 30
+
+
 STUB_PYTHON = """#!/bin/sh
 # `python -m venv ... DIR`: a venv whose pip and hisparse log their arguments.
 echo "python $*" >> "$LOG"
@@ -282,6 +301,24 @@ def test_quickstart_installs_what_scripts_test_needs(tmp_path: Path) -> None:
     installs = [line for line in (tmp_path / "log").read_text().splitlines()
                 if line.startswith("pip install") and "-e" in line]
     assert installs and "dev" in installs[-1], installs
+    # The CLI's --plot (matplotlib) and progress bars (tqdm) work after the quick start.
+    extras = installs[-1].split("[", 1)[1].split("]", 1)[0].split(",")
+    assert {"dev", "tools", "triton"} <= set(extras), installs
+
+
+def test_ci_installs_every_extra_the_suite_tests() -> None:
+    """CI's venv has each optional dependency, so no test of one is skipped there; pyproject
+    declares the metrics extra with the client hisparse.metrics imports."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras["metrics"] == ["prometheus_client>=0.17"]
+    assert set(extras["tools"]) == {"matplotlib>=3.7", "tqdm>=4.66"}
+    (install,) = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                  if "pip install" in line and " -e " in line]
+    installed = set(install.split("[", 1)[1].split("]", 1)[0].split(","))
+    assert installed == set(extras), install
 
 
 def test_quickstart_repairs_a_venv_left_without_pip(tmp_path: Path) -> None:
@@ -333,9 +370,9 @@ def test_swap_in_usage_errors_come_before_the_gpu(args: list[str], option: str) 
     assert_usage_error(result.returncode, result.stderr, option)
 
 
+@needs_module("triton", "triton")
 def test_copy_limits_json_says_what_produced_it(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("triton")
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import copy_limits
 

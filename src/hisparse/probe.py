@@ -18,7 +18,7 @@ import sys
 import time
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,19 +33,25 @@ from hisparse.backends.registry import (
 )
 from hisparse.errors import BackendUnavailableError
 
+if TYPE_CHECKING:
+    from hisparse.config import HiSparseConfig
+
 # Bump when a key is removed or changes meaning; adding keys keeps the version.
 SCHEMA_VERSION = 1
 HOST_CHECK_BYTES = 1 << 20
 IPEX_MODULE = "intel_extension_for_pytorch"
 
 
-def probe(device: str | torch.device | Backend | None = None, run_checks: bool = True) -> dict:
+def probe(device: str | torch.device | Backend | None = None, run_checks: bool = True,
+          config: HiSparseConfig | None = None) -> dict:
     """Detect the backend (or take `device`), describe it, and prove it works.
 
     Args:
         device: None for the backend `get_backend()` picks, or a name / device string /
             `torch.device` / Backend to probe that one.
         run_checks: False skips the checks (fast; `checks` is then empty).
+        config: the `HiSparseConfig` the swap-in round trip builds its cache with (its full
+            host pool and device buffers); None: the `tiny` preset.
 
     Returns:
         A dict with `schema_version`, `backend`, `usable`, `reason`, `devices`, `versions`,
@@ -107,7 +113,7 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
             for name, check in (
                 ("host_buffer", _check_host_buffer),
                 ("register_host", _check_register_host),
-                ("swap_in_roundtrip", _check_swap_in),
+                ("swap_in_roundtrip", lambda b: _check_swap_in(b, config)),
             ):
                 report["checks"].append(_run_check(name, check, backend))
     failed = [c["name"] for c in report["checks"] if c["status"] == "failed"]
@@ -262,16 +268,18 @@ def _check_register_host(backend: Backend) -> str:
     return f"register_host of {HOST_CHECK_BYTES} bytes, read back byte-equal; unregistered"
 
 
-def _check_swap_in(backend: Backend) -> str:
+def _check_swap_in(backend: Backend, config: HiSparseConfig | None = None) -> str:
     try:
         from hisparse.config import HiSparseConfig
         from hisparse.core.engine import HiSparseCache
     except ImportError as exc:
         raise _Skip(f"the cache engine does not import here ({exc})") from exc
-    config = HiSparseConfig.from_preset("tiny")
+    name = "tiny preset" if config is None else f"config {config.model}"
+    config = HiSparseConfig.from_preset("tiny") if config is None else config
     generator = _generator()
     num_layers, row_bytes, top_k = config.num_layers, config.row_bytes, config.top_k
-    prompt = 2 * config.hot_slots + 5  # past the hot buffer: the long regime, with misses
+    # Past the hot buffer (the long regime, with misses), as far as max_seq_len allows.
+    prompt = min(2 * config.hot_slots + 5, config.max_seq_len - 1)
     prefill = _random_bytes((num_layers, prompt, row_bytes), generator)
     newest = _random_bytes((num_layers, 1, row_bytes), generator)
     every_row = torch.cat([prefill, newest], dim=1)
@@ -295,7 +303,7 @@ def _check_swap_in(backend: Backend) -> str:
         cache.end_decode_step()
         stats = cache.stats()
         cache.finish("probe")
-    return (f"tiny preset, {num_layers} layers, {top_k} of {prompt + 1} tokens swapped in and "
+    return (f"{name}, {num_layers} layers, {top_k} of {prompt + 1} tokens swapped in and "
             f"byte-equal on every layer (kernel {_kernel_name(backend)}; {_stats_line(stats)})")
 
 
@@ -316,8 +324,8 @@ class _CallableModule(types.ModuleType):
     (importing a submodule always rebinds the package attribute of the same name)."""
 
     def __call__(self, device: str | torch.device | Backend | None = None,
-                 run_checks: bool = True) -> dict:
-        return probe(device, run_checks=run_checks)
+                 run_checks: bool = True, config: HiSparseConfig | None = None) -> dict:
+        return probe(device, run_checks=run_checks, config=config)
 
 
 sys.modules[__name__].__class__ = _CallableModule

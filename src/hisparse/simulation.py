@@ -378,9 +378,13 @@ def simulate(
     device: Any = None,
     measure_planning: bool = True,
     on_step: Any = None,
+    on_pass: Any = None,
 ) -> SimulationResult:
     """Run `workload` on the real engine; with skip-IO where the backend has it, run it again
-    without moving bytes to split each step's swap-in time into planning and copy."""
+    without moving bytes to split each step's swap-in time into planning and copy.
+
+    `on_pass(name)` is called before each pass over the workload's steps: "decode steps", then
+    "skip-IO replay" where that runs; `on_step()` after every step of either pass."""
     import torch
 
     from hisparse.backends.features import Feature
@@ -394,6 +398,8 @@ def simulate(
     with HiSparseCache(config, device=target) as cache:
         if measure_device:  # the peak restarts at what is allocated now, the cache included
             torch.accelerator.reset_peak_memory_stats(cache.device)
+        if on_pass is not None:
+            on_pass("decode steps")
         main = run_pass(cache, workload, on_step)
         final = cache.stats()
         device_name = str(cache.device)
@@ -412,6 +418,8 @@ def simulate(
         note = f"not measured: the {backend.name} backend has no skip-IO probe ({support.reason})"
     else:
         with HiSparseCache(config.replace(skip_io=True), device=target) as probe_cache:
+            if on_pass is not None:
+                on_pass("skip-IO replay")
             probe = run_pass(probe_cache, workload, on_step)
         if [p[:2] for p in probe] == [m[:2] for m in main]:
             planning = [p[3] for p in probe]

@@ -10,14 +10,28 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 # Bumped when a field is renamed or removed; adding fields keeps the version.
 JSON_SCHEMA_VERSION = 1
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors lead with the one line that matters.
+
+    argparse prints the whole usage (10-13 lines for `simulate`) before the error; here the
+    error comes first, then one line pointing at `--help`. Subparsers made through
+    `add_subparsers` are of this class too (argparse uses the parent's class).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"`{self.prog} --help` lists the options\n")
 
 
 def fail(command: str, message: str) -> int:
@@ -251,27 +265,108 @@ def fraction(text: str) -> float:
     return value
 
 
-def load_preset(
+DEFAULT_PRESET = "deepseek-v3.2"
+# plan, simulate and bench --config share the rule: the config's hot buffer where it sets one
+# (tiny: 128), else 2 x top-k (deepseek-v3.2 and glm-5 leave it null); a --top-k larger than
+# a set hot buffer is a usage error that names --hot-buffer.
+HOT_BUFFER_HELP = ("LRU hot slots per request and index group (default: the config's where it "
+                   "sets one, else 2 x top-k; it must hold --top-k)")
+
+
+def add_config_options(container: Any, what: str) -> None:
+    """`--preset NAME` or `--config FILE` (one of them): where the cache's config comes from.
+
+    `what` says what the command takes from it, for the help text.
+    """
+    choice = container.add_mutually_exclusive_group()
+    choice.add_argument("--preset", default=None, metavar="NAME",
+                        help=f"a shipped preset (configs/*.yaml) for {what} (default: "
+                        f"{DEFAULT_PRESET})")
+    choice.add_argument("--config", default=None, metavar="FILE",
+                        help="a YAML config file instead of a preset: HiSparseConfig keys, as "
+                        "in configs/default.yaml; unset keys keep their defaults")
+
+
+def config_source(args: argparse.Namespace) -> str:
+    """How an error names where the config came from: the file, or the preset."""
+    if getattr(args, "config", None):
+        return f"config file {args.config}"
+    return f"the {getattr(args, 'preset', None) or DEFAULT_PRESET} preset"
+
+
+def load_config(
     parser: argparse.ArgumentParser,
-    name: str,
+    args: argparse.Namespace,
     flags: dict[str, str] | None = None,
     **overrides: Any,
 ) -> Any:
-    """`HiSparseConfig.from_preset(name, **overrides)`; a bad preset or value is a usage error.
+    """The config `--config FILE` or `--preset NAME` names, with `overrides` (None: not given)
+    applied; every problem is a usage error naming the option to change.
 
-    `flags` maps config keys to the options that set them, so the error names the option.
+    `flags` maps config keys to the options that set them. Keys the user set through an option
+    are named by that option in the error, never by the config key.
     """
     try:
         from hisparse.config import HiSparseConfig
     except ImportError as exc:
-        parser.exit(1, f"{parser.prog}: error: presets need hisparse.config, which failed to "
+        parser.exit(1, f"{parser.prog}: error: configs need hisparse.config, which failed to "
                        f"import ({exc})\n")
     from hisparse.errors import ConfigError
 
+    flags = flags or {}
     overrides = {key: value for key, value in overrides.items() if value is not None}
+    config_file = getattr(args, "config", None)
+
+    def load(**values: Any) -> Any:
+        if config_file:
+            return HiSparseConfig.from_yaml(config_file, **values)
+        return HiSparseConfig.from_preset(getattr(args, "preset", None) or DEFAULT_PRESET,
+                                          **values)
+
     try:
-        return HiSparseConfig.from_preset(name, **overrides)
+        return load(**overrides)
     except ConfigError as exc:
-        text = "; ".join(exc.problems)
-        blamed = [flag for key, flag in (flags or {}).items() if key in text and key in overrides]
-        parser.error(f"argument {'/'.join(blamed) or '--preset'}: {text}")
+        problems = list(exc.problems)
+    source_option = "--config" if config_file else "--preset"
+    try:
+        base = load()  # is the file or preset itself at fault, or an option's value?
+    except ConfigError as exc:
+        text = "; ".join(exc.problems).replace(
+            "(or load your own file with HiSparseConfig.from_yaml(path))",
+            "(or pass --config FILE)")
+        parser.error(f"argument {source_option}: {text}")
+    top_k = overrides.get("top_k")
+    if (top_k is not None and "device_buffer_size" not in overrides
+            and base.device_buffer_size < top_k and "top_k" in flags
+            and "device_buffer_size" in flags):
+        # The source fixes its hot buffer (tiny: 128 slots): a larger top-k needs a larger one.
+        # Where it leaves the buffer unset (null), it is derived as 2 x top-k and never gets here.
+        parser.error(
+            f"argument {flags['top_k']}: {top_k} entries do not fit the hot buffer of "
+            f"{config_source(args)} ({base.device_buffer_size} slots); pass "
+            f"{flags['device_buffer_size']} too (at least {top_k}; {2 * top_k} is the usual "
+            f"2 x top-k) or use at most {flags['top_k']} {base.device_buffer_size}")
+    parser.error(options_in_config_problems(problems, flags, overrides, source_option))
+
+
+def options_in_config_problems(problems: list[str], flags: dict[str, str],
+                               overrides: dict[str, Any], source_option: str) -> str:
+    """ConfigError problems ("key: got ...") as an argparse message naming the options: every
+    key an option set is replaced by that option; the blamed argument is the option whose
+    value is at fault, else where the config came from (`--preset`/`--config`)."""
+    given = {key: flag for key, flag in flags.items() if key in overrides}
+    blamed: list[str] = []
+    texts = []
+    for problem in problems:
+        key, sep, rest = problem.partition(": ")
+        if sep and key in given:
+            blamed.append(given[key])
+            problem = rest
+        else:  # another key's problem caused by an option: `--layers 1` with groups of 2
+            blamed += [flag for other, flag in given.items()
+                       if re.search(rf"\b{re.escape(other)}\b", problem)]
+        for other, flag in flags.items():
+            problem = re.sub(rf"\b{re.escape(other)}\b", flag, problem)
+        texts.append(problem)
+    culprits = "/".join(dict.fromkeys(blamed)) or source_option
+    return f"argument {culprits}: {'; '.join(texts)}"

@@ -18,14 +18,29 @@ FULL = {"batches": [1, 16, 64, 128], "churns": [0.0, 0.05, 0.2, 1.0], "seq_len":
 QUICK = {"batches": [1, 4], "churns": [0.0, 0.2, 1.0], "seq_len": 16384, "warmup": 2,
          "steps": 5, "gather_pool_mib": 64, "gather_rows": [2048, 16384], "bulk_mib": 64}
 
-# DESIGN.md section 8, measured on an NVIDIA H200 (PCIe Gen5 x16).
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """A copy limit DESIGN.md section 8 measured on an NVIDIA H200 (PCIe Gen5 x16)."""
+
+    quoted: str  # as DESIGN.md states it (one of them a time)
+    low_bytes_per_second: float  # the same as a rate range, the unit of the "rate" column
+    high_bytes_per_second: float
+    note: str = ""
+
+
+# The 2048-row gather was measured as a time: 35-56 us for 2048 rows of 656 B.
+GATHER_2048_BYTES = 2048 * 656
 COPY_LIMITS = {
-    ("bulk host-to-device", None): "52-55 GB/s",
-    ("bulk device-to-host", None): "55 GB/s",
-    ("gather", 2048): "35-56 us",
-    ("gather", 16384): "41-47 GB/s",
-    ("gather", 131072): "46-48 GB/s (local rows)",
+    ("bulk host-to-device", None): Reference("52-55 GB/s", 52e9, 55e9),
+    ("bulk device-to-host", None): Reference("55 GB/s", 55e9, 55e9),
+    ("gather", 2048): Reference("35-56 us", GATHER_2048_BYTES / 56e-6,
+                                GATHER_2048_BYTES / 35e-6, note="measured as 35-56 us"),
+    ("gather", 16384): Reference("41-47 GB/s", 41e9, 47e9),
+    ("gather", 131072): Reference("46-48 GB/s (local rows)", 46e9, 48e9, note="local rows"),
 }
+REFERENCE_ROW_BYTES = 656  # the gathers were measured with 656 B rows; other rows: no reference
 # What makes a run SW-1 for the targets: --quick, --seq-len, --top-k or --hot-buffer change it.
 SW1_SHAPE = ("seq_len", "top_k", "hot_slots", "row_bytes", "extent_tokens")
 SGLANG_FULL_MISS_B1_SECONDS = 257e-6  # SGLang 0.5.23 fused swap-in, SW-1 scattered, B=1
@@ -52,7 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help="SW-1 swap-in benchmark and copy-limit probes, against the measured limits",
         description="Run SW-1 and the copy-limit micro-benchmarks on this device; print a\n"
-        "table against DESIGN.md's measured limits and targets; write JSON and a PNG.",
+        "table against DESIGN.md's measured limits and targets; --output writes JSON,\n"
+        "--plot a PNG.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -70,26 +86,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sw1.add_argument("--churns", type=out.fraction, nargs="+", default=None)
     sw1.add_argument("--layouts", choices=("scattered", "extents"), nargs="+",
                      default=["scattered", "extents"])
+    sw1.add_argument("--config", metavar="FILE", default=None,
+                     help="take top-k, hot buffer, row bytes, extent tokens and residency map "
+                     "from this YAML config instead of SW-1's (a workload other than SW-1: "
+                     "the targets are shown, not judged)")
     sw1.add_argument("--seq-len", type=out.positive_int, default=None, metavar="TOKENS")
-    sw1.add_argument("--top-k", type=out.positive_int, default=2048)
+    sw1.add_argument("--top-k", type=out.positive_int, default=None,
+                     help="(default: --config's, else SW-1's 2048)")
     sw1.add_argument("--hot-buffer", type=out.positive_int, default=None, metavar="SLOTS",
-                     help="(default: 2 x top-k)")
+                     help="(default: --config's where it sets one, else 2 x top-k)")
     sw1.add_argument("--warmup", type=out.non_negative_int, default=None)
     sw1.add_argument("--steps", type=out.positive_int, default=None)
     sw1.add_argument("--seed", type=out.seed, default=0)
-    sw1.add_argument("--residency-map", choices=RESIDENCY_MAPS, default="host_row",
+    sw1.add_argument("--residency-map", choices=RESIDENCY_MAPS, default=None,
                      help="what the hot-slot map is keyed by (config residency_map; default: "
-                          "%(default)s)")
+                          "--config's, else host_row)")
     copy = parser.add_argument_group("copy limits")
     copy.add_argument("--bulk-mib", type=out.positive_int, default=None)
     copy.add_argument("--gather-pool-mib", type=out.positive_int, default=None)
     copy.add_argument("--gather-rows", type=out.positive_int, nargs="+", default=None)
     output = parser.add_argument_group("output")
     output.add_argument("--output", metavar="JSON", default=None,
-                        help="where to write the JSON (default: hisparse-bench-<backend>.json)")
+                        help="write the JSON document to this file (default: none written)")
     output.add_argument("--plot", metavar="PNG", default=None,
-                        help="where to write the PNG (default: hisparse-bench-<backend>.png "
-                        "when matplotlib is installed)")
+                        help="draw SW-1's miss bandwidth and the copy limits, with the H200's "
+                        "reference values, to this PNG (needs matplotlib; default: none)")
     output.add_argument("--json", action="store_true", help="print JSON instead of tables")
     output.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     parser.set_defaults(handler=run, parser=parser)
@@ -111,21 +132,21 @@ def run(args: argparse.Namespace) -> int:
     preset = QUICK if quick else FULL
     pick = {key: getattr(args, key) if getattr(args, key, None) is not None else value
             for key, value in preset.items()}
+    shape, residency_map = sw1_shape(parser, args)
     sizes = benchmarking.SW1Sizes(
-        seq_len=pick["seq_len"], top_k=args.top_k, hot_slots=args.hot_buffer or 2 * args.top_k,
-        warmup_steps=pick["warmup"], timed_steps=pick["steps"],
+        seq_len=pick["seq_len"], warmup_steps=pick["warmup"], timed_steps=pick["steps"], **shape,
     )
     try:
         sizes.check()
     except HisparseError as exc:
-        parser.error(f"argument --seq-len/--top-k/--hot-buffer: {exc}")
+        given = "--config/" if args.config else ""
+        parser.error(f"argument {given}--seq-len/--top-k/--hot-buffer: {exc}")
     pool_rows = (pick["gather_pool_mib"] << 20) // sizes.row_bytes
     if args.only != "sw1" and max(pick["gather_rows"]) > pool_rows:
         parser.error(f"argument --gather-rows: {max(pick['gather_rows'])} rows do not fit a "
                      f"{pick['gather_pool_mib']} MiB pool ({pool_rows} rows of "
                      f"{sizes.row_bytes} B); gather fewer rows or raise --gather-pool-mib")
-    json_path = args.output or f"hisparse-bench-{backend.name}.json"
-    for option, path in (("--output", json_path), ("--plot", args.plot)):
+    for option, path in (("--output", args.output), ("--plot", args.plot)):
         if path:
             out.check_writable(parser, option, path)
     _, kernel_name = benchmarking.swap_in_kernel(backend)
@@ -141,34 +162,50 @@ def run(args: argparse.Namespace) -> int:
             if args.only != "copy":
                 cells = benchmarking.run_sw1(
                     backend, pick["batches"], pick["churns"], args.layouts, sizes, args.seed,
-                    on_cell=lambda _cell: progress.update(), residency_map=args.residency_map,
+                    on_cell=lambda _cell: progress.update(), residency_map=residency_map,
                 )
             if args.only != "sw1":
                 copies = benchmarking.bulk_copies(backend, pick["bulk_mib"] << 20)
                 progress.update()
                 copies += benchmarking.scattered_gather(
-                    backend, pick["gather_pool_mib"] << 20, pick["gather_rows"], seed=args.seed)
+                    backend, pick["gather_pool_mib"] << 20, pick["gather_rows"],
+                    row_bytes=sizes.row_bytes, seed=args.seed)
                 progress.update()
     except HisparseError as exc:
         return out.fail("bench", str(exc).replace("\n", " "))
 
     document = to_document(backend, quick, kernel_name, sizes, cells, copies)
-    out.write_json(json_path, document)
+    # Files only where asked for: a run writes nothing into the current directory unasked.
+    if args.output:
+        print(f"wrote {out.write_json(args.output, document)}", file=sys.stderr)
     if args.json:
         out.emit_json(document)
     else:
         print(render(document))
-    plot_path = args.plot
-    if plot_path is None:
-        pyplot = out.import_pyplot()
-        plot_path = None if isinstance(pyplot, str) else f"hisparse-bench-{backend.name}.png"
-    print(f"wrote {json_path}", file=sys.stderr)
-    if plot_path is not None:
-        plot(pyplot, document, plot_path)
-        print(f"wrote {plot_path}", file=sys.stderr)
-    else:
-        print("no PNG: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+    if args.plot:
+        print(f"wrote {plot(pyplot, document, args.plot)}", file=sys.stderr)
     return 0
+
+
+# The --config keys bench takes, and the options that set the same values.
+CONFIG_FLAGS = {"top_k": "--top-k", "device_buffer_size": "--hot-buffer",
+                "residency_map": "--residency-map"}
+
+
+def sw1_shape(parser: argparse.ArgumentParser,
+              args: argparse.Namespace) -> tuple[dict[str, int], str]:
+    """SW1Sizes' shape fields and the residency map: SW-1's, or `--config`'s, with the
+    options on top (the same hot-buffer rule as plan and simulate)."""
+    if args.config is None:
+        top_k = args.top_k or 2048
+        return ({"top_k": top_k, "hot_slots": args.hot_buffer or 2 * top_k},
+                args.residency_map or "host_row")
+    config = out.load_config(parser, args, CONFIG_FLAGS, top_k=args.top_k,
+                             device_buffer_size=args.hot_buffer,
+                             residency_map=args.residency_map)
+    return ({"top_k": config.top_k, "hot_slots": config.device_buffer_size,
+             "row_bytes": config.row_bytes, "extent_tokens": config.extent_tokens},
+            config.residency_map)
 
 
 def sw1_target(cell: Any, on_cpu: bool, sizes: Any) -> tuple[str, bool | None]:
@@ -213,8 +250,16 @@ def to_document(backend: Any, quick: bool, kernel: str, sizes: Any, cells: list[
         sw1.append({**cell.to_dict(), "target": target or None, "target_met": met})
     limits = []
     for result in copies:
-        measured = COPY_LIMITS.get((result.name, result.rows))
-        limits.append({**result.to_dict(), "h200_measured_limit": measured})
+        reference = COPY_LIMITS.get((result.name, result.rows))
+        if result.rows is not None and result.num_bytes != result.rows * REFERENCE_ROW_BYTES:
+            reference = None
+        limits.append({**result.to_dict(), **(
+            {"h200_measured_limit": None, "h200_limit_bytes_per_second": None,
+             "h200_limit_note": None} if reference is None else
+            {"h200_measured_limit": reference.quoted,
+             "h200_limit_bytes_per_second": [reference.low_bytes_per_second,
+                                             reference.high_bytes_per_second],
+             "h200_limit_note": reference.note or None})})
     return {
         "schema_version": out.JSON_SCHEMA_VERSION,
         "command": "bench",
@@ -276,14 +321,36 @@ def render(document: dict[str, Any]) -> str:
     if document["copy_limits"]:
         rows = [(r["name"], "" if r["rows"] is None else r["rows"],
                  out.format_bytes(r["num_bytes"]), out.format_seconds(r["seconds"]),
-                 out.format_rate(r["bytes_per_second"]), r["h200_measured_limit"] or "")
+                 out.format_rate(r["bytes_per_second"]), reference_rate(r))
                 for r in document["copy_limits"]]
         lines += ["", "Copy limits", out.render_table(
-            ("copy", "rows", "bytes", "time (median)", "rate", "H200 measured"), rows)]
+            ("copy", "rows", "bytes", "time (median)", "rate", "H200 measured rate"), rows)]
     return "\n".join(lines)
 
 
+def reference_rate(row: dict[str, Any]) -> str:
+    """The H200's measured range for a copy-limit row, always as a rate ("" without one)."""
+    if not row.get("h200_limit_bytes_per_second"):
+        return ""
+    low, high = (value / 1e9 for value in row["h200_limit_bytes_per_second"])
+    text = f"{low:.1f} GB/s" if low == high else f"{low:.1f}-{high:.1f} GB/s"
+    return f"{text} ({row['h200_limit_note']})" if row.get("h200_limit_note") else text
+
+
+# SW-1's one bandwidth target (DESIGN.md section 8); the others are step times.
+EXTENTS_TARGET_GBPS = 44
+
+
 def plot(pyplot: Any, document: dict[str, Any], path: str) -> str:
+    figure = draw(pyplot, document)
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return path
+
+
+def draw(pyplot: Any, document: dict[str, Any]) -> Any:
+    """The figure `--plot` saves: SW-1's miss bandwidth and the copy limits, each with the
+    H200 reference values the tables show (the extents target, the measured copy limits)."""
     figure, (sw1_axes, copy_axes) = pyplot.subplots(1, 2, figsize=(11, 4.2))
     series: dict[tuple[str, float], list[tuple[int, float]]] = {}
     for c in document["sw1"]["cells"]:
@@ -295,23 +362,42 @@ def plot(pyplot: Any, document: dict[str, Any], path: str) -> str:
         sw1_axes.plot(batches, rates, marker="o",
                       linestyle="-" if layout == "extents" else "--",
                       label=f"{layout}, churn {churn:g}")
-    if not document["cpu_numbers"]:
-        sw1_axes.axhline(44, color="grey", linewidth=0.8, label="target 44 GB/s (extents)")
+    if document["sw1"]["cells"]:
+        sw1_axes.axhline(EXTENTS_TARGET_GBPS, color="grey", linewidth=0.8,
+                         label=f"H200 target {EXTENTS_TARGET_GBPS} GB/s (extents, B >= 64, "
+                               "churn >= 0.2)")
     sw1_axes.set_xscale("log", base=2)
     sw1_axes.set_xlabel("batch")
     sw1_axes.set_ylabel("miss bandwidth (GB/s)")
     sw1_axes.set_title("SW-1 swap-in")
     sw1_axes.grid(True, alpha=0.3)
-    if series:
+    if document["sw1"]["cells"]:
         sw1_axes.legend(fontsize=7)
-    names = [r["name"] + ("" if r["rows"] is None else f" {r['rows']}")
-             for r in document["copy_limits"]]
-    copy_axes.barh(names, [r["bytes_per_second"] / 1e9 for r in document["copy_limits"]])
+    else:
+        sw1_axes.text(0.5, 0.5, "not run (--only copy)", ha="center", va="center",
+                      transform=sw1_axes.transAxes)
+    limits = document["copy_limits"]
+    names = [r["name"] + ("" if r["rows"] is None else f" {r['rows']}") for r in limits]
+    positions = list(range(len(limits)))
+    copy_axes.barh(positions, [r["bytes_per_second"] / 1e9 for r in limits],
+                   label="measured here")
+    copy_axes.set_yticks(positions, names)
+    referenced = [(y, r["h200_limit_bytes_per_second"]) for y, r in zip(positions, limits,
+                                                                        strict=True)
+                  if r.get("h200_limit_bytes_per_second")]
+    if referenced:
+        lows = [low / 1e9 for _, (low, _high) in referenced]
+        highs = [high / 1e9 for _, (_low, high) in referenced]
+        copy_axes.errorbar([(lo + hi) / 2 for lo, hi in zip(lows, highs, strict=True)],
+                           [y for y, _ in referenced],
+                           xerr=[[(hi - lo) / 2 for lo, hi in zip(lows, highs, strict=True)]] * 2,
+                           fmt="none", ecolor="black", capsize=4, linewidth=1.5,
+                           label="H200 measured")
+    if limits:
+        copy_axes.legend(fontsize=7)
     copy_axes.set_xlabel("GB/s")
     copy_axes.set_title("copy limits")
     suffix = " (CPU numbers)" if document["cpu_numbers"] else ""
     figure.suptitle(f"hisparse bench on {document['device']}{suffix}")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    pyplot.close(figure)
-    return path
+    return figure

@@ -19,7 +19,7 @@ from hisparse.planning import (
 # The measured bulk pinned host-to-device rate of an H200 (DESIGN.md section 8: 52-55 GB/s).
 H200_BULK_H2D_GBPS = 52.0
 DEFAULT_CONTEXTS = (8192, 32768, 65536, 131072)
-# Options that override a preset key, so a rejected value is reported under its option.
+# Options that override a config key, so a rejected value is reported under its option.
 CONFIG_FLAGS = {
     "kv_dtype": "--kv-dtype",
     "top_k": "--top-k",
@@ -50,16 +50,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     model = parser.add_argument_group("model")
-    model.add_argument("--preset", default="deepseek-v3.2",
-                       help="model preset from configs/ (default: %(default)s)")
-    model.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8",
-                       help="KV cache dtype; picks the row size (default: %(default)s)")
+    out.add_config_options(model, "the model's shape and the cache geometry")
+    model.add_argument("--kv-dtype", choices=("fp8", "bf16"), default=None,
+                       help="KV cache dtype; picks the row size (default: the config's, fp8 "
+                       "in the shipped presets)")
     model.add_argument("--indexer-bytes", type=out.non_negative_int, default=None,
                        help="indexer key bytes per token per indexer, one per index group "
-                       "(default: the preset's, "
+                       "(default: the config's, "
                        f"else {DSA_INDEXER_KEY_BYTES}, the DSA key of DeepSeek-V3.2 and GLM-5)")
     model.add_argument("--index-group-size", type=out.positive_int, default=None,
-                       help="layers sharing one indexer (default: the preset's)")
+                       help="layers sharing one indexer (default: the config's)")
 
     budget = parser.add_argument_group("GPU and host budget")
     budget.add_argument("--gpu-mem-gib", type=out.positive_float, default=140.0,
@@ -79,12 +79,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        metavar="TOKENS", help="context lengths to plan for (default: "
                        f"{' '.join(map(str, DEFAULT_CONTEXTS))})")
     cache.add_argument("--top-k", type=out.positive_int, default=None,
-                       help="top-k entries per step (default: the preset's)")
+                       help="top-k entries per step (default: the config's)")
     cache.add_argument("--hot-buffer", type=out.positive_int, default=None, metavar="SLOTS",
-                       help="LRU hot slots per request and layer group (default: the "
-                       "preset's, 2 x top-k)")
+                       help=out.HOT_BUFFER_HELP)
     cache.add_argument("--extent-tokens", type=out.positive_int, default=None,
-                       help="host extent size in tokens (default: the preset's)")
+                       help="host extent size in tokens (default: the config's)")
     cache.add_argument("--miss-rate", type=out.fraction, default=0.1,
                        help="fraction of top-k entries that miss per layer and step "
                        "(default: %(default)s)")
@@ -143,11 +142,6 @@ def run(args: argparse.Namespace) -> int:
             f"{args.reserve_gib:g} GiB leave nothing of --gpu-mem-gib {args.gpu_mem_gib:g}; "
             "lower them or raise --gpu-mem-gib"
         )
-    if hot_slots < config.top_k:
-        parser.error(
-            f"argument --hot-buffer: {hot_slots} slots cannot hold top-k {config.top_k}; "
-            "use at least top-k (2 x top-k is the default)"
-        )
     contexts = args.context or list(DEFAULT_CONTEXTS)
     try:
         plans = planning.plan(shape, settings, contexts)
@@ -166,9 +160,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def load_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
-    return out.load_preset(
+    return out.load_config(
         parser,
-        args.preset,
+        args,
         CONFIG_FLAGS,
         kv_dtype=args.kv_dtype,
         top_k=args.top_k,
@@ -189,7 +183,8 @@ def to_document(
         "schema_version": out.JSON_SCHEMA_VERSION,
         "command": "plan",
         "model": {
-            "preset": args.preset,
+            "preset": None if args.config else args.preset or out.DEFAULT_PRESET,
+            "config_file": args.config,
             "kv_dtype": config.kv_dtype,
             "num_layers": shape.num_layers,
             "row_bytes": shape.row_bytes,

@@ -11,6 +11,7 @@ examples:
   hisparse probe                 detect the device, print the feature table and check results
   hisparse probe --json          the same as a stable JSON document (schema_version 1)
   hisparse probe --device cuda   probe one backend; exit 1 with the reason if it is not usable
+  hisparse probe --config my.yaml  the swap-in round trip on your config instead of tiny
 
 exit status: 0 when the backend is usable and every check passed (skipped checks are fine),
 1 otherwise, with a one-line reason on stderr.
@@ -33,16 +34,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="backend or device to probe (cuda, rocm, xpu, cpu, cuda:1, ...); default: detect",
     )
     parser.add_argument(
+        "--config", metavar="FILE", default=None,
+        help="run the swap-in round trip on this YAML config (its full host pool and device "
+        "buffers) instead of the tiny preset: does my config work on this machine?",
+    )
+    parser.add_argument(
         "--no-checks", dest="run_checks", action="store_false",
         help="only report; skip the allocation and swap-in checks",
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from hisparse.probe import format_report, probe
 
-    report = probe(args.device, run_checks=args.run_checks)
+    config = None
+    if args.config is not None:
+        from hisparse.cli import _output as out
+
+        config = out.load_config(args.parser, args)
+    report = probe(args.device, run_checks=args.run_checks, config=config)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

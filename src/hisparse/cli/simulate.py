@@ -59,22 +59,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     where = parser.add_argument_group("device and cache")
     where.add_argument("--device", default=None,
                        help="backend or device, e.g. cpu, cuda, cuda:1 (default: the best here)")
-    where.add_argument("--preset", default="deepseek-v3.2",
-                       help="model preset for row size and top-k (default: %(default)s)")
+    out.add_config_options(where, "row size, top-k, hot buffer and index groups")
     where.add_argument("--kv-dtype", choices=("fp8", "bf16"), default=None,
-                       help="KV dtype (default: the preset's)")
+                       help="KV dtype (default: the config's)")
     where.add_argument("--top-k", type=out.positive_int, default=None,
-                       help="top-k entries per step (default: the preset's)")
+                       help="top-k entries per step (default: the config's)")
     where.add_argument("--hot-buffer", type=out.positive_int, default=None, metavar="SLOTS",
-                       help="LRU hot slots per request and group (default: the preset's)")
+                       help=out.HOT_BUFFER_HELP)
     where.add_argument("--index-group-size", type=out.positive_int, default=None,
-                       help="layers sharing one top-k (default: the preset's)")
+                       help="layers sharing one top-k (default: the config's)")
 
     size = parser.add_argument_group("workload (defaults depend on the device, see below)")
     size.add_argument("--requests", type=out.positive_int, default=None,
                       help="concurrent requests, all in every step")
     size.add_argument("--layers", type=out.positive_int, default=None,
-                      help="KV layers to simulate (default: the preset's, at most 2 on a CPU "
+                      help="KV layers to simulate (default: the config's, at most 2 on a CPU "
                       "and 8 elsewhere, or one index group if that is more)")
     size.add_argument("--steps", type=out.positive_int, default=None, help="decode steps")
     size.add_argument("--warmup", type=out.non_negative_int, default=None,
@@ -128,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
     defaults = CPU_DEFAULTS if backend.torch_device_type == "cpu" else DEVICE_DEFAULTS
     sizes = {key: getattr(args, key) if getattr(args, key) is not None else value
              for key, value in defaults.items()}
-    config = out.load_preset(
-        parser, args.preset, CONFIG_FLAGS, kv_dtype=args.kv_dtype, num_layers=args.layers,
+    config = out.load_config(
+        parser, args, CONFIG_FLAGS, kv_dtype=args.kv_dtype, num_layers=args.layers,
         top_k=args.top_k, device_buffer_size=args.hot_buffer,
         index_group_size=args.index_group_size,
     )
@@ -156,13 +155,14 @@ def run(args: argparse.Namespace) -> int:
         ),
         seed=args.seed,
     )
-    passes = 1 if args.no_split else 2
-    progress = out.Progress(workload.steps * passes, "simulate: decode steps",
-                            enabled=not args.no_progress)
+    # One count per pass, each to --steps: the summary's steps are the first pass's; the
+    # skip-IO replay (the planning/copy split) decodes the same steps again without copying.
+    progress = PassProgress(workload.steps, enabled=not args.no_progress)
     try:
         with progress:
             result = simulate(config, workload, device=args.device or backend,
-                              measure_planning=not args.no_split, on_step=progress.update)
+                              measure_planning=not args.no_split, on_step=progress.update,
+                              on_pass=progress.start)
     except HisparseError as exc:
         return out.fail("simulate", str(exc).replace("\n", " "))
 
@@ -177,6 +177,35 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"wrote {plot(pyplot, result, args.plot)}", file=sys.stderr)
     return 0
+
+
+class PassProgress:
+    """A progress count of `steps` per pass of `simulate` ("simulate: decode steps 24/24",
+    then "simulate: skip-IO replay 24/24"), never one count over both passes."""
+
+    def __init__(self, steps: int, enabled: bool) -> None:
+        self.steps = steps
+        self.enabled = enabled
+        self._current: out.Progress | None = None
+
+    def start(self, name: str) -> None:
+        self.close()
+        self._current = out.Progress(self.steps, f"simulate: {name}", enabled=self.enabled)
+
+    def update(self) -> None:
+        if self._current is not None:
+            self._current.update()
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+
+    def __enter__(self) -> PassProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def render(result: Any) -> str:

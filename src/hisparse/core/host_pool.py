@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hisparse.backends._host_memory import available_host_bytes, format_bytes
 from hisparse.backends.base import Backend
-from hisparse.errors import InvalidInputError, PoolExhaustedError
+from hisparse.errors import HostAllocationError, InvalidInputError, PoolExhaustedError
 
 
 class ExtentAllocator:
@@ -201,9 +202,29 @@ class HostPool:
         self.allocator = ExtentAllocator(num_extents)
         self._raw: list[torch.Tensor] = []
         self.layers: list[torch.Tensor] = []
+        layer_bytes = self.num_rows * row_bytes
+        # One buffer per layer, but the config sizes them together: a failure names the total.
+        needs = (f"the host pool needs {format_bytes(num_layers * layer_bytes)} in all "
+                 f"({num_layers} layers x {self.num_rows} rows x {row_bytes} B; the rows are "
+                 f"host_pool_tokens rounded up to whole {extent_tokens}-token extents)")
+        advice = "lower host_pool_tokens (rows per layer) or free host memory"
+        available = available_host_bytes()
+        if available is not None and num_layers * layer_bytes > available:
+            # Each layer's buffer may fit on its own and the pool still not: plain memory is
+            # overcommitted, and the process would be killed when the rows are written.
+            raise HostAllocationError(
+                f"{needs}, but only {format_bytes(available)} of host memory is available; "
+                f"{advice}.")
         try:
             for _ in range(num_layers):
-                self._raw.append(backend.alloc_host(self.num_rows * row_bytes))
+                self._raw.append(backend.alloc_host(layer_bytes))
+        except HostAllocationError as exc:
+            allocated = len(self._raw)
+            self.close()  # a half-built pool must not keep what it got
+            raise HostAllocationError(
+                f"{needs}; layer {allocated}'s buffer of {format_bytes(layer_bytes)} failed "
+                f"after {allocated} of {num_layers} layers were allocated ({exc}); "
+                f"{advice}.") from exc
         except BaseException:
             self.close()  # a half-built pool must not keep what it got
             raise

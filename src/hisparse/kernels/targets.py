@@ -420,8 +420,10 @@ def resources(compiled: Any, variant: Variant, target: Target) -> dict[str, Any]
     """What the build uses, in the units Triton's driver reports on the device: n_regs,
     n_spills (local / scratch bytes per thread / 4), shared (bytes), and the threads."""
     metadata = compiled.metadata
-    threads = metadata.num_warps * metadata.warp_size
-    found: dict[str, Any] = {"num_warps": metadata.num_warps, "warp_size": metadata.warp_size,
+    lanes = getattr(metadata, "warp_size", None) or getattr(metadata, "threads_per_warp", None)
+    lanes = lanes or target.warp_size  # older metadata: the target's
+    threads = metadata.num_warps * lanes
+    found: dict[str, Any] = {"num_warps": metadata.num_warps, "warp_size": lanes,
                              "threads": threads, "shared": int(metadata.shared)}
     if target.backend == "cuda":
         found.update(_cubin_usage(compiled.asm["cubin"]))
@@ -435,8 +437,8 @@ def resources(compiled: Any, variant: Variant, target: Target) -> dict[str, Any]
         found["pdl_instructions"] = compiled.asm["amdgcn"].count("griddepcontrol")
         found["elf_machine"] = _elf_machine(compiled.asm["hsaco"])
     ttgir = compiled.asm.get("ttgir", "")
-    lanes = re.search(r'"ttg\.threads-per-warp" = (\d+)', ttgir)
-    found["ttgir_threads_per_warp"] = int(lanes.group(1)) if lanes else None
+    layout = re.search(r'"ttg\.threads-per-warp" = (\d+)', ttgir)
+    found["ttgir_threads_per_warp"] = int(layout.group(1)) if layout else None
     return found
 
 
@@ -563,15 +565,17 @@ def compile_report(target_names: Sequence[str] | None = None, quick: bool = Fals
             entry["reason"] = target.missing_backend or (
                 f"this triton ({triton.__version__}) has no {target.triton_backend} backend")
             continue
-        try:
-            variants = compile_variants(target, quick=quick)
-        except Exception as exc:  # the launch code refused a scenario: say so, per target
-            entry["reason"] = f"enumerating the launches failed: {type(exc).__name__}: {exc}"
-            continue
-        if scenarios:
-            variants = [v for v in variants if set(v.scenarios) & set(scenarios)]
-        for variant in variants:
-            entry["variants"].append(_compile_entry(variant, target, keep_asm))
+        with _intel_arch(target):
+            try:
+                variants = compile_variants(target, quick=quick)
+            except Exception as exc:  # the launch code refused a scenario: say so, per target
+                entry["reason"] = (f"enumerating the launches failed: {type(exc).__name__}: "
+                                   f"{exc}")
+                continue
+            if scenarios:
+                variants = [v for v in variants if set(v.scenarios) & set(scenarios)]
+            for variant in variants:
+                entry["variants"].append(_compile_entry(variant, target, keep_asm))
         failed = [v for v in entry["variants"] if v["error"]]
         entry["compiled"] = bool(entry["variants"]) and not failed
         if failed:

@@ -158,7 +158,9 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
     THE ONE PLACE that knows the kernel modules: which launch functions exist, which module
     globals hold their kernels, and the launch rule for programmatic dependent launch. It
     runs the launch functions on CPU tables with each kernel replaced by a recorder, so the
-    argument lists, constexprs and num_warps come from the launch code itself.
+    argument lists, constexprs and num_warps come from the launch code itself. When the
+    kernels move (kernels/swap_in/), point `kernels` at the modules whose globals the launch
+    functions call, `run` at the launch functions, and `_launch_code_pdl` at the PDL rule.
 
     Coverage (the full product of the switches is hundreds of builds per target): every
     value each launch-time switch can take, with the switches that share code paths

@@ -485,10 +485,13 @@ _AMD_FIELDS = {  # the code object's metadata (the amdgcn text's .amdgpu_metadat
 
 def _amdgcn_usage(amdgcn: str, name: str) -> dict[str, int]:
     block = amdgcn[amdgcn.find(".amdgpu_metadata"):amdgcn.find(".end_amdgpu_metadata")]
-    kernel = block[block.find(f".name:           {name}") - 4000:]
+    # One code object per Triton kernel: one entry under amdhsa.kernels, and it is ours.
+    names = re.findall(r"^\s+\.symbol:\s+(\S+)\.kd$", block, re.MULTILINE)
+    if names != [name]:
+        raise RuntimeError(f"expected the metadata of {name} alone, found kernels {names}")
     found: dict[str, int] = {}
     for key, label in _AMD_FIELDS.items():
-        match = re.search(rf"^\s*{re.escape(key)}:\s+(\d+)", kernel, re.MULTILINE)
+        match = re.search(rf"^\s*{re.escape(key)}:\s+(\d+)", block, re.MULTILINE)
         found[label] = int(match.group(1)) if match else 0
     occupancy = re.search(r"; Occupancy: (\d+)", amdgcn)
     found["occupancy"] = int(occupancy.group(1)) if occupancy else 0

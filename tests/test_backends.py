@@ -351,6 +351,9 @@ DEVICE_NAME_CHECKS = re.compile(
     r"is_cuda|is_xpu|torch\.cuda\.|torch\.xpu\.|torch\.version\.(hip|cuda|xpu)"
     r"|[\"'](cuda|rocm|hip|xpu)[\"']|\.name\s*==\s*[\"']"
 )
+# The table of GPU targets the kernels are compiled for (CI, the probe): naming vendors is
+# its whole job, and no launch code reads it.
+NAMES_DEVICES_BY_DESIGN = {"kernels/targets.py"}
 
 
 @pytest.mark.parametrize(
@@ -364,6 +367,7 @@ def test_core_and_kernels_ask_for_capabilities_not_device_names(package: str) ->
     offenders = [
         f"{path.relative_to(SRC)}:{number}: {line.strip()}"
         for path in sorted((SRC / package).rglob("*.py"))
+        if str(path.relative_to(SRC)) not in NAMES_DEVICES_BY_DESIGN
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if DEVICE_NAME_CHECKS.search(line.split("#", 1)[0])
     ]

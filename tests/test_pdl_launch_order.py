@@ -2,7 +2,8 @@
 
 With PDL a kernel may start before the one ahead of it in the stream has finished, so what it
 does before its `griddepcontrol.wait` races with that kernel. The kernels are compiled for
-sm_90 (no GPU needed: triton's own ptxas), and their PTX must keep three rules:
+sm_90 as the launch code launches them there (no GPU needed: triton's own ptxas, through
+kernels/targets.py), and their PTX must keep three rules:
 - the selection lets its dependents launch only after its own wait. Triggered at its start,
   the copy ran while the classify grid still did, which on an H200 shared by 8 processes gave
   illegal addresses and wrong rows once per ~27k calls (benchmarks/NOTES.md, sixteenth pass);
@@ -15,64 +16,22 @@ sm_90 (no GPU needed: triton's own ptxas), and their PTX must keep three rules:
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from hisparse.kernels.targets import run_in_subprocess
 
 # Not imported here: triton must first be imported after interpreted_kernels sets
 # TRITON_INTERPRET=1, or the interpreted kernel tests in this process break.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install 'hisparse[triton]')")
 
-ROOT = Path(__file__).resolve().parent.parent
-
-# Compiled in a process of its own: the kernel tests set TRITON_INTERPRET=1 in this one, and
-# the interpreter compiles nothing.
-COMPILE = r"""
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from hisparse.kernels.swap_in import copy, lookup, pdl, select
-
-from triton.backends import backends
-
-if "nvidia" not in backends:  # a ROCm or XPU build of triton
-    print(json.dumps({"skip": f"this triton ({triton.__version__}) has no NVIDIA backend"}))
-    sys.exit(0)
-if not pdl.HAVE_GDC:
-    print(json.dumps({"skip": f"triton {triton.__version__} has no grid dependency control"}))
-    sys.exit(0)
-POINTER_TYPES = {"resident_ptr": "*i16", "counters_ptr": "*i64"}
-SHARED = {"EARLY_LOADS": True, "POSITION_KEYED": False, "USE_PDL": True,
-          "ADDRESS_ORDER": False, "NUM_BUCKETS": 16}
-KERNELS = {
-    "classify": (lookup.classify_kernel, 4, {**SHARED, "COUNTER_SEM": "relaxed", "CHUNK_K": 16}),
-    "select": (select.select_kernel, 4, {**SHARED, "FAST_ROUNDS": 2, "BLOCK_K": 16,
-                                     "BLOCK_H": 32}),
-    "copy": (copy.copy_kernel, 2, {"ROW_WORDS": 4, "BLOCK_WORDS": 4, "BLOCK_BATCH": 4,
-                                 "ROWS": 2, "USE_PDL": True}),
-    "prefetched_copy": (copy.copy_prefetched_kernel, 2, {"ROW_WORDS": 4, "BLOCK_WORDS": 4,
-                                                       "ROWS": 2, "USE_PDL": True,
-                                                       "MISS_ROW_CACHE": ".cg"}),
-}
-ptx = {}
-for name, (fn, warps, constants) in KERNELS.items():
-    names = [p.name for p in fn.params]
-    signature = {n: "constexpr" if n in constants else
-                 POINTER_TYPES.get(n, "*i32") if n.endswith("_ptr") else "i32" for n in names}
-    source = ASTSource(fn=fn, signature=signature,
-                       constexprs={(names.index(n),): v for n, v in constants.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "launch_pdl": True})
-    ptx[name] = compiled.asm["ptx"]
-print(json.dumps({"ptx": ptx}))
-"""
+# The launches of a B=1 step (classify, select, prefetching copy) and a B=16 one (the planned
+# copy), as the launch code makes them on an sm_90 device (kernels/targets.py), compiled in a
+# process of their own: the kernel tests set TRITON_INTERPRET=1 in this one.
+SCENARIOS = ("B=1 fp8 extents", "B=16 fp8 extents")
+NAMES = {"copy_prefetched": "prefetched_copy"}
 
 # The instructions that order a kernel against its neighbours, in program order.
 EVENT = re.compile(r"griddepcontrol\.(wait|launch_dependents)|\b(ld|st|atom|red)\.global")
@@ -84,15 +43,21 @@ def events(ptx: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def kernel_events() -> dict[str, list[str]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True,
-                            env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    answer = json.loads(result.stdout.strip().splitlines()[-1])
-    if "skip" in answer:
-        pytest.skip(answer["skip"])
-    return {name: events(ptx) for name, ptx in answer["ptx"].items()}
+    extra = ["--asm", "ptx", *(f"--scenario={label}" for label in SCENARIOS)]
+    entry = run_in_subprocess(["cuda:sm_90"], extra=extra, timeout=600)["targets"][0]
+    if not entry["variants"]:
+        pytest.skip(entry["reason"])  # this triton has no NVIDIA backend
+    failed = [f"{v['kernel']} ({v['variant']}): {v['error']}" for v in entry["variants"]
+              if v["error"]]
+    assert not failed, failed
+    ptx: dict[str, str] = {}
+    for variant in entry["variants"]:
+        if variant["pdl"]:
+            ptx.setdefault(NAMES.get(variant["kernel"], variant["kernel"]), variant["asm"]["ptx"])
+    if not ptx:  # the launch code uses PDL only where triton has grid dependency control
+        pytest.skip("this triton has no grid dependency control: no launch uses PDL")
+    assert set(ptx) == {"classify", "select", "copy", "prefetched_copy"}, sorted(ptx)
+    return {name: events(text) for name, text in ptx.items()}
 
 
 def before_wait(sequence: list[str]) -> list[str]:

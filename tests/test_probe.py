@@ -5,17 +5,20 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import hisparse
+from hisparse import probe as probe_module
 from hisparse.backends import registry
 from hisparse.backends.base import Backend
 from hisparse.cli.main import main
-from hisparse.probe import SCHEMA_VERSION, format_report, probe
+from hisparse.kernels.targets import NEEDS_INTEL_BACKEND, TARGETS
+from hisparse.probe import COMPILED, NOT_COMPILED, RAN, SCHEMA_VERSION, format_report, probe
 
 TOP_LEVEL_KEYS = {
     "schema_version", "hisparse_version", "requested", "backend", "usable", "reason",
     "available_backends", "devices", "versions", "features", "verified_on_hardware", "notes",
-    "checks", "ok",
+    "checks", "kernel_targets", "ok",
 }
 CHECKS = ["host_buffer", "register_host", "swap_in_roundtrip"]
 
@@ -123,3 +126,103 @@ def test_help_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
         main(["probe", "--help"])
     out = capsys.readouterr().out
     assert "hisparse probe --json" in out and "exit status" in out
+
+
+# --- kernel targets ---------------------------------------------------------------------------
+def test_kernel_targets_say_what_was_proven_here(backend: Backend) -> None:
+    report = probe(backend.name)
+    entries = {e["target"]: e for e in report["kernel_targets"]}
+    assert list(entries)[:len(TARGETS)] == [t.name for t in TARGETS]
+    triton = report["versions"]["triton"]
+    for target in TARGETS:
+        entry = entries[target.name]
+        assert entry["backend"] == target.hisparse_backend and entry["triton"] == triton
+        assert entry["status"] in (RAN, COMPILED, NOT_COMPILED), entry
+        if entry["status"] == RAN:  # only a target whose device ran the kernels here
+            assert backend.name == target.hisparse_backend, entry
+        if entry["status"] == COMPILED:
+            assert entry["builds"] > 0 and "builds" in entry["reason"], entry
+        if entry["status"] == NOT_COMPILED:
+            assert entry["reason"], entry
+    if backend.name == "cpu":
+        assert RAN not in {e["status"] for e in entries.values()}
+    if triton is None:
+        assert {e["status"] for e in entries.values()} == {NOT_COMPILED}
+        return
+    from triton.backends import backends as triton_backends
+
+    for target in TARGETS:
+        if target.triton_backend not in triton_backends:
+            assert entries[target.name]["status"] == NOT_COMPILED
+            if target.backend == "xpu":
+                assert entries[target.name]["reason"] == NEEDS_INTEL_BACKEND
+        elif entries[target.name]["status"] != RAN:
+            assert entries[target.name]["status"] == COMPILED, entries[target.name]
+
+
+def test_the_table_has_a_kernel_target_line_per_backend(capsys) -> None:
+    assert main(["probe", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    lines = out[out.index("kernel targets"):].splitlines()[1:]
+    assert [line.split(":")[0].strip() for line in lines] == ["cuda", "rocm", "xpu"]
+    for target in TARGETS:
+        assert sum(target.name in line for line in lines) == 1, target.name
+
+
+def test_a_target_that_ran_here_says_so_and_no_other_does() -> None:
+    ran = {"target": "cuda:sm_90", "backend": "cuda", "triton": "3.6.0",
+           "device": "cuda:0 (NVIDIA H200)"}
+    entries = {e["target"]: e for e in probe_module._kernel_targets("off", ran)}
+    assert entries["cuda:sm_90"]["status"] == RAN
+    assert "cuda:0 (NVIDIA H200)" in entries["cuda:sm_90"]["reason"]
+    assert [e["status"] for name, e in entries.items() if name != "cuda:sm_90"] == [
+        NOT_COMPILED] * (len(TARGETS) - 1)
+    # A device of a target the build list lacks is listed too, as the one that ran.
+    ran = {**ran, "target": "cuda:sm_80", "device": "cuda:0 (NVIDIA A100)"}
+    entries = probe_module._kernel_targets("off", ran)
+    assert entries[-1]["target"] == "cuda:sm_80" and entries[-1]["status"] == RAN
+    assert entries[-1]["hardware"] == "cuda:0 (NVIDIA A100)"
+
+
+def test_without_checks_nothing_is_compiled_and_the_reason_says_why() -> None:
+    report = probe("cpu", run_checks=False)
+    assert {e["status"] for e in report["kernel_targets"]} == {NOT_COMPILED}
+    assert all("not asked for" in e["reason"] or "not installed" in e["reason"]
+               for e in report["kernel_targets"])
+    with pytest.raises(ValueError, match="kernel_targets must be one of"):
+        probe("cpu", kernel_targets="some")
+
+
+def test_ran_on_hardware_needs_the_triton_kernels_to_pass_on_that_device(monkeypatch) -> None:
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from hisparse.kernels.swap_in import reference as swap_in_reference
+
+    class Gpu:
+        name = "cuda"
+        kernel = staticmethod(lambda: None)
+
+        def device(self) -> torch.device:
+            return torch.device("cuda", 0)
+
+        def device_names(self) -> list[str]:
+            return ["NVIDIA H200"]
+
+        def swap_in_kernel(self):
+            return self.kernel
+
+    Gpu.kernel.__module__ = "hisparse.kernels.swap_in.launch"
+    class FakeDriver:  # what _ran_here asks of triton's active driver
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", FakeDriver())
+    passed = [{"name": "swap_in_roundtrip", "status": "passed"}]
+    ran = probe_module._ran_here(Gpu(), passed)
+    assert ran == {"target": "cuda:sm_90", "backend": "cuda", "triton": triton.__version__,
+                   "device": "cuda:0 (NVIDIA H200)"}
+    assert probe_module._ran_here(Gpu(), [{**passed[0], "status": "failed"}]) is None
+    reference = Gpu()
+    reference.kernel = swap_in_reference.swap_in_reference  # the torch fallback ran instead
+    assert probe_module._ran_here(reference, passed) is None

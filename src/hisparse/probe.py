@@ -4,6 +4,14 @@
 The checks run real work: a host buffer allocated (and registered) through the backend and
 read back from the device, and a swap-in round trip through `HiSparseCache` on the `tiny`
 preset whose returned rows are compared byte for byte with what was written.
+
+`kernel_targets` says, per GPU target the Triton kernels are built for (`kernels/targets.py`),
+what is proven here: "ran on hardware here" (the swap-in check ran the Triton kernels on a
+device of that target), "compiled here, not run" (built for it in a child process, no such
+device here) or "not compiled", with the reason. By default the compile is quick: the launches
+of the tiny preset the swap-in check uses (a few seconds, once per process; Triton caches the
+builds on disk). `kernel_targets="all"` builds every variant the test suite checks (about a
+minute), "off" none.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from hisparse.backends.registry import (
     get_backend,
 )
 from hisparse.errors import BackendUnavailableError
+from hisparse.kernels.swap_in import reference as swap_in_reference
 
 if TYPE_CHECKING:
     from hisparse.config import HiSparseConfig
@@ -40,10 +49,13 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 1
 HOST_CHECK_BYTES = 1 << 20
 IPEX_MODULE = "intel_extension_for_pytorch"
+KERNEL_TARGET_SCOPES = ("quick", "all", "off")
+RAN, COMPILED, NOT_COMPILED = "ran on hardware here", "compiled here, not run", "not compiled"
+COMPILE_TIMEOUT_S = {"quick": 300, "all": 1800}
 
 
 def probe(device: str | torch.device | Backend | None = None, run_checks: bool = True,
-          config: HiSparseConfig | None = None) -> dict:
+          config: HiSparseConfig | None = None, kernel_targets: str | None = None) -> dict:
     """Detect the backend (or take `device`), describe it, and prove it works.
 
     Args:
@@ -52,12 +64,16 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
         run_checks: False skips the checks (fast; `checks` is then empty).
         config: the `HiSparseConfig` the swap-in round trip builds its cache with (its full
             host pool and device buffers); None: the `tiny` preset.
+        kernel_targets: "quick", "all" or "off": which Triton builds to compile for the GPU
+            targets (module docstring); default "quick" with the checks, "off" without.
 
     Returns:
         A dict with `schema_version`, `backend`, `usable`, `reason`, `devices`, `versions`,
-        `features` (name -> {status, reason, instead}), `verified_on_hardware`, `notes` and
-        `checks` (list of {name, status: passed|failed|skipped, detail, seconds}); `ok` is
-        True when the backend is usable and no check failed.
+        `features` (name -> {status, reason, instead}), `verified_on_hardware`, `notes`,
+        `checks` (list of {name, status: passed|failed|skipped, detail, seconds}) and
+        `kernel_targets` (list of {target, backend, hardware, triton, status, reason,
+        builds}); `ok` is True when the backend is usable and no check failed (a target the
+        kernels do not compile for is reported, not a failure of this machine).
 
     Example:
         >>> report = hisparse.probe()
@@ -78,12 +94,19 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
         "verified_on_hardware": None,
         "notes": [],
         "checks": [],
+        "kernel_targets": [],
         "ok": False,
     }
+    builds = kernel_targets or ("quick" if run_checks else "off")
+    if builds not in KERNEL_TARGET_SCOPES:
+        raise ValueError(f"kernel_targets must be one of {', '.join(KERNEL_TARGET_SCOPES)}, "
+                         f"not {kernel_targets!r}")
+    _start_compile(builds)
     try:
         backend = get_backend() if device is None else find_backend(device)
     except BackendUnavailableError as exc:
         report["reason"] = str(exc)
+        report["kernel_targets"] = _kernel_targets(builds, None)
         return report
     report["backend"] = backend.name
     report["features"] = backend.features.to_dict()
@@ -102,6 +125,7 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
             report["reason"] = str(exc)
     report["usable"] = report["reason"] is None
     if not report["usable"]:
+        report["kernel_targets"] = _kernel_targets(builds, None)
         return report
     report["versions"] = _versions(backend)
     report["devices"] = [{"index": i, "name": n} for i, n in enumerate(backend.device_names())]
@@ -116,6 +140,7 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
                 ("swap_in_roundtrip", lambda b: _check_swap_in(b, config)),
             ):
                 report["checks"].append(_run_check(name, check, backend))
+    report["kernel_targets"] = _kernel_targets(builds, _ran_here(backend, report["checks"]))
     failed = [c["name"] for c in report["checks"] if c["status"] == "failed"]
     report["ok"] = not failed
     if failed:
@@ -158,7 +183,123 @@ def format_report(report: dict) -> str:
                 f"  {check['name']:<{width}}  {check['status']:<7}  {check['detail']} "
                 f"({check['seconds']:.3f} s)"
             )
+    if report.get("kernel_targets"):
+        lines.append("")
+        lines.append("  kernel targets (Triton builds of the kernels, per backend):")
+        by_backend: dict[str, list[str]] = {}
+        for entry in report["kernel_targets"]:
+            status = entry["status"]
+            if status == NOT_COMPILED:
+                status += f": {entry['reason']}"
+            elif status == COMPILED:
+                status += f" ({entry['builds']} builds)"
+            by_backend.setdefault(entry["backend"], []).append(f"{entry['target']} {status}")
+        for name, parts in by_backend.items():
+            lines.append(f"  {name}: {'; '.join(parts)}")
     return "\n".join(line.rstrip() for line in lines)
+
+
+# --- kernel targets -------------------------------------------------------------------------
+def _ran_here(backend: Backend, checks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The target whose device just ran the Triton kernels in the swap-in check, if any."""
+    passed = any(c["name"] == "swap_in_roundtrip" and c["status"] == "passed" for c in checks)
+    if not passed or backend.device().type == "cpu" or (
+            backend.swap_in_kernel().__module__ == swap_in_reference.__name__):
+        return None
+    try:
+        import triton
+
+        from hisparse.kernels.targets import target_name
+
+        current = triton.runtime.driver.active.get_current_target()
+        device = backend.device()
+        name = backend.device_names()[device.index or 0]
+    except Exception:  # a device the kernels ran on but triton cannot name: claim nothing
+        return None
+    return {"target": target_name(current.backend, current.arch), "backend": backend.name,
+            "triton": triton.__version__, "device": f"{device} ({name})"}
+
+
+_compile_jobs: dict[str, Any] = {}  # scope -> the running CompileJob, then its report
+
+
+def _start_compile(scope: str) -> None:
+    """Start the child process that compiles (once per process and scope), so that it runs
+    while the checks do."""
+    if scope == "off" or scope in _compile_jobs or _package_version("triton") is None:
+        return
+    from hisparse.kernels import targets
+
+    try:
+        _compile_jobs[scope] = targets.CompileJob(quick=scope == "quick")
+    except OSError as exc:
+        _compile_jobs[scope] = {"error": f"could not start the compile: {exc}", "targets": []}
+
+
+def _compiled(scope: str) -> dict[str, Any]:
+    _start_compile(scope)
+    job = _compile_jobs[scope]
+    if isinstance(job, dict):
+        return job
+    try:
+        report = job.result(timeout=COMPILE_TIMEOUT_S[scope])
+    except subprocess.TimeoutExpired:
+        report = {"error": f"the compile did not finish in {COMPILE_TIMEOUT_S[scope]} s",
+                  "targets": []}
+    except Exception as exc:
+        report = {"error": f"{type(exc).__name__}: {exc}", "targets": []}
+    _compile_jobs[scope] = report
+    return report
+
+
+def _kernel_targets(scope: str, ran: dict[str, Any] | None) -> list[dict[str, Any]]:
+    from hisparse.kernels.targets import TARGETS
+
+    triton_version = _package_version("triton")
+    report: dict[str, Any] = {"targets": []}
+    if triton_version is None:
+        report["error"] = "triton is not installed (pip install 'hisparse[triton]')"
+    elif scope == "off":
+        report["error"] = "not asked for (kernel_targets off, or --no-checks)"
+    else:
+        report = _compiled(scope)
+    compiled = {entry["target"]: entry for entry in report["targets"]}
+    names = [t.name for t in TARGETS]
+    if ran is not None and ran["target"] not in names:
+        names.append(ran["target"])
+    entries = []
+    for name in names:
+        spec = next((t for t in TARGETS if t.name == name), None)
+        entry: dict[str, Any] = {
+            "target": name, "backend": spec.hisparse_backend if spec else ran["backend"],
+            "hardware": spec.hardware if spec else ran["device"],
+            "triton": report.get("triton", triton_version), "status": NOT_COMPILED,
+            "reason": report.get("error"), "builds": 0,
+        }
+        built = compiled.get(name)
+        if built is not None:
+            entry["builds"] = len(built["variants"])
+            if built["compiled"]:
+                entry["status"], entry["reason"] = COMPILED, _build_summary(built, scope)
+            else:
+                entry["reason"] = built["reason"]
+        if ran is not None and ran["target"] == name:
+            entry.update(status=RAN, triton=ran["triton"], reason=(
+                f"the swap_in_roundtrip check ran the Triton swap-in kernels on {ran['device']}"
+                " and read its rows back byte-equal"))
+        entries.append(entry)
+    return entries
+
+
+def _build_summary(built: dict[str, Any], scope: str) -> str:
+    kernels = sorted({v["kernel"] for v in built["variants"]})
+    what = "the tiny preset's launches" if scope == "quick" else "every checked variant"
+    summary = f"{len(built['variants'])} builds ({what}: {', '.join(kernels)})"
+    flagged = [v for v in built["variants"] if v["problems"]]
+    if flagged:
+        summary += "; over the target's limits: " + "; ".join(
+            f"{v['kernel']} ({v['variant']}): {v['problems'][0]}" for v in flagged)
+    return summary
 
 
 # --- versions -------------------------------------------------------------------------------
@@ -324,8 +465,10 @@ class _CallableModule(types.ModuleType):
     (importing a submodule always rebinds the package attribute of the same name)."""
 
     def __call__(self, device: str | torch.device | Backend | None = None,
-                 run_checks: bool = True, config: HiSparseConfig | None = None) -> dict:
-        return probe(device, run_checks=run_checks, config=config)
+                 run_checks: bool = True, config: HiSparseConfig | None = None,
+                 kernel_targets: str | None = None) -> dict:
+        return probe(device, run_checks=run_checks, config=config,
+                     kernel_targets=kernel_targets)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -78,6 +78,13 @@ class AcceleratorBackend(Backend):
                 return int(value)
         return 1
 
+    def warp_size(self, index: int | None = None) -> int:
+        module = self.module
+        properties = module.get_device_properties(
+            module.current_device() if index is None else index)
+        # torch reports it on CUDA and ROCm builds (64 on CDNA's wavefronts); 32 elsewhere.
+        return int(getattr(properties, "warp_size", 32) or 32)
+
     def current_device(self) -> torch.device | None:
         return torch.device(self.torch_device_type, self.module.current_device())
 

@@ -66,7 +66,12 @@ class Backend(abc.ABC):
                             pdl=self.supports(Feature.PROGRAMMATIC_DEPENDENT_LAUNCH)
                             and self.device_has_pdl(device),
                             interpreted=device.type == "cpu",
-                            direct_launch=self.direct_kernel_launch)
+                            direct_launch=self.direct_kernel_launch,
+                            warp_size=self.warp_size(device.index))
+
+    def warp_size(self, index: int | None = None) -> int:
+        """Lanes per warp (wavefront on AMD, sub-group on Intel) of the device's kernels."""
+        return 32
 
     def device_has_pdl(self, device: torch.device) -> bool:
         """Beyond the feature table: whether this device and triton have PDL."""

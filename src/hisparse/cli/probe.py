@@ -12,6 +12,12 @@ examples:
   hisparse probe --json          the same as a stable JSON document (schema_version 1)
   hisparse probe --device cuda   probe one backend; exit 1 with the reason if it is not usable
   hisparse probe --config my.yaml  the swap-in round trip on your config instead of tiny
+  hisparse probe --kernel-targets all
+                                 compile every kernel variant for every GPU target (~1 min)
+
+kernel targets: per GPU target (cuda:sm_90, hip:gfx942, ...) whether the Triton kernels ran
+on it here, were compiled for it here but not run, or were not compiled (and why). The
+default compiles the tiny preset's launches (a few seconds; Triton caches builds on disk).
 
 exit status: 0 when the backend is usable and every check passed (skipped checks are fine),
 1 otherwise, with a one-line reason on stderr.
@@ -40,7 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--no-checks", dest="run_checks", action="store_false",
-        help="only report; skip the allocation and swap-in checks",
+        help="only report; skip the allocation and swap-in checks (and the kernel builds)",
+    )
+    parser.add_argument(
+        "--kernel-targets", choices=("quick", "all", "off"), default=None,
+        help="Triton builds for the GPU targets: the tiny preset's (quick, the default with "
+        "the checks), every variant (all), or none (off)",
     )
     parser.set_defaults(handler=run, parser=parser)
 
@@ -53,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         from hisparse.cli import _output as out
 
         config = out.load_config(args.parser, args)
-    report = probe(args.device, run_checks=args.run_checks, config=config)
+    report = probe(args.device, run_checks=args.run_checks, config=config,
+                   kernel_targets=args.kernel_targets)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

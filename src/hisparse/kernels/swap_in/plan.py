@@ -142,6 +142,8 @@ class DeviceTraits:
     # Launches may skip triton's dispatch after their first (kernels.launching): backends whose
     # launcher takes raw addresses as triton 3.3+ calls it (CUDA, ROCm).
     direct_launch: bool = False
+    # Lanes per warp / wavefront: 32 on NVIDIA, 64 on AMD. A program has at most 1024 lanes.
+    warp_size: int = 32
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,8 @@ def plan_launch(rows: int, top_k: int, hot_slots: int, extent_tokens: int,
         counter_sem="relaxed" if tune.relaxed_counters else "acq_rel",
         pdl=pdl, classify_chunk=chunk, classify_grid=(rows, _cdiv(top_k, chunk)),
         classify_warps=tune.classify_warps,
-        select_warps=min(32, max(tune.select_warps, max(block_h, block_k) // (32 * 16))),
+        select_warps=min(1024 // device.warp_size,
+                         max(tune.select_warps, max(block_h, block_k) // (32 * 16))),
         select_fast_rounds=tune.select_fast_rounds, block_k=block_k, block_h=block_h,
         address_order=address_order, address_buckets=tune.address_buckets,
         copy=copy_plan(rows, top_k, extent_tokens, device, variant,

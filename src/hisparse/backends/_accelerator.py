@@ -102,6 +102,10 @@ class AcceleratorBackend(Backend):
     def synchronize(self, device: torch.device | None = None) -> None:
         self.module.synchronize(device)
 
+    def synchronize_event(self, event: Any | None) -> None:
+        if event is not None:
+            event.synchronize()
+
     # --- kernels -------------------------------------------------------------------------
     def swap_in_kernel(self) -> SwapInFn:
         return bind_triton_kernel("swap_in_triton")

@@ -112,6 +112,10 @@ class Backend(abc.ABC):
     def synchronize(self, device: torch.device | None = None) -> None:
         """Wait for all work on `device` (None: the current device)."""
 
+    def synchronize_event(self, event: Any | None) -> None:
+        """Block the host until the work recorded before `event` is done (no-op where events
+        are None: work on the CPU has run by the time the call returns)."""
+
     def new_graph(self) -> Any:
         self.require(Feature.GRAPH_CAPTURE)
         raise NotImplementedError  # pragma: no cover

@@ -56,12 +56,26 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return a.index is None or b.index is None or a.index == b.index
 
 
-def as_rows(name: str, kv: torch.Tensor, row_bytes: int, ndim: int) -> torch.Tensor:
+def is_count(value: object) -> bool:
+    """A plain int (bools are ints to Python, but `layer=True` is a bug, not layer 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_layer(layer: object, num_layers: int) -> None:
+    if not is_count(layer) or not 0 <= layer < num_layers:  # type: ignore[operator]
+        raise InvalidInputError(
+            f"layer must be an int in 0..{num_layers - 1}, got {layer!r}; pass the "
+            "index of one of this cache's layers"
+        )
+
+
+def as_rows(name: str, kv: torch.Tensor, row_bytes: int, ndim: int,
+            device: torch.device | None = None) -> torch.Tensor:
     """View a KV tensor of any dtype, last dimension one token's row, as uint8 `[..., W]`.
 
     Any layout whose rows are each contiguous works (the copies take strided sources).
     """
-    check_tensor(name, kv, ndim=ndim, contiguous=False)
+    check_tensor(name, kv, ndim=ndim, device=device, contiguous=False)
     width = kv.shape[-1] * kv.element_size()
     if width != row_bytes:
         raise InvalidInputError(

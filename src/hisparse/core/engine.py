@@ -11,19 +11,14 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import torch
 
 from hisparse.backends.base import Backend
-from hisparse.core.batch import BatchBuffers
 from hisparse.core.host_pool import HostPool, HostReservation, token_rows, token_runs
-from hisparse.core.kernels import DecodeKernels
-from hisparse.core.ordering import DecodeOrdering, SideStreamReplay
-from hisparse.core.replay import GroupReplay
 from hisparse.core.requests import (
     PromptCoverage,
     RequestRecord,
@@ -34,8 +29,7 @@ from hisparse.core.requests import (
 from hisparse.core.slot_tables import build_tables, clear_slot, seed_slot
 from hisparse.core.stats import CacheStats, Occupancy, TrafficCounters
 from hisparse.core.step import DecodeContext, DecodeStep
-from hisparse.core.tables import MissPlan
-from hisparse.core.validation import as_rows, check_layer, is_count, same_device
+from hisparse.core.validation import as_batch_ids, check_layer, check_prefill_rows, is_count
 from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
 
 LIVE = (RequestState.RESERVED, RequestState.PREFILLING, RequestState.RUNNING,
@@ -138,43 +132,15 @@ class HiSparseCache:
                 raise
 
     def _build_device_state(self) -> None:
-        """The tables, the decode path's buffers, kernels, streams and barriers."""
-        config, backend, device = self.config, self.backend, self.device
-        self.tables = tables = build_tables(config, backend, self._pool, device,
-                                            self.num_groups, self.hot_slots)
-        kernels = DecodeKernels(backend, config.skip_io, config.zero_copy_swap_in)
-        has_followers = config.index_group_size > 1
-        backup_stream = backend.backup_stream() if config.async_backup else None
-        prefetch = config.shared_index_prefetch and has_followers
-        prefetch_stream = backend.prefetch_stream() if prefetch else None
-        self._order = DecodeOrdering(backend, device, backup_stream)
-        replays: list[GroupReplay | None] = [
-            self._group_replay(group, kernels, prefetch_stream) if has_followers else None
-            for group in range(self.num_groups)
-        ]
-        L = self.num_layers
-        self._decode = DecodeContext(
-            tables=tables, pool=self._pool, traffic=self._traffic,
-            buffers=BatchBuffers(self.batch_capacity, self.top_k, self.num_groups,
-                                 self._padding_row, tables.resident.dtype, device),
-            kernels=kernels, order=self._order, replays=replays,
-            layer_group=[layer // config.index_group_size for layer in range(L)],
-            layer_kv=[tables.device_kv[layer] for layer in range(L)], lock=self._lock,
-            device=device, batch_capacity=self.batch_capacity, validate=config.validate,
-            prefetch_stream=prefetch_stream,
-        )
+        """The tables and the decode path's buffers, kernels, streams and barriers."""
+        self.tables = build_tables(self.config, self.backend, self._pool, self.device,
+                                   self.num_groups, self.hot_slots)
+        self._decode = DecodeContext.build(self.config, self.backend, self.device, self.tables,
+                                           self._pool, self._traffic, self._lock)
+        self._order = self._decode.order
         # What attention reads, made once: device_kv(layer) is called every layer of a step.
-        self._attention_kv = [tables.device_kv[layer, : self._padding_row] for layer in range(L)]
-
-    def _group_replay(self, group: int, kernels: DecodeKernels,
-                      prefetch_stream: Any | None) -> GroupReplay:
-        size = self.index_group_size
-        anchor = group * size
-        followers = range(anchor + 1, min(anchor + size, self.num_layers))
-        side = (SideStreamReplay(self.backend, self.device, prefetch_stream, followers)
-                if prefetch_stream is not None else None)
-        plan = MissPlan.empty(self.batch_capacity, self.top_k, self.device)
-        return GroupReplay(group, anchor, followers, plan, self.tables, kernels, side)
+        self._attention_kv = [self.tables.device_kv[layer, : self._padding_row]
+                              for layer in range(self.num_layers)]
 
 
     # --- admission and prefill ------------------------------------------------------------
@@ -214,16 +180,7 @@ class HiSparseCache:
         extents = self._pool.allocate(self._pool.extents_for(num_tokens))
         record = RequestRecord(request_id, RequestState.RESERVED, num_tokens, num_tokens, extents)
         self._requests.add(record)
-        E = self.extent_tokens
-        return HostReservation(
-            request_id=request_id,
-            num_tokens=num_tokens,
-            row_bytes=self.row_bytes,
-            extents=[(row, n) for _, row, n in token_runs(extents, E, 0, num_tokens)],
-            rows=token_rows(extents, E, 0, num_tokens),
-            layers=[self._pool.region(layer) for layer in range(self.num_layers)],
-            host_tensors=list(self._pool.layers),
-        )
+        return self._pool.reservation(request_id, extents, num_tokens)
 
     @_bookkeeping
     def write_prefill(
@@ -235,31 +192,10 @@ class HiSparseCache:
         record = self._requests.expect(
             request_id, "write prefill for", (RequestState.PREFILLING, RequestState.RESERVED)
         )
-        if layer is not None:
-            check_layer(layer, self.num_layers)
-        rows = as_rows("kv", kv, self.row_bytes, 2 if layer is not None else 3)
-        if rows.device.type != "cpu" and not same_device(rows.device, self.device):
-            raise InvalidInputError(
-                f"kv is on {rows.device}; prefill rows come from the host (cpu) or the cache's "
-                f"device {self.device}: move it to one of those first"
-            )
-        if layer is None and rows.shape[0] != self.num_layers:
-            raise InvalidInputError(
-                f"kv holds {rows.shape[0]} layers, the cache has {self.num_layers}; pass "
-                "[L, T, W] for all layers, or [T, W] with layer=..."
-            )
+        rows = check_prefill_rows(
+            kv, layer, start, num_layers=self.num_layers, row_bytes=self.row_bytes,
+            device=self.device, admitted_tokens=record.admitted_tokens, request_id=request_id)
         count = rows.shape[-2]
-        if not is_count(start) or start < 0:
-            raise InvalidInputError(
-                f"start must be a plain int >= 0 (the position of kv's first row), got "
-                f"{start!r}"
-            )
-        if start + count > record.admitted_tokens:
-            raise InvalidInputError(
-                f"prefill rows {start}..{start + count - 1} of request {request_id!r} fall "
-                f"outside the {record.admitted_tokens} tokens it was admitted with; admit the "
-                "full prompt length"
-            )
         self._order.host_rows.drain()
         layers = [layer] if layer is not None else range(self.num_layers)
         runs = token_runs(record.extents, self.extent_tokens, start, start + count)
@@ -337,23 +273,8 @@ class HiSparseCache:
             raise RequestStateError(
                 "a decode step is already open; call end_decode_step() before the next one"
             )
-        ids = _batch_ids(request_ids)
-        if not 1 <= len(ids) <= self.batch_capacity:
-            raise InvalidInputError(
-                f"a decode step takes 1..{self.batch_capacity} requests (max_batch), got "
-                f"{len(ids)}; split the batch or raise max_batch"
-            )
-        records = [self._requests.expect(i, "decode", (RequestState.RUNNING,)) for i in ids]
-        if len({id(r) for r in records}) != len(records):
-            raise InvalidInputError(
-                f"request ids repeat in the decode batch {ids!r}; list each request once"
-            )
-        full = [r.request_id for r in records if r.num_tokens + 1 > self.max_seq_len]
-        if full:
-            raise InvalidInputError(
-                f"requests {full!r} already hold max_seq_len={self.max_seq_len} tokens; "
-                "finish them or raise max_seq_len"
-            )
+        ids = as_batch_ids(request_ids)
+        records = _batch_records(self._requests, ids, self.batch_capacity, self.max_seq_len)
         self._last_step = DecodeStep.begin(self._decode, tuple(ids), records)
         return self._last_step
 
@@ -448,21 +369,7 @@ class HiSparseCache:
     def stats(self) -> CacheStats:
         """Traffic per layer and occupancy. Reads the device counters (one host sync)."""
         self._check_open()
-        used_rows = sum(r.num_tokens for r in self._requests)
-        extents = self._pool.allocator
-        by_state: dict[str, int] = {}
-        for record in self._requests:
-            by_state[str(record.state)] = by_state.get(str(record.state), 0) + 1
-        occupancy = Occupancy(
-            host_extents_used=extents.used_extents,
-            host_extents_total=extents.num_extents,
-            host_rows_used=used_rows,
-            host_rows_total=self._pool.num_rows,
-            internal_fragmentation_rows=extents.used_extents * self.extent_tokens - used_rows,
-            request_slots_used=self.max_requests - self._slots.free_slots,
-            request_slots_total=self.max_requests,
-            requests_by_state=by_state,
-        )
+        occupancy = _occupancy(self._requests, self._pool, self._slots)
         layers = self._traffic.layer_stats(self.tables.counters, self.row_bytes,
                                            misses_copied=not self.config.skip_io)
         return CacheStats(layers, occupancy, list(self.disabled_features))
@@ -589,19 +496,45 @@ class HiSparseCache:
 _DEVICE_STATE = ("tables", "_decode", "_order", "_attention_kv")
 
 
-def _batch_ids(request_ids: Sequence[Hashable]) -> list[Hashable]:
-    """The batch as a list; a set or a mapping has no order to give the batch rows."""
-    try:
-        unordered = isinstance(request_ids, str | bytes | AbstractSet | Mapping)
-        ids = None if unordered else list(request_ids)
-    except TypeError:
-        ids = None
-    if ids is None:
+def _batch_records(requests: RequestTable, ids: list[Hashable], capacity: int,
+                   max_seq_len: int) -> list[RequestRecord]:
+    """The records of a decode batch: 1..capacity running requests, each once, each with
+    room for one more token."""
+    if not 1 <= len(ids) <= capacity:
         raise InvalidInputError(
-            f"request_ids must be a list or tuple of request ids, got "
-            f"{type(request_ids).__name__} {request_ids!r}; wrap a single id in a list"
+            f"a decode step takes 1..{capacity} requests (max_batch), got {len(ids)}; split "
+            "the batch or raise max_batch"
         )
-    return ids
+    records = [requests.expect(i, "decode", (RequestState.RUNNING,)) for i in ids]
+    if len({id(r) for r in records}) != len(records):
+        raise InvalidInputError(
+            f"request ids repeat in the decode batch {ids!r}; list each request once"
+        )
+    full = [r.request_id for r in records if r.num_tokens + 1 > max_seq_len]
+    if full:
+        raise InvalidInputError(
+            f"requests {full!r} already hold max_seq_len={max_seq_len} tokens; finish them "
+            "or raise max_seq_len"
+        )
+    return records
+
+
+def _occupancy(requests: RequestTable, pool: HostPool, slots: SlotAllocator) -> Occupancy:
+    used_rows = sum(r.num_tokens for r in requests)
+    extents = pool.allocator
+    by_state: dict[str, int] = {}
+    for record in requests:
+        by_state[str(record.state)] = by_state.get(str(record.state), 0) + 1
+    return Occupancy(
+        host_extents_used=extents.used_extents,
+        host_extents_total=extents.num_extents,
+        host_rows_used=used_rows,
+        host_rows_total=pool.num_rows,
+        internal_fragmentation_rows=extents.used_extents * pool.extent_tokens - used_rows,
+        request_slots_used=slots.num_slots - slots.free_slots,
+        request_slots_total=slots.num_slots,
+        requests_by_state=by_state,
+    )
 
 
 def _device_of(backend: Backend, device: str | torch.device | Backend | None) -> torch.device:

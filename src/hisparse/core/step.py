@@ -13,18 +13,19 @@ import enum
 import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hisparse.backends.base import Backend
 from hisparse.core.batch import BatchBuffers
 from hisparse.core.host_pool import HostPool
 from hisparse.core.kernels import DecodeKernels
-from hisparse.core.ordering import DecodeOrdering
+from hisparse.core.ordering import DecodeOrdering, SideStreamReplay
 from hisparse.core.replay import GroupReplay
 from hisparse.core.requests import RequestRecord
 from hisparse.core.stats import TrafficCounters
-from hisparse.core.tables import CacheTables
+from hisparse.core.tables import CacheTables, MissPlan
 from hisparse.core.validation import (
     as_rows,
     check_batch_rows,
@@ -33,6 +34,9 @@ from hisparse.core.validation import (
     check_tensor,
 )
 from hisparse.errors import InvalidInputError, RequestStateError
+
+if TYPE_CHECKING:
+    from hisparse.config import HiSparseConfig
 
 
 @dataclass(eq=False)
@@ -53,6 +57,37 @@ class DecodeContext:
     batch_capacity: int
     validate: bool
     prefetch_stream: Any | None  # where followers replay (None: inline)
+
+    @classmethod
+    def build(cls, config: HiSparseConfig, backend: Backend, device: torch.device,
+              tables: CacheTables, pool: HostPool, traffic: TrafficCounters,
+              lock: threading.RLock) -> DecodeContext:
+        """The buffers, kernels, streams, barriers and group replays for `tables`."""
+        L, size = config.num_layers, config.index_group_size
+        capacity = config.max_batch or config.max_requests
+        num_groups = -(-L // size)
+        kernels = DecodeKernels(backend, config.skip_io, config.zero_copy_swap_in)
+        backup_stream = backend.backup_stream() if config.async_backup else None
+        prefetch = config.shared_index_prefetch and size > 1
+        prefetch_stream = backend.prefetch_stream() if prefetch else None
+        order = DecodeOrdering(backend, device, backup_stream)
+        replays: list[GroupReplay | None] = [None] * num_groups
+        for group in range(num_groups if size > 1 else 0):
+            followers = range(group * size + 1, min(group * size + size, L))
+            side = (SideStreamReplay(backend, device, prefetch_stream, followers)
+                    if prefetch_stream is not None else None)
+            replays[group] = GroupReplay(group, group * size, followers,
+                                         MissPlan.empty(capacity, config.top_k, device),
+                                         tables, kernels, side)
+        padding_row = int(tables.device_kv.shape[1]) - 1
+        buffers = BatchBuffers(capacity, config.top_k, num_groups, padding_row,
+                               tables.resident.dtype, device)
+        return cls(tables=tables, pool=pool, traffic=traffic, buffers=buffers,
+                   kernels=kernels, order=order, replays=replays,
+                   layer_group=[layer // size for layer in range(L)],
+                   layer_kv=[tables.device_kv[layer] for layer in range(L)], lock=lock,
+                   device=device, batch_capacity=capacity, validate=config.validate,
+                   prefetch_stream=prefetch_stream)
 
     def __post_init__(self) -> None:
         t = self.tables

@@ -78,8 +78,7 @@ def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
         for group, replay in enumerate(cache._decode.replays):
             if replay is not None:
                 plan = replay.plan
-                state[f"plans.{group}"] = [_cpu(plan.src), _cpu(plan.dst), _cpu(plan.count),
-                                           _cpu(replay.delta)]
+                state[f"plans.{group}"] = [_cpu(plan.src), _cpu(plan.dst), _cpu(plan.count)]
                 state[f"replays.{group}"] = (sorted(replay.owed), sorted(replay.unwaited))
         host_rows = cache._order.host_rows
         state["flags"] = (host_rows.copies_in_flight, host_rows.rows_recycled)

@@ -1,7 +1,8 @@
 """The device buffers a decode step's kernels read, and the one upload that refreshes them.
 
-Every `[Bcap]` batch buffer is a typed view of one device byte block, so the step's whole
-host-side plan (batch buffers and table updates) reaches the device in one host-to-device
+`BatchPlan` works out on the host, in one pass over the batch, where each new token goes;
+`BatchBuffers` sends it. Every `[Bcap]` batch buffer is a typed view of one device byte block,
+so the whole plan (batch buffers and table updates) reaches the device in one host-to-device
 copy, straight into the buffers. Graph capture holds the views' addresses; they never move.
 """
 
@@ -12,6 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from hisparse.core.requests import RequestRecord
+from hisparse.core.tables import CacheTables
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16}
 _ALIGN = 16  # bytes: every field starts where a kernel's vector loads may assume it does
@@ -93,8 +97,8 @@ class BatchBuffers:
         start = field.offset
         return self._block[start : start + length * field.dtype.itemsize].view(field.dtype)
 
-    def upload(self, columns: Mapping[str, Sequence[int]],
-               updates: Mapping[str, Sequence[int]] | None = None) -> None:
+    def upload(self, columns: Mapping[str, Sequence[int] | np.ndarray],
+               updates: Mapping[str, Sequence[int] | np.ndarray] | None = None) -> None:
         """Send `columns` (every-step field -> the values of its first rows) and `updates` (the
         same for the other fields) in one host-to-device copy; every other row of the
         every-step fields gets its padding. Without updates the copy stops before them."""
@@ -134,3 +138,73 @@ class BatchBuffers:
         field = self._fields[name]
         nbytes = field.length * field.dtype.itemsize
         return host[field.offset : field.offset + nbytes].view(_NUMPY[field.dtype])
+
+
+class BatchPlan:
+    """Where each new token of a step goes, before anything changes: its position, device row
+    (slot `H`, or its own slot while the request is short) and host row, and the table
+    updates: every request's length, the page-table entry of a request whose new token starts
+    an extent (`grow`), and a short-regime token's slot.
+
+    One pass over the records reads what only they hold (slot, length, the extent of the new
+    token); the rest is numpy over the batch. A token that starts an extent has no host row
+    until the extent is allocated: `place_new_extents` fills it in. `full` lists the requests
+    at `max_seq_len` already.
+    """
+
+    def __init__(self, records: Sequence[RequestRecord], tables: CacheTables,
+                 max_seq_len: int) -> None:
+        self._tables = tables
+        E = tables.extent_tokens
+        slots: list[int | None] = []
+        positions: list[int] = []
+        host_rows: list[int] = []
+        self.grow: list[tuple[RequestRecord, int]] = []  # (record, its batch row)
+        for record in records:  # locals only: this loop is most of the step's host time
+            position, extents = record.num_tokens, record.extents
+            page = position // E
+            slots.append(record.slot)
+            positions.append(position)
+            if page < len(extents):
+                host_rows.append(extents[page] * E + position % E)
+            else:
+                self.grow.append((record, len(host_rows)))
+                host_rows.append(-1)
+        self.positions = tuple(positions)
+        self.slots = np.array(slots, dtype=np.int64)
+        self._positions = np.array(positions, dtype=np.int64)
+        self.host_rows = np.array(host_rows, dtype=np.int64)
+        self.full = ([records[b].request_id for b in np.flatnonzero(self._positions >= max_seq_len)]
+                     if positions and max(positions) >= max_seq_len else [])
+
+    def place_new_extents(self, extents: Sequence[int]) -> None:
+        """The extent each `grow` entry's token starts, in order: its host row follows."""
+        E = self._tables.extent_tokens
+        for (record, row), extent in zip(self.grow, extents, strict=True):
+            self.host_rows[row] = extent * E + record.num_tokens % E
+
+    def columns(self) -> dict[str, Sequence[int] | np.ndarray]:
+        """The every-step fields of `BatchBuffers`."""
+        H, S = self._tables.hot_slots, self._tables.slots_per_request
+        newest = self.slots * S + np.minimum(self._positions, H)  # short: its own slot
+        return {"req_slots": self.slots, "batch_slots": self.slots,
+                "num_real": [len(self.positions)], "newest_rows": newest,
+                "newest_rows_long": newest, "newest_host_rows": self.host_rows,
+                "new_seq_lens": self._positions + 1}
+
+    def updates(self) -> dict[str, np.ndarray]:
+        """The other fields of `BatchBuffers`, those this step has (see `place_new_extents`)."""
+        t, updates = self._tables, {}
+        if self.grow:
+            grown = np.array([row for _, row in self.grow], dtype=np.int64)
+            updates["page_index"] = (self.slots[grown] * t.page_table.shape[1]
+                                     + self._positions[grown] // t.extent_tokens)
+            updates["page_extent"] = self.host_rows[grown] // t.extent_tokens
+        short = self._positions < t.hot_slots  # the token's own slot, tracked for the switch
+        if short.any():
+            slot, hot = self.slots[short], self._positions[short]
+            key = (slot * t.positions_per_request + hot if t.residency_map == "position"
+                   else self.host_rows[short])
+            updates |= {"short_slot": slot, "short_hot": hot, "short_key": key,
+                        "short_key_i32": key, "short_hot_resident": hot}
+        return updates

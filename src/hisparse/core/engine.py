@@ -274,7 +274,7 @@ class HiSparseCache:
                 "a decode step is already open; call end_decode_step() before the next one"
             )
         ids = as_batch_ids(request_ids)
-        records = _batch_records(self._requests, ids, self.batch_capacity, self.max_seq_len)
+        records = _batch_records(self._requests, ids, self.batch_capacity)
         self._last_step = DecodeStep.begin(self._decode, tuple(ids), records)
         return self._last_step
 
@@ -496,25 +496,18 @@ class HiSparseCache:
 _DEVICE_STATE = ("tables", "_decode", "_order", "_attention_kv")
 
 
-def _batch_records(requests: RequestTable, ids: list[Hashable], capacity: int,
-                   max_seq_len: int) -> list[RequestRecord]:
-    """The records of a decode batch: 1..capacity running requests, each once, each with
-    room for one more token."""
+def _batch_records(requests: RequestTable, ids: list[Hashable],
+                   capacity: int) -> list[RequestRecord]:
+    """The records of a decode batch: 1..capacity running requests, each once."""
     if not 1 <= len(ids) <= capacity:
         raise InvalidInputError(
             f"a decode step takes 1..{capacity} requests (max_batch), got {len(ids)}; split "
             "the batch or raise max_batch"
         )
-    records = [requests.expect(i, "decode", (RequestState.RUNNING,)) for i in ids]
-    if len({id(r) for r in records}) != len(records):
+    records = requests.expect_all(ids, "decode", RequestState.RUNNING)
+    if len(set(map(id, records))) != len(records):
         raise InvalidInputError(
             f"request ids repeat in the decode batch {ids!r}; list each request once"
-        )
-    full = [r.request_id for r in records if r.num_tokens + 1 > max_seq_len]
-    if full:
-        raise InvalidInputError(
-            f"requests {full!r} already hold max_seq_len={max_seq_len} tokens; finish them "
-            "or raise max_seq_len"
         )
     return records
 

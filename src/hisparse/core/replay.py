@@ -21,10 +21,11 @@ from hisparse.errors import InvalidInputError, RequestStateError
 class GroupReplay:
     """One index group's anchor and followers, across the steps of a cache.
 
-    Persistent (graph capture holds their addresses): the plan's storage and `delta`, the
-    anchor's count change (hits, misses, invalid) of its last call, which every replay adds
-    to its follower's counters. Per anchor call: `step` (the step it planned in), `rows`,
-    `out` and the signature of the top-k tensor it got, which a follower must pass again.
+    Persistent (graph capture holds its addresses): the plan's storage. Per anchor call:
+    `step` (the step it planned in), `rows`, `out` and the signature of the top-k tensor it
+    got, which a follower must pass again. A follower looks up the same top-k in the same
+    tables, so its hits, misses and invalid entries are its anchor's: one copy of the
+    anchor's counters after each of its calls keeps every follower's (not an add per replay).
 
     Inline (no prefetch stream) a follower replays at its own `swap_in`; followers the caller
     skipped are `owed` and replay before the anchor plans again or the step ends. On the
@@ -40,11 +41,11 @@ class GroupReplay:
         self.anchor = anchor
         self.followers = followers
         self.plan = plan
-        self.delta = torch.zeros(3, dtype=torch.int64, device=tables.counters.device)
         self._tables = tables
         self._kernels = kernels
         self._side = side
-        self._counters = {layer: tables.counters[layer] for layer in (anchor, *followers)}
+        self._anchor_counters = tables.counters[anchor]
+        self._follower_counters = tables.counters[followers.start : followers.stop]
         self._plans_by_rows: dict[int, MissPlan] = {}
         self._current_plan = plan
         # The last anchor call's; `step` is None once that step is over.
@@ -58,12 +59,11 @@ class GroupReplay:
     # --- the anchor -----------------------------------------------------------------------
     def begin_plan(self, rows: int) -> MissPlan:
         """Before the anchor's swap-in rewrites the plan: every replay of the last plan has
-        run, and `delta` starts counting from the anchor's counters now."""
+        run."""
         if self.owed:
             self.replay_owed()
         if self._side is not None:
             self._side.wait_for_all()
-        torch.neg(self._counters[self.anchor], out=self.delta)
         plan = self._plans_by_rows.get(rows)
         if plan is None:
             plan = self._plans_by_rows[rows] = self.plan.first_rows(rows)
@@ -71,8 +71,10 @@ class GroupReplay:
         return plan
 
     def finish_plan(self, step: object, top_k: torch.Tensor, out: torch.Tensor) -> None:
-        """After the anchor's swap-in: remember what it got and issue the followers' replays."""
-        self.delta.add_(self._counters[self.anchor])
+        """After the anchor's swap-in: count it for the followers, remember what it got and
+        issue their replays."""
+        if self.followers:
+            self._follower_counters.copy_(self._anchor_counters)
         self.step, self.rows, self.out = step, top_k.shape[0], out
         self._top_k = (top_k.data_ptr(), top_k.shape, top_k.stride())
         if self._side is None:
@@ -151,4 +153,3 @@ class GroupReplay:
 
     def _replay(self, layer: int) -> None:
         self._kernels.launch_replay(self._tables, layer, self._current_plan)
-        self._counters[layer].add_(self.delta)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hisparse.backends.base import Backend
-from hisparse.core.batch import BatchBuffers
+from hisparse.core.batch import BatchBuffers, BatchPlan
 from hisparse.core.host_pool import HostPool
 from hisparse.core.kernels import DecodeKernels
 from hisparse.core.ordering import DecodeOrdering, SideStreamReplay
@@ -55,6 +55,7 @@ class DecodeContext:
     lock: threading.RLock
     device: torch.device
     batch_capacity: int
+    max_seq_len: int
     validate: bool
     prefetch_stream: Any | None  # where followers replay (None: inline)
 
@@ -86,8 +87,8 @@ class DecodeContext:
                    kernels=kernels, order=order, replays=replays,
                    layer_group=[layer // size for layer in range(L)],
                    layer_kv=[tables.device_kv[layer] for layer in range(L)], lock=lock,
-                   device=device, batch_capacity=capacity, validate=config.validate,
-                   prefetch_stream=prefetch_stream)
+                   device=device, batch_capacity=capacity, max_seq_len=config.max_seq_len,
+                   validate=config.validate, prefetch_stream=prefetch_stream)
 
     def __post_init__(self) -> None:
         t = self.tables
@@ -95,8 +96,6 @@ class DecodeContext:
         self.row_bytes = t.row_bytes
         self.top_k_columns = self.buffers.top_k.shape[1]
         self.page_entries = t.page_table.view(-1)  # for one flat index_copy_ per step
-        self.pages_per_request = t.page_table.shape[1]
-        self.by_position = t.residency_map == "position"
 
 
 class StepState(enum.Enum):
@@ -154,30 +153,35 @@ class DecodeStep:
         upload (a device out of memory) leaves nothing changed and the step retryable.
         """
         c = context
-        E = c.tables.extent_tokens
-        grow = [r for r in records if r.num_tokens >= len(r.extents) * E]
-        c.pool.check_free(len(grow))
-        new_extent: dict[int, int] = {}  # id(record) -> the extent its new token starts
+        plan = BatchPlan(records, c.tables, c.max_seq_len)
+        if plan.full:
+            raise InvalidInputError(
+                f"requests {plan.full!r} already hold max_seq_len={c.max_seq_len} tokens; "
+                "finish them or raise max_seq_len"
+            )
+        c.pool.check_free(len(plan.grow))
+        new_extents: list[int] = []  # the extent each grown record's new token starts
         try:
-            for record in grow:
-                new_extent[id(record)] = c.pool.allocate(1, after=record.extents[-1])[0]
-            positions, columns, updates = _batch_plan(c, records, new_extent)
+            for record, _ in plan.grow:
+                new_extents += c.pool.allocate(1, after=record.extents[-1])
+            plan.place_new_extents(new_extents)
+            updates = plan.updates()
             # The previous step's backup (maybe still running on its side stream) reads the
             # batch buffers, and seeding may have run on another thread's stream.
             c.order.backup.wait()
             c.order.tables_changed.wait()
-            c.buffers.upload(columns, updates)
+            c.buffers.upload(plan.columns(), updates)
         except BaseException:
-            if new_extent:
-                c.pool.release(list(new_extent.values()))
+            if new_extents:
+                c.pool.release(new_extents)
             raise
+        grew = [record for record, _ in plan.grow]
+        for record, extent in zip(grew, new_extents, strict=True):
+            record.extents.append(extent)
         for record in records:
-            extent = new_extent.get(id(record))
-            if extent is not None:
-                record.extents.append(extent)
             record.num_tokens += 1
         _install_table_updates(c, len(records), updates)
-        return cls(c, request_ids, positions, records, grow)
+        return cls(c, request_ids, plan.positions, records, grew)
 
     # --- per layer ------------------------------------------------------------------------
     def write_newest(self, layer: int, kv: torch.Tensor) -> None:
@@ -387,48 +391,7 @@ class DecodeStep:
         )
 
 
-def _batch_plan(c: DecodeContext, records: Sequence[RequestRecord],
-                new_extent: dict[int, int]) -> tuple[tuple[int, ...], dict[str, list[int]],
-                                                     dict[str, list[int]]]:
-    """Where each new token goes: (positions, the batch buffers' values, the table updates)."""
-    t = c.tables
-    H, S, E = t.hot_slots, t.slots_per_request, t.extent_tokens
-    P, T = c.pages_per_request, t.positions_per_request
-    slots, positions, newest, host_rows = [], [], [], []
-    page_index, page_extent, short_slot, short_hot, short_key = [], [], [], [], []
-    for record in records:
-        slot, position = record.slot, record.num_tokens  # the new token's position
-        page, offset = divmod(position, E)
-        extent = new_extent.get(id(record))
-        if extent is None:
-            extent = record.extents[page]
-        else:
-            page_index.append(slot * P + page)
-            page_extent.append(extent)
-        row = extent * E + offset
-        slots.append(slot)
-        positions.append(position)
-        host_rows.append(row)
-        if position < H:  # short: the token's own slot, tracked for the switch to long
-            newest.append(slot * S + position)
-            short_slot.append(slot)
-            short_hot.append(position)
-            short_key.append(slot * T + position if c.by_position else row)
-        else:
-            newest.append(slot * S + H)
-    columns = {"req_slots": slots, "batch_slots": slots, "num_real": [len(records)],
-               "newest_rows": newest, "newest_rows_long": newest,
-               "newest_host_rows": host_rows, "new_seq_lens": [p + 1 for p in positions]}
-    updates: dict[str, list[int]] = {}
-    if page_index:
-        updates |= {"page_index": page_index, "page_extent": page_extent}
-    if short_slot:
-        updates |= {"short_slot": short_slot, "short_hot": short_hot, "short_key": short_key,
-                    "short_key_i32": short_key, "short_hot_resident": short_hot}
-    return tuple(positions), columns, updates
-
-
-def _install_table_updates(c: DecodeContext, batch: int, updates: dict[str, list[int]]) -> None:
+def _install_table_updates(c: DecodeContext, batch: int, updates: dict[str, Any]) -> None:
     """Write the uploaded values into the tables: one index_copy_ for the lengths, one more
     where a request took an extent, two where a new token took its own short-regime slot."""
     t, b = c.tables, c.buffers

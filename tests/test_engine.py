@@ -319,3 +319,24 @@ def test_a_position_keyed_map_serves_the_same_rows_as_a_host_row_map() -> None:
         for (out_row, kv_row), (out_pos, kv_pos) in zip(*served.values(), strict=True):
             assert torch.equal(out_row, out_pos) and torch.equal(kv_row, kv_pos)
     assert caches["host_row"].stats().misses == caches["position"].stats().misses > 0
+
+
+def test_the_engine_stays_small_enough_to_follow() -> None:
+    """Issue 21's structure targets for the engine: no module of `core` over 600 lines, no
+    function over 80, `HiSparseCache` under 450."""
+    import ast
+    from pathlib import Path
+
+    core = Path(hisparse.__file__).parent / "core"
+    too_long = []
+    for path in sorted(core.glob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 600:
+            too_long.append(f"{path.name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            length = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and length > 80:
+                too_long.append(f"{path.name}: {node.name}() is {length} lines")
+            if isinstance(node, ast.ClassDef) and node.name == "HiSparseCache" and length >= 450:
+                too_long.append(f"{path.name}: HiSparseCache is {length} lines")
+    assert too_long == []

@@ -74,9 +74,10 @@ def test_attention_over_hot_rows_equals_full_kv(backend_name: str, rng: torch.Ge
             chosen = [*torch.randperm(n - 1, generator=g)[: min(8, n) - 1].tolist(), n - 1]
             top_k[b, : len(chosen)] = torch.tensor(chosen)
         q = torch.randn(len(ids), HEADS, WIDTH, generator=g).to(torch.bfloat16)
+        device_top_k = top_k.to(device)  # one tensor: layer 1 follows layer 0's top-k
         for layer in range(2):
             cache.write_newest(layer, new[layer].to(device))
-            rows = cache.swap_in(layer, top_k.to(device))
+            rows = cache.swap_in(layer, device_top_k)
             hot = sparse_mla_decode_reference(q.to(device), cache.device_kv(layer), rows, scale)
             # The full KV of the batch as one table; positions offset per request.
             offsets, tables = [], []

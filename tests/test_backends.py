@@ -236,6 +236,24 @@ def test_cuda_device_address_is_the_host_address(fake_env) -> None:
     backend.free_host(buffer)
 
 
+def test_the_host_waits_for_an_event_through_the_backend(fake_env) -> None:
+    """The engine's one host-side wait (before the CPU rewrites host rows a step's kernels may
+    still read) is the backend's: an accelerator synchronizes the event; on the CPU, whose
+    events are None, there is nothing to wait for."""
+
+    class Event:
+        waits = 0
+
+        def synchronize(self) -> None:
+            self.waits += 1
+
+    event = Event()
+    fake_env("cuda")
+    hisparse.get_backend().synchronize_event(event)
+    assert event.waits == 1
+    hisparse.get_backend("cpu").synchronize_event(None)
+
+
 # --- host memory: XPU and CPU ---------------------------------------------------------------
 def test_xpu_pools_are_usm_host_memory(fake_env, rng) -> None:
     env = fake_env("xpu")

@@ -85,8 +85,9 @@ def decode_and_check(cache: hisparse.HiSparseCache, rng: torch.Generator) -> Non
             top_k[b, : chosen.numel()] = chosen.to(torch.int32)
         for layer in range(cache.num_layers):
             cache.write_newest(layer, new[layer].to(cache.device))
+        device_top_k = top_k.to(cache.device)  # followers pass their anchor's tensor
         for layer in range(cache.num_layers):
-            rows = cache.swap_in(layer, top_k.to(cache.device)).cpu()
+            rows = cache.swap_in(layer, device_top_k).cpu()
             hot = cache.device_kv(layer).cpu()
             for b, request_id in enumerate(ids):
                 for k in range(cache.top_k):

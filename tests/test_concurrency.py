@@ -147,8 +147,9 @@ def decode(cache: hisparse.HiSparseCache, ready: queue.Queue, done: queue.Queue,
             for b, n in enumerate(lengths):
                 chosen = rng.permutation(n)[:TOP_K]
                 top_k[b, : len(chosen)] = torch.from_numpy(chosen)
+            device_top_k = top_k.to(cache.device)  # the follower passes its anchor's tensor
             for layer in (2 * group, 2 * group + 1):
-                rows = cache.swap_in(layer, top_k.to(cache.device)).cpu()
+                rows = cache.swap_in(layer, device_top_k).cpu()
                 filled = top_k >= 0
                 held = cache.device_kv(layer).cpu()[rows.clamp(min=0).long()]
                 expected = row_pattern(uids, layer, top_k.clamp(min=0), WIDTH)

@@ -253,7 +253,9 @@ class EngineTrace(RuleBasedStateMachine):
         for request_id, b in zip(batch, range(count), strict=False):
             model.append(request_id, [bytes(new_rows[layer, b].numpy())
                                       for layer in range(NUM_LAYERS)])
-        top_k_by_group: dict[int, torch.Tensor] = {}
+        # Per group: the top-k on the host (for the model) and the one tensor on the device its
+        # layers pass (a follower must pass its anchor's own tensor).
+        top_k_by_group: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Now and then the forward pass "fails" after some layers and the step is cancelled.
         # (At a group boundary: a group left half done replays its anchor into the skipped
         # followers and counts for them, which the model does not do; tests/test_cancel_step.py
@@ -267,13 +269,14 @@ class EngineTrace(RuleBasedStateMachine):
             cache.write_newest(layer, new_rows[layer].to(cache.device))
             group = layer // cache.index_group_size
             if group not in top_k_by_group:
-                top_k_by_group[group] = self._top_k(batch, padded)
+                host_top_k = self._top_k(batch, padded)
+                top_k_by_group[group] = host_top_k, host_top_k.to(cache.device)
                 if cache.config.validate and self.rng.random() < 0.2:
-                    self._rejected_swap_in(layer, batch, top_k_by_group[group])
-            top_k = top_k_by_group[group]
+                    self._rejected_swap_in(layer, batch, host_top_k)
+            top_k, device_top_k = top_k_by_group[group]
             if layer % cache.index_group_size == 0:  # followers return the anchor's buffer
-                cache._out.fill_(POISON)
-            got = cache.swap_in(layer, top_k.to(cache.device)).cpu()
+                cache._decode.buffers.out.fill_(POISON)
+            got = cache.swap_in(layer, device_top_k).cpu()
             anchor = layer % cache.index_group_size == 0
             if anchor:
                 held = {i: set(model.requests[i].buffers[group].slot_of) for i in batch}

@@ -248,18 +248,22 @@ class LockstepRun:
         new_rows = rng.integers(0, 256, (NUM_LAYERS, padded, ROW_BYTES), dtype=np.uint8)
         for b, request_id in enumerate(batch):
             model.append(request_id, [bytes(new_rows[layer, b]) for layer in range(NUM_LAYERS)])
-        top_k_of_group: dict[int, torch.Tensor] = {}
+        # Per group: the top-k on the host (for the model), and on the device the one tensor
+        # its layers pass (a follower must pass its anchor's own tensor).
+        top_k_of_group: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(NUM_LAYERS):
             cache.write_newest(layer, torch.from_numpy(new_rows[layer]).to(cache.device))
             group = layer // cache.index_group_size
             if group not in top_k_of_group:
-                top_k_of_group[group] = self._top_k(batch, padded)
+                host_top_k = self._top_k(batch, padded)
+                top_k_of_group[group] = host_top_k, host_top_k.to(cache.device)
                 if cache.config.validate and rng.random() < 0.1:
-                    self._rejected_swap_in(layer, batch, top_k_of_group[group])
-            top_k = top_k_of_group[group]
+                    self._rejected_swap_in(layer, batch, host_top_k)
+            top_k, device_top_k = top_k_of_group[group]
             if layer % cache.index_group_size == 0:
-                cache._out.fill_(POISON)  # so an entry the kernel failed to write shows
-            got = cache.swap_in(layer, top_k.to(cache.device)).cpu()
+                # So an entry the kernel failed to write shows.
+                cache._decode.buffers.out.fill_(POISON)
+            got = cache.swap_in(layer, device_top_k).cpu()
             expected = model.swap_in(layer, batch, top_k[:count].tolist())
             self._verify(layer, batch, top_k, got, expected)
         cache.end_decode_step()

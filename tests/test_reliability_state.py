@@ -73,12 +73,15 @@ def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
         state.update({
             f"tables.{f.name}": _cpu(getattr(t, f.name)) for f in dataclasses.fields(t)
         })
-        for name in ("_req_slots", "_num_real", "_newest_rows", "_newest_rows_long",
-                     "_newest_host_rows", "_out", "_anchor_delta"):
-            state[f"buffers.{name}"] = _cpu(getattr(cache, name))
-        for group, plan in enumerate(cache._launcher.plans or []):
-            if plan is not None:
+        for index, buffer in enumerate(cache._decode.buffers.state()):
+            state[f"buffers.{index}"] = _cpu(buffer)
+        for group, replay in enumerate(cache._decode.replays):
+            if replay is not None:
+                plan = replay.plan
                 state[f"plans.{group}"] = [_cpu(plan.src), _cpu(plan.dst), _cpu(plan.count)]
+                state[f"replays.{group}"] = (sorted(replay.owed), sorted(replay.unwaited))
+        host_rows = cache._order.host_rows
+        state["flags"] = (host_rows.copies_in_flight, host_rows.rows_recycled)
     state["requests"] = [
         (r.request_id, r.state, r.admitted_tokens, r.num_tokens, list(r.extents), r.slot)
         for r in cache._requests
@@ -93,11 +96,11 @@ def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
                         traffic.backed_up_tokens.copy()]
     step = cache._step
     state["step"] = None if step is None else (id(step), step.request_ids, step.positions)
-    state["step.records"] = [id(r) for r in cache._step_records]
-    state["step.anchored"] = sorted(cache._anchored)
-    state["step.pending_replay"] = {g: sorted(v) for g, v in cache._pending_replay.items()}
-    state["step.written_layers"] = sorted(cache._written_layers)
-    state["flags"] = (cache._host_io_pending, cache._rows_recycled, cache._closed)
+    if step is not None:
+        state["step.records"] = [id(r) for r in step._records]
+        state["step.anchored"] = [replay.group for replay in step._anchored]
+        state["step.written_layers"] = sorted(step._written)
+    state["closed"] = cache._closed
     state["stats"] = None if cache._closed else cache.stats().to_dict()
     return state
 
@@ -178,20 +181,24 @@ MUTATIONS: dict[str, Callable[[hisparse.HiSparseCache], None]] = {
     "an LRU stamp": lambda c: c.tables.last_use[0, 0, 1].fill_(-2),
     "an LRU clock": lambda c: c.tables.lru_clock[0, 0].add_(1),
     "a counter": lambda c: c.tables.counters[1, 2].add_(1),
-    "a batch buffer": lambda c: c._out[0, 1, 1].fill_(5),
+    "a batch buffer": lambda c: c._decode.buffers.out[0, 1, 1].fill_(5),
     "a request record": lambda c: setattr(next(iter(c._requests)), "admitted_tokens", 9),
     "the freed-id memory": lambda c: c._requests._ended.update({"x": RequestState.FINISHED}),
     "the pool's free runs": lambda c: c._pool.allocator.allocate(1),
     "a free slot": lambda c: c._slots.take(),
     "a traffic counter": lambda c: c._traffic.offloaded_tokens.__setitem__(0, 99),
-    "a recycled-rows flag": lambda c: setattr(c, "_rows_recycled", True),
-    "the written layers": lambda c: c._written_layers.add(1),
+    "a recycled-rows flag": lambda c: setattr(c._order.host_rows, "rows_recycled", True),
+    "the written layers": lambda c: c._step._written.add(1),
+    "the anchored groups": lambda c: c._step._anchored.append(c._decode.replays[0]),
 }
+IN_A_STEP = {"the written layers", "the anchored groups"}  # mutations of an open step
 
 
 @pytest.mark.parametrize("what", MUTATIONS)
 def test_the_snapshot_sees_every_kind_of_change(what: str) -> None:
     cache = _small_cache()
+    if what in IN_A_STEP:
+        cache.begin_decode_step(["a"])
     before = full_snapshot(cache)
     assert_same_state(before, full_snapshot(cache))
     MUTATIONS[what](cache)

@@ -46,8 +46,8 @@ def deferred_cache(backend: DeferredStreamCpu, max_requests: int, pool_extents: 
         validate=False, async_backup=async_backup, shared_index_prefetch=True,
     )
     cache = hisparse.HiSparseCache(config, device=backend)
-    assert cache._prefetch_stream is not None
-    assert (cache._backup_stream is not None) == async_backup
+    assert cache._decode.prefetch_stream is not None
+    assert cache._order.backup.asynchronous == async_backup
     return cache
 
 

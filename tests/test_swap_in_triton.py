@@ -539,7 +539,9 @@ def test_the_bound_launcher_matches_the_reference(sizes: Sizes, rng: torch.Gener
                             device=DEVICE)
     traits = triton_kernels.default_traits(DEVICE)
     launcher = triton_kernels.SwapInLauncher(got, req_buffer, real_buffer, out_buffer,
-                                             traits=traits, record_plans=True)
+                                             traits=traits, plans=[
+                                                 MissPlan.empty(sizes.batch_cap, sizes.top_k,
+                                                                DEVICE), None])
     previous: dict[int, list[int]] = {}
     kept_top_k = None
     for step in range(6):

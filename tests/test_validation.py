@@ -384,7 +384,7 @@ def decode_and_verify(world: World) -> None:
         batch = ["short"] if full else ["long", "short"]  # "long" needs an extent to grow
         cache.begin_decode_step(batch)
     batch = list(cache._step.request_ids)
-    for layer in sorted(set(range(LAYERS)) - cache._written_layers):
+    for layer in sorted(set(range(LAYERS)) - cache._step._written):
         cache.write_newest(layer, world.newest(batch, layer))
     lengths = [cache.seq_len(n) for n in batch]
     chosen = [torch.randperm(n, generator=world.generator)[:TOP_K].tolist() for n in lengths]

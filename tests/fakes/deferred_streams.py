@@ -116,6 +116,9 @@ class DeferredStreamCpu(CpuBackend):
             # One side stream waiting on another: queue the wait in order.
             self._issue(lambda stream=event.stream, mark=event.mark: stream.run_through(mark))
 
+    def synchronize_event(self, event: Any | None) -> None:
+        event.synchronize()
+
     def synchronize(self, device: torch.device | None = None) -> None:
         for stream in self.streams:
             stream.run_through(len(stream.queued))

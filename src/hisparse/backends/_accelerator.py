@@ -112,6 +112,10 @@ class AcceleratorBackend(Backend):
     def synchronize(self, device: torch.device | None = None) -> None:
         self.module.synchronize(device)
 
+    def synchronize_event(self, event: Any | None) -> None:
+        if event is not None:
+            event.synchronize()
+
     # --- kernels -------------------------------------------------------------------------
     def swap_in_kernel(self) -> SwapInFn:
         return bind_triton_kernel("swap_in_triton")
@@ -123,12 +127,12 @@ class AcceleratorBackend(Backend):
         return bind_triton_kernel("backup_newest_triton")
 
     def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
-                         out: torch.Tensor, *, record_plans: bool, skip_io: bool = False
+                         out: torch.Tensor, *, plans: Any = None, skip_io: bool = False
                          ) -> Any:
         launcher = bind_triton_kernel("SwapInLauncher")
         if launcher is None:  # no triton: the reference, as for every kernel
             return super().swap_in_launcher(tables, req_slots, num_real, out,
-                                            record_plans=record_plans, skip_io=skip_io)
+                                            plans=plans, skip_io=skip_io)
         return launcher(tables, req_slots, num_real, out, traits=self.kernel_traits(
-            tables.last_use.device), record_plans=record_plans, skip_io=skip_io)
+            tables.last_use.device), plans=plans, skip_io=skip_io)
 

@@ -78,14 +78,14 @@ class Backend(abc.ABC):
         return False
 
     def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
-                         out: torch.Tensor, *, record_plans: bool, skip_io: bool = False
+                         out: torch.Tensor, *, plans: Any = None, skip_io: bool = False
                          ) -> Any:
         """The engine's swap-in over its tables and batch buffers: the torch reference here;
         the GPU backends bind the Triton launcher."""
         from hisparse.kernels.swap_in.reference import ReferenceSwapInLauncher
 
         return ReferenceSwapInLauncher(tables, req_slots, num_real, out,
-                                       record_plans=record_plans, skip_io=skip_io,
+                                       plans=plans, skip_io=skip_io,
                                        swap_in=self.swap_in_kernel(),
                                        copy_planned=self.copy_planned_kernel())
 
@@ -145,6 +145,10 @@ class Backend(abc.ABC):
 
     def synchronize(self, device: torch.device | None = None) -> None:
         """Wait for all work on `device` (None: the current device)."""
+
+    def synchronize_event(self, event: Any | None) -> None:
+        """Block the host until the work recorded before `event` is done (no-op where events
+        are None: work on the CPU has run by the time the call returns)."""
 
     def new_graph(self) -> Any:
         self.require(Feature.GRAPH_CAPTURE)

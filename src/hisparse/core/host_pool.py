@@ -259,6 +259,20 @@ class HostPool:
         tensor = self.layers[layer]
         return LayerRegion(layer, int(tensor.data_ptr()), tensor.numel())
 
+    def reservation(self, request_id: object, extents: Sequence[int],
+                    num_tokens: int) -> HostReservation:
+        """Where a transfer engine writes the `num_tokens` rows of `extents`."""
+        E = self.extent_tokens
+        return HostReservation(
+            request_id=request_id,
+            num_tokens=num_tokens,
+            row_bytes=self.row_bytes,
+            extents=[(row, n) for _, row, n in token_runs(extents, E, 0, num_tokens)],
+            rows=token_rows(extents, E, 0, num_tokens),
+            layers=[self.region(layer) for layer in range(len(self.layers))],
+            host_tensors=list(self.layers),
+        )
+
     def close(self) -> None:
         """Free every buffer exactly once; safe to call again."""
         raw, self._raw = self._raw, []

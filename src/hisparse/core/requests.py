@@ -138,6 +138,19 @@ class RequestTable:
             )
         return record
 
+    def expect_all(self, request_ids: Iterable[Hashable], action: str,
+                   allowed: RequestState) -> list[RequestRecord]:
+        """`expect` for a batch: one dict lookup each while every id is live and `allowed`
+        (a decode step's batch, every step), `expect`'s message for the first that is not."""
+        live = self._live
+        try:
+            records = [live[i] for i in request_ids]
+        except (KeyError, TypeError):
+            records = None
+        if records is None or any(r.state is not allowed for r in records):
+            return [self.expect(i, action, (allowed,)) for i in request_ids]
+        return records
+
     def check_new(self, request_id: Hashable, action: str) -> None:
         if not _hashable(request_id):
             raise UnknownRequestError(

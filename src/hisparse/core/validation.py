@@ -6,7 +6,8 @@ the `*_against_device` ones read tensors back (a host sync) and run only with `v
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 
@@ -56,12 +57,26 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return a.index is None or b.index is None or a.index == b.index
 
 
-def as_rows(name: str, kv: torch.Tensor, row_bytes: int, ndim: int) -> torch.Tensor:
+def is_count(value: object) -> bool:
+    """A plain int (bools are ints to Python, but `layer=True` is a bug, not layer 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_layer(layer: object, num_layers: int) -> None:
+    if not is_count(layer) or not 0 <= layer < num_layers:  # type: ignore[operator]
+        raise InvalidInputError(
+            f"layer must be an int in 0..{num_layers - 1}, got {layer!r}; pass the "
+            "index of one of this cache's layers"
+        )
+
+
+def as_rows(name: str, kv: torch.Tensor, row_bytes: int, ndim: int,
+            device: torch.device | None = None) -> torch.Tensor:
     """View a KV tensor of any dtype, last dimension one token's row, as uint8 `[..., W]`.
 
     Any layout whose rows are each contiguous works (the copies take strided sources).
     """
-    check_tensor(name, kv, ndim=ndim, contiguous=False)
+    check_tensor(name, kv, ndim=ndim, device=device, contiguous=False)
     width = kv.shape[-1] * kv.element_size()
     if width != row_bytes:
         raise InvalidInputError(
@@ -108,3 +123,50 @@ def check_positions_against_lengths(
             "more than once; each position may appear once per row: drop the repeats and pad "
             "the row with -1"
         )
+
+
+def check_prefill_rows(kv: torch.Tensor, layer: int | None, start: int, *, num_layers: int,
+                       row_bytes: int, device: torch.device, admitted_tokens: int,
+                       request_id: object) -> torch.Tensor:
+    """`write_prefill`'s `kv` as uint8 rows, checked: `[T, W]` for `layer` or `[L, T, W]`,
+    on the host or the cache's device, inside the `admitted_tokens` from `start`."""
+    if layer is not None:
+        check_layer(layer, num_layers)
+    rows = as_rows("kv", kv, row_bytes, 2 if layer is not None else 3)
+    if rows.device.type != "cpu" and not same_device(rows.device, device):
+        raise InvalidInputError(
+            f"kv is on {rows.device}; prefill rows come from the host (cpu) or the cache's "
+            f"device {device}: move it to one of those first"
+        )
+    if layer is None and rows.shape[0] != num_layers:
+        raise InvalidInputError(
+            f"kv holds {rows.shape[0]} layers, the cache has {num_layers}; pass "
+            "[L, T, W] for all layers, or [T, W] with layer=..."
+        )
+    count = rows.shape[-2]
+    if not is_count(start) or start < 0:
+        raise InvalidInputError(
+            f"start must be a plain int >= 0 (the position of kv's first row), got {start!r}"
+        )
+    if start + count > admitted_tokens:
+        raise InvalidInputError(
+            f"prefill rows {start}..{start + count - 1} of request {request_id!r} fall "
+            f"outside the {admitted_tokens} tokens it was admitted with; admit the "
+            "full prompt length"
+        )
+    return rows
+
+
+def as_batch_ids(request_ids: Sequence[Hashable]) -> list[Hashable]:
+    """A decode batch as a list; a set or a mapping has no order to give the batch rows."""
+    try:
+        unordered = isinstance(request_ids, str | bytes | AbstractSet | Mapping)
+        ids = None if unordered else list(request_ids)
+    except TypeError:
+        ids = None
+    if ids is None:
+        raise InvalidInputError(
+            f"request_ids must be a list or tuple of request ids, got "
+            f"{type(request_ids).__name__} {request_ids!r}; wrap a single id in a list"
+        )
+    return ids

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -226,13 +227,13 @@ class SwapInLauncher:
     """The Triton swap-in of one cache, over its tables and persistent batch buffers.
 
     `req_slots [Bcap]`, `num_real [1]` and `out [G, Bcap, K]` are the engine's; a call over
-    `rows <= Bcap` batch rows uses their first rows. With `record_plans`, every group's
-    selection records its misses in `plans[group]` for the group's followers to replay.
+    `rows <= Bcap` batch rows uses their first rows. A group with a plan in `plans` (index
+    groups with followers) records its misses there for its followers to replay.
     """
 
     def __init__(self, tables: CacheTables, req_slots: torch.Tensor, num_real: torch.Tensor,
-                 out: torch.Tensor, *, traits: DeviceTraits, record_plans: bool,
-                 skip_io: bool = False) -> None:
+                 out: torch.Tensor, *, traits: DeviceTraits,
+                 plans: Sequence[MissPlan | None] | None = None, skip_io: bool = False) -> None:
         device = tables.last_use.device
         check_tables(tables)
         groups, batch_cap, top_k = out.shape
@@ -243,8 +244,10 @@ class SwapInLauncher:
         self.tables, self.traits, self.skip_io = tables, traits, skip_io
         self.batch_capacity, self.top_k = batch_cap, top_k
         self._req_slots, self._num_real, self._out = req_slots, num_real, out
-        self.plans = ([MissPlan.empty(batch_cap, top_k, device) for _ in range(groups)]
-                      if record_plans else None)
+        self.plans = list(plans) if plans is not None else [None] * groups
+        for plan in self.plans:
+            if plan is not None:
+                check_plan(plan, batch_cap, top_k, device)
         self._tuning: Tuning | None = None
         self._reset()
 
@@ -276,7 +279,8 @@ class SwapInLauncher:
         key = (layer, group, rows)
         launches = self._swap_ins.get(key)
         if launches is None:
-            plan = self.plans[group].first_rows(rows) if self.plans else self._scratch.plan
+            recorded = self.plans[group]
+            plan = recorded.first_rows(rows) if recorded is not None else self._scratch.plan
             launches = _bind(self.tables, self.launch_plan(rows), layer, group,
                              self._req_slots[:rows], top_k, self._num_real,
                              self._out[group][:rows], plan, self._scratch,

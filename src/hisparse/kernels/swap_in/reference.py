@@ -7,7 +7,7 @@ with the host on accelerators, which is why the GPU backends bind the Triton ker
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -154,20 +154,19 @@ class ReferenceSwapInLauncher:
     backend without triton): the engine drives both alike."""
 
     def __init__(self, tables: CacheTables, req_slots: torch.Tensor, num_real: torch.Tensor,
-                 out: torch.Tensor, *, record_plans: bool, skip_io: bool = False,
+                 out: torch.Tensor, *, plans: Sequence[MissPlan | None] | None = None,
+                 skip_io: bool = False,
                  swap_in: Callable[..., None] | None = None,
                  copy_planned: Callable[..., None] | None = None) -> None:
-        groups, batch_cap, top_k = out.shape
-        device = tables.last_use.device
         self.tables, self.skip_io = tables, skip_io
         self._req_slots, self._num_real, self._out = req_slots, num_real, out
         self._swap_in = swap_in or swap_in_reference
         self._copy_planned = copy_planned or copy_planned_reference
-        self.plans = ([MissPlan.empty(batch_cap, top_k, device) for _ in range(groups)]
-                      if record_plans else None)
+        self.plans = list(plans) if plans is not None else [None] * out.shape[0]
 
     def swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:
-        plan = self.plans[group].first_rows(rows) if self.plans else None
+        recorded = self.plans[group]
+        plan = recorded.first_rows(rows) if recorded is not None else None
         self._swap_in(self.tables, layer, group, self._req_slots[:rows], top_k, self._num_real,
                       self._out[group][:rows], plan=plan, skip_io=self.skip_io)
 

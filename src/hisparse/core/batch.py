@@ -1,0 +1,208 @@
+"""The device buffers a decode step's kernels read, and the one upload that refreshes them.
+
+`BatchPlan` works out on the host, in one pass over the batch, where each new token goes;
+`BatchBuffers` sends it. Every `[Bcap]` batch buffer is a typed view of one device byte block,
+so the whole plan (batch buffers and table updates) reaches the device in one host-to-device
+copy, straight into the buffers. Graph capture holds the views' addresses; they never move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hisparse.core.requests import RequestRecord
+from hisparse.core.tables import CacheTables
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16}
+_ALIGN = 16  # bytes: every field starts where a kernel's vector loads may assume it does
+
+
+@dataclass(frozen=True)
+class _Field:
+    dtype: torch.dtype
+    offset: int  # in bytes, from the block's start
+    length: int
+    padding: int  # what rows past the step's batch hold
+
+
+@dataclass(frozen=True)
+class BatchViews:
+    """The first `rows` entries of every batch buffer (views, made once per row count)."""
+
+    req_slots: torch.Tensor
+    newest_rows_long: torch.Tensor
+    out: tuple[torch.Tensor, ...]  # per group
+    batch_slots: torch.Tensor  # int64 request slots: the index of the seq_lens update
+    seq_lens: torch.Tensor  # int32 new length of each request
+
+
+class BatchBuffers:
+    """`[Bcap]` buffers of the open step, refreshed by `begin_decode_step`.
+
+    Uploaded every step (rows past the batch hold their padding): `req_slots` (request slot,
+    0), `num_real` `[1]`, `newest_rows` and its int64 twin `newest_rows_long` for
+    `write_newest`'s `index_copy_` (device row of the new token, the sink row), `newest_host_rows`
+    (its host row, -1), and the `seq_lens` update (`batch_slots` int64 index, `new_seq_lens`).
+    Uploaded only by a step that has them: the page-table entries of requests given an extent
+    (`page_index` into the flattened page table, `page_extent`) and the short-regime slot of each
+    new token (`short_slot`, `short_hot`, `short_key` int64; `short_key_i32`, `short_hot_resident`
+    as the tables store them). `out` `[G, Bcap, K]` is its own (the kernels read the caller's
+    top-k in place).
+    """
+
+    def __init__(self, capacity: int, top_k: int, num_groups: int, padding_row: int,
+                 resident_dtype: torch.dtype, device: torch.device) -> None:
+        i64, i32 = torch.int64, torch.int32
+        every_step = [
+            ("newest_rows_long", i64, padding_row), ("batch_slots", i64, 0),
+            ("req_slots", i32, 0), ("newest_rows", i32, padding_row),
+            ("newest_host_rows", i32, -1), ("new_seq_lens", i32, 0), ("num_real", i32, 0),
+        ]
+        some_steps = [
+            ("page_index", i64, 0), ("short_slot", i64, 0), ("short_hot", i64, 0),
+            ("short_key", i64, 0), ("page_extent", i32, 0), ("short_key_i32", i32, 0),
+            ("short_hot_resident", resident_dtype, 0),
+        ]
+        self.capacity = capacity
+        self._fields: dict[str, _Field] = {}
+        offset = 0
+        for name, dtype, padding in every_step + some_steps:
+            length = 1 if name == "num_real" else capacity
+            self._fields[name] = _Field(dtype, offset, length, padding)
+            offset += -(-length * dtype.itemsize // _ALIGN) * _ALIGN
+            if name == "num_real":
+                self._every_step_bytes = offset
+        self._block = torch.zeros(offset, dtype=torch.uint8, device=device)
+        # What the host sends before the step's values go in: every field's padding.
+        self._template = np.zeros(offset, dtype=np.uint8)
+        for name, field in self._fields.items():
+            self._host_view(self._template, name)[:] = field.padding
+        self.req_slots = self.field("req_slots")
+        self.num_real = self.field("num_real")
+        self.newest_rows = self.field("newest_rows")
+        self.newest_rows_long = self.field("newest_rows_long")
+        self.newest_host_rows = self.field("newest_host_rows")
+        self.out = torch.full((num_groups, capacity, top_k), -1, dtype=i32, device=device)
+        self._views: dict[int, BatchViews] = {}
+
+    def field(self, name: str, count: int | None = None) -> torch.Tensor:
+        """The device view of a field (its first `count` entries)."""
+        field = self._fields[name]
+        length = field.length if count is None else count
+        start = field.offset
+        return self._block[start : start + length * field.dtype.itemsize].view(field.dtype)
+
+    def upload(self, columns: Mapping[str, Sequence[int] | np.ndarray],
+               updates: Mapping[str, Sequence[int] | np.ndarray] | None = None) -> None:
+        """Send `columns` (every-step field -> the values of its first rows) and `updates` (the
+        same for the other fields) in one host-to-device copy; every other row of the
+        every-step fields gets its padding. Without updates the copy stops before them."""
+        size = self._block.numel() if updates else self._every_step_bytes
+        host = self._template[:size].copy()
+        for name, values in columns.items():
+            self._host_view(host, name)[: len(values)] = values
+        for name, values in (updates or {}).items():
+            self._host_view(host, name)[: len(values)] = values
+        self._block[:size].copy_(torch.from_numpy(host), non_blocking=True)
+
+    def upload_columns(self, columns: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Int32 columns on the device in one copy, each its own tensor (for rare updates)."""
+        lengths = [len(c) for c in columns]
+        flat = torch.tensor([v for c in columns for v in c], dtype=torch.int32)
+        return list(torch.split(flat.to(self._block.device, non_blocking=True), lengths))
+
+    def views(self, rows: int) -> BatchViews:
+        """Views of the first `rows` batch rows, cached: a call per layer makes none."""
+        views = self._views.get(rows)
+        if views is None:
+            views = self._views[rows] = BatchViews(
+                req_slots=self.req_slots[:rows],
+                newest_rows_long=self.newest_rows_long[:rows],
+                out=tuple(self.out[:, :rows].unbind(0)),
+                batch_slots=self.field("batch_slots", rows),
+                seq_lens=self.field("new_seq_lens", rows),
+            )
+        return views
+
+    def state(self) -> list[torch.Tensor]:
+        """Every device buffer, for tests that compare a cache's state before and after."""
+        return [self._block, self.out]
+
+    def _host_view(self, host: np.ndarray, name: str) -> np.ndarray:
+        field = self._fields[name]
+        nbytes = field.length * field.dtype.itemsize
+        return host[field.offset : field.offset + nbytes].view(_NUMPY[field.dtype])
+
+
+class BatchPlan:
+    """Where each new token of a step goes, before anything changes: its position, device row
+    (slot `H`, or its own slot while the request is short) and host row, and the table
+    updates: every request's length, the page-table entry of a request whose new token starts
+    an extent (`grow`), and a short-regime token's slot.
+
+    One pass over the records reads what only they hold (slot, length, the extent of the new
+    token); the rest is numpy over the batch. A token that starts an extent has no host row
+    until the extent is allocated: `place_new_extents` fills it in. `full` lists the requests
+    at `max_seq_len` already.
+    """
+
+    def __init__(self, records: Sequence[RequestRecord], tables: CacheTables,
+                 max_seq_len: int) -> None:
+        self._tables = tables
+        E = tables.extent_tokens
+        slots: list[int | None] = []
+        positions: list[int] = []
+        host_rows: list[int] = []
+        self.grow: list[tuple[RequestRecord, int]] = []  # (record, its batch row)
+        for record in records:  # locals only: this loop is most of the step's host time
+            position, extents = record.num_tokens, record.extents
+            page = position // E
+            slots.append(record.slot)
+            positions.append(position)
+            if page < len(extents):
+                host_rows.append(extents[page] * E + position % E)
+            else:
+                self.grow.append((record, len(host_rows)))
+                host_rows.append(-1)
+        self.positions = tuple(positions)
+        self.slots = np.array(slots, dtype=np.int64)
+        self._positions = np.array(positions, dtype=np.int64)
+        self.host_rows = np.array(host_rows, dtype=np.int64)
+        self.full = ([records[b].request_id for b in np.flatnonzero(self._positions >= max_seq_len)]
+                     if positions and max(positions) >= max_seq_len else [])
+
+    def place_new_extents(self, extents: Sequence[int]) -> None:
+        """The extent each `grow` entry's token starts, in order: its host row follows."""
+        E = self._tables.extent_tokens
+        for (record, row), extent in zip(self.grow, extents, strict=True):
+            self.host_rows[row] = extent * E + record.num_tokens % E
+
+    def columns(self) -> dict[str, Sequence[int] | np.ndarray]:
+        """The every-step fields of `BatchBuffers`."""
+        H, S = self._tables.hot_slots, self._tables.slots_per_request
+        newest = self.slots * S + np.minimum(self._positions, H)  # short: its own slot
+        return {"req_slots": self.slots, "batch_slots": self.slots,
+                "num_real": [len(self.positions)], "newest_rows": newest,
+                "newest_rows_long": newest, "newest_host_rows": self.host_rows,
+                "new_seq_lens": self._positions + 1}
+
+    def updates(self) -> dict[str, np.ndarray]:
+        """The other fields of `BatchBuffers`, those this step has (see `place_new_extents`)."""
+        t, updates = self._tables, {}
+        if self.grow:
+            grown = np.array([row for _, row in self.grow], dtype=np.int64)
+            updates["page_index"] = (self.slots[grown] * t.page_table.shape[1]
+                                     + self._positions[grown] // t.extent_tokens)
+            updates["page_extent"] = self.host_rows[grown] // t.extent_tokens
+        short = self._positions < t.hot_slots  # the token's own slot, tracked for the switch
+        if short.any():
+            slot, hot = self.slots[short], self._positions[short]
+            key = (slot * t.positions_per_request + hot if t.residency_map == "position"
+                   else self.host_rows[short])
+            updates |= {"short_slot": slot, "short_hot": hot, "short_key": key,
+                        "short_key_i32": key, "short_hot_resident": hot}
+        return updates

@@ -1,0 +1,86 @@
+"""Every kernel the decode path launches, bound once from the backend.
+
+This is the one place that knows the kernels' interfaces, so that they can be re-pointed
+without touching the step: the backend's swap-in launcher (`backend.swap_in_launcher`: its
+`swap_in(layer, group, rows, top_k)` and `replay(layer, group, rows)`, bound to the tables,
+the batch buffers and the groups' miss plans once) and `backup(tables, newest_rows,
+host_rows, num_real)` (`hisparse.backends.base`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hisparse.backends.base import Backend, BackupFn
+from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.errors import HisparseError, RequestStateError
+from hisparse.kernels.backup_reference import backup_newest_reference
+
+
+class DecodeKernels:
+    """The swap-in, replay and backup kernels, and why a launch of theirs failed, if one did.
+
+    hisparse's own errors are raised before any launch. Anything else may have left one
+    kernel of a call queued and the next not: the device tables may then name rows that were
+    never copied (a plan installed, its rows never moved), so no later step can trust them.
+    `failure` keeps the reason and every decode call but a cancel refuses from then on.
+    """
+
+    def __init__(self, backend: Backend, skip_io: bool, zero_copy: bool, tables: CacheTables,
+                 req_slots: torch.Tensor, num_real: torch.Tensor, out: torch.Tensor,
+                 plans: Sequence[MissPlan | None]) -> None:
+        self.skip_io = skip_io
+        # Asked for by name so that a backend without the feature raises here.
+        if skip_io:
+            backend.skip_io_swap_in_kernel()
+        elif zero_copy:
+            backend.zero_copy_swap_in_kernel()
+        self.launcher: Any = backend.swap_in_launcher(tables, req_slots, num_real, out,
+                                                      plans=plans, skip_io=skip_io)
+        # Fused backup kernels come with the GPU path; every backend has the reference.
+        backup_kernel = getattr(backend, "backup_kernel", None)
+        self.backup: BackupFn = backup_kernel() if backup_kernel else backup_newest_reference
+        self.failure: str | None = None
+
+    def launch_swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:
+        """Swap in `layer` for the first `rows` batch rows of the batch buffers; `top_k` is
+        the caller's `[rows, K]` tensor, read in place (no copy)."""
+        try:  # (a try costs nothing until it catches; a context manager would, per layer)
+            self.launcher.swap_in(layer, group, rows, top_k)
+        except BaseException as exc:
+            self._failed(f"swap_in({layer})", exc)
+            raise
+
+    def launch_replay(self, layer: int, group: int, rows: int) -> None:
+        """Copy the group's recorded misses of its last `rows`-row call on `layer` (nothing
+        to copy for the skip-IO probe)."""
+        if self.skip_io:
+            return
+        try:
+            self.launcher.replay(layer, group, rows)
+        except BaseException as exc:
+            self._failed(f"the replay of layer {layer}", exc)
+            raise
+
+    def launch_backup(self, tables: CacheTables, newest_rows: torch.Tensor,
+                      host_rows: torch.Tensor, num_real: torch.Tensor) -> None:
+        try:
+            self.backup(tables, newest_rows, host_rows, num_real)
+        except BaseException as exc:
+            self._failed("the newest-token backup", exc)
+            raise
+
+    def check_usable(self, action: str) -> None:
+        if self.failure is not None:
+            raise RequestStateError(
+                f"cannot {action}: {self.failure}. This cache's device tables may no "
+                "longer match its device rows, so it decodes no more; finish or abort its "
+                "requests (their host KV is intact), close it and build a new cache"
+            )
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        if not isinstance(exc, HisparseError):
+            self.failure = f"{what} failed with {type(exc).__name__}: {exc}"

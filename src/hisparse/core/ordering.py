@@ -1,0 +1,181 @@
+"""The decode path's ordering rules, one named barrier each.
+
+Work runs on up to three streams of the cache's device: the compute stream the caller drives
+(and a scheduler thread's stream, for seeding and slot release), a backup stream for the
+newest-token backup, and a prefetch stream where followers of an index group replay their
+anchor's misses. The host also writes host rows itself. Each class below is one ordering rule
+between those, stated once in its docstring; the engine calls these barriers and never
+records or waits on an event itself. On the CPU backend events are None and every call is a
+no-op; `tests/fakes/deferred_streams.py` runs side-stream work as late as these rules allow,
+so a missing wait shows there as stale rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hisparse.backends.base import Backend
+
+
+class Barrier:
+    """One backend event: `mark()` records where the current stream's work is now, `wait()`
+    makes the current stream wait for that work, `wait_on_host()` blocks the host for it."""
+
+    __slots__ = ("_backend", "_device", "_event")
+
+    def __init__(self, backend: Backend, device: torch.device) -> None:
+        self._backend = backend
+        self._device = device
+        self._event = backend.new_event()
+
+    def mark(self) -> None:
+        self._backend.record_event(self._event, self._device)
+
+    def wait(self) -> None:
+        self._backend.wait_event(self._event, self._device)
+
+    def wait_on_host(self) -> None:
+        self._backend.synchronize_event(self._event)
+
+
+class TableChanges(Barrier):
+    """A decode step reads the slot tables only after every seeding and slot release before it.
+
+    Seeding and release may run on a scheduler thread, on that thread's stream: they `mark()`
+    after writing the tables, and `begin_decode_step` `wait()`s before it uploads the batch.
+    """
+
+
+class StepEnd(Barrier):
+    """A request slot is released or reseeded, and a host row it freed is rewritten, only
+    after the last decode step's device work: its kernels read the slot's tables and host rows,
+    and a replay of its may still copy into the slot's rows.
+
+    `mark()` when a step ends or is cancelled (after the step's replays, so it covers them);
+    `wait()` on the device before a slot's tables change; `wait_on_host()` through
+    `HostRowGuard` before the CPU rewrites recycled rows.
+    """
+
+
+class NewestBackup:
+    """The newest-token backup of step n reads every layer's newest row (slot `H`, or the
+    short-regime slot) and the batch buffers, and writes the new token's host rows.
+
+    On its side stream it starts after step n's last `write_newest` (`written`). The next
+    step's upload of the batch buffers, and the seeding of a slot whose newest row it may
+    still be copying, `wait()` for it (`done`); the host, before it rewrites host rows,
+    through `HostRowGuard` (a copy in flight: a full device sync). Without a stream the
+    backup runs in order on the compute stream and needs no barrier.
+    """
+
+    def __init__(self, backend: Backend, device: torch.device, stream: Any | None,
+                 host_rows: HostRowGuard) -> None:
+        self._backend = backend
+        self.stream = stream
+        self._host_rows = host_rows
+        self._written = Barrier(backend, device)
+        self._done = Barrier(backend, device)
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.stream is not None
+
+    def issue(self, launch: Callable[[], None]) -> None:
+        """Run `launch` (the backup kernel) after the step's writes, on the side stream."""
+        if self.stream is None:
+            launch()
+            return
+        self._written.mark()
+        with self._backend.stream_scope(self.stream):
+            self._written.wait()
+            launch()
+            self._done.mark()
+        self._host_rows.note_copies_in_flight()
+
+    def wait(self) -> None:
+        """The current stream waits for the last backup (nothing to wait for without one)."""
+        if self.stream is not None:
+            self._done.wait()
+
+
+class HostRowGuard:
+    """The CPU, or a transfer engine, rewrites host rows only after the device work that may
+    still read or write them.
+
+    Two kinds of work: copies between device and host memory still in flight (a prefill
+    written from device memory, a backup on its side stream), which only a device sync
+    covers; and the last step's kernels reading host rows that a finish, abort or cancel has
+    just freed, which the step's end covers. `drain()` runs before every host-row write;
+    a drain that fails leaves both flags set, so the next one waits again.
+    """
+
+    def __init__(self, backend: Backend, device: torch.device, step_end: StepEnd) -> None:
+        self._backend = backend
+        self._device = device
+        self._step_end = step_end
+        self.copies_in_flight = False
+        self.rows_recycled = False
+
+    def note_copies_in_flight(self) -> None:
+        self.copies_in_flight = True
+
+    def note_rows_recycled(self) -> None:
+        self.rows_recycled = True
+
+    def drain(self) -> None:
+        if self.copies_in_flight:
+            self._backend.synchronize(self._device)
+        elif self.rows_recycled:
+            self._step_end.wait_on_host()
+        self.copies_in_flight = self.rows_recycled = False
+
+
+class SideStreamReplay:
+    """The replays of one index group's miss plan on the prefetch stream.
+
+    The anchor's `swap_in` writes the plan; the side stream replays it on every follower
+    layer only after that (`planned`). A follower's `swap_in` returns rows of its layer only
+    after its own replay copied them (`ready[layer]`). The anchor plans again, and the step
+    ends, only after every replay that reads the plan has run (`done`): the first because the
+    plan is rewritten, the second because a replay nobody waited for could otherwise copy into
+    a slot freed and reseeded after the step.
+    """
+
+    def __init__(self, backend: Backend, device: torch.device, stream: Any,
+                 followers: range) -> None:
+        self._backend = backend
+        self._stream = stream
+        self._followers = followers
+        self._planned = Barrier(backend, device)
+        self._ready = {layer: Barrier(backend, device) for layer in followers}
+        self._done = Barrier(backend, device)
+
+    def issue(self, replay: Callable[[int], None]) -> None:
+        """Queue `replay(layer)` for every follower behind the anchor's plan."""
+        self._planned.mark()
+        with self._backend.stream_scope(self._stream):
+            self._planned.wait()
+            for layer in self._followers:
+                replay(layer)
+                self._ready[layer].mark()
+            self._done.mark()
+
+    def wait_for(self, layer: int) -> None:
+        self._ready[layer].wait()
+
+    def wait_for_all(self) -> None:
+        self._done.wait()
+
+
+class DecodeOrdering:
+    """The cache-wide barriers: what the cache's bookkeeping and every step share."""
+
+    def __init__(self, backend: Backend, device: torch.device,
+                 backup_stream: Any | None) -> None:
+        self.tables_changed = TableChanges(backend, device)
+        self.step_end = StepEnd(backend, device)
+        self.host_rows = HostRowGuard(backend, device, self.step_end)
+        self.backup = NewestBackup(backend, device, backup_stream, self.host_rows)

@@ -1,0 +1,99 @@
+"""The device tables of a cache, and the writes that give a request slot to a request or take
+it back outside a decode step (seeding and release; docs/ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hisparse.backends.base import Backend
+from hisparse.core.host_pool import HostPool, token_rows, token_runs
+from hisparse.core.requests import RequestRecord
+from hisparse.core.tables import CacheTables, residency_dtype
+
+if TYPE_CHECKING:
+    from hisparse.config import HiSparseConfig
+
+
+def build_tables(config: HiSparseConfig, backend: Backend, pool: HostPool, device: torch.device,
+                 num_groups: int, hot_slots: int) -> CacheTables:
+    """Empty tables: every slot free, every counter 0. Row `R*S` of every layer of
+    `device_kv` is a sink for padded batch rows' newest-token writes, so `write_newest`
+    stays one `index_copy_` a captured graph can replay with any real count."""
+    L, R, E = config.num_layers, config.max_requests, config.extent_tokens
+    S, H, G = hot_slots + 1, hot_slots, num_groups
+    pages = -(-config.max_seq_len // E)
+    i32 = {"dtype": torch.int32, "device": device}
+    by_position = config.residency_map == "position"
+    return CacheTables(
+        device_kv=torch.zeros(L, R * S + 1, config.row_bytes, dtype=torch.uint8, device=device),
+        host_kv=pool.layers,
+        page_table=torch.full((R, pages), -1, **i32),
+        seq_lens=torch.zeros(R, **i32),
+        slot_key=torch.full((G, R, H), -1, **i32),
+        last_use=torch.full((G, R, H), -1, **i32),
+        lru_clock=torch.zeros(G, R, **i32),
+        # Keyed by position: one entry per position of every request slot.
+        resident=torch.full((G, R * pages * E if by_position else pool.num_rows), -1,
+                            dtype=residency_dtype(H), device=device),
+        counters=torch.zeros(L, 3, dtype=torch.int64, device=device),
+        hot_slots=H,
+        extent_tokens=E,
+        residency_map=config.residency_map,
+        # What the fused backup kernel writes through (device-side on ROCm).
+        host_kv_addresses=torch.tensor(
+            [backend.device_address(layer) for layer in pool.layers],
+            dtype=torch.int64, device=device),
+    )
+
+
+def seed_slot(tables: CacheTables, pool: HostPool, record: RequestRecord) -> None:
+    """Load the newest `H+1` tokens of `record` into its slot's hot buffer: slots `0..H-1`
+    the `H` before the newest, oldest first, and the newest in slot `H` (or, short, every
+    token in its own slot). The caller orders it against the device work it follows."""
+    t, E = tables, tables.extent_tokens
+    H, S = t.hot_slots, t.slots_per_request
+    n, r = record.num_tokens, record.slot
+    assert r is not None
+    device = t.seq_lens.device
+    # (first token, count, first device slot) of each piece of the hot buffer
+    if n <= H:
+        pieces, lru_tokens = [(0, n, 0)], (0, n)
+    else:
+        pieces, lru_tokens = [(n - 1 - H, H, 0), (n - 1, 1, H)], (n - 1 - H, n - 1)
+    t.page_table[r].fill_(-1)
+    t.page_table[r, : len(record.extents)] = torch.tensor(record.extents, dtype=torch.int32)
+    t.seq_lens[r] = n
+    lru_rows = torch.from_numpy(token_rows(record.extents, E, *lru_tokens)).to(device)
+    lru_keys = t.residency_keys(r, torch.arange(*lru_tokens, device=device), lru_rows)
+    t.slot_key[:, r].fill_(-1)
+    t.slot_key[:, r, : lru_keys.numel()] = lru_keys.to(torch.int32)
+    t.resident[:, lru_keys] = torch.arange(lru_keys.numel(), dtype=t.resident.dtype,
+                                           device=device)
+    # One stamp for all, below the clock: ties go by slot id, so the oldest token goes first.
+    t.last_use[:, r].fill_(-1)
+    t.lru_clock[:, r] = 0
+    for first, count, slot in pieces:
+        for token, row, length in token_runs(record.extents, E, first, first + count):
+            device_row = r * S + slot + token - first
+            for layer, host in enumerate(pool.layers):
+                t.device_kv[layer, device_row : device_row + length].copy_(
+                    host[row : row + length], non_blocking=True
+                )
+
+
+def clear_slot(tables: CacheTables, record: RequestRecord) -> None:
+    """Empty `record`'s slot in every table (the caller orders it after the last step)."""
+    t, r = tables, record.slot
+    assert r is not None
+    own_key = int(t.residency_keys(r, 0, record.extents[0] * t.extent_tokens))
+    # Empty hot slots hold -1; point them at the key of the request's first token, cleared
+    # anyway, so the scatter needs no host sync to filter them out.
+    held = t.slot_key[:, r].long()
+    t.resident.scatter_(1, torch.where(held >= 0, held, own_key), -1)
+    t.slot_key[:, r].fill_(-1)
+    t.last_use[:, r].fill_(-1)
+    t.lru_clock[:, r] = 0
+    t.seq_lens[r] = 0
+    t.page_table[r].fill_(-1)

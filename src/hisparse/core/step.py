@@ -1,0 +1,431 @@
+"""A decode step: its batch, what it has done so far, and the verbs that drive it.
+
+`HiSparseCache.begin_decode_step` returns a `DecodeStep`; the model thread then calls
+`write_newest(layer, kv)` and `swap_in(layer, top_k)` per layer and `end()` (or `cancel()`
+after a forward pass that failed). Everything that lives for one step lives here; what all
+steps of a cache share (tables, batch buffers, kernels, group replays, barriers) is the
+cache's `DecodeContext`.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hisparse.backends.base import Backend
+from hisparse.core.batch import BatchBuffers, BatchPlan
+from hisparse.core.host_pool import HostPool
+from hisparse.core.kernels import DecodeKernels
+from hisparse.core.ordering import DecodeOrdering, SideStreamReplay
+from hisparse.core.replay import GroupReplay
+from hisparse.core.requests import RequestRecord
+from hisparse.core.stats import TrafficCounters
+from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.core.validation import (
+    as_rows,
+    check_batch_rows,
+    check_layer,
+    check_positions_against_lengths,
+    check_tensor,
+)
+from hisparse.errors import InvalidInputError, RequestStateError
+
+if TYPE_CHECKING:
+    from hisparse.config import HiSparseConfig
+
+
+@dataclass(eq=False)
+class DecodeContext:
+    """What every decode step of one cache shares, built once with the cache."""
+
+    tables: CacheTables
+    pool: HostPool
+    traffic: TrafficCounters
+    buffers: BatchBuffers
+    kernels: DecodeKernels
+    order: DecodeOrdering
+    replays: list[GroupReplay | None]  # per group; None: a group of one layer replays nothing
+    layer_group: list[int]  # per layer
+    layer_kv: list[torch.Tensor]  # per layer: `device_kv[layer]`, the sink row included
+    lock: threading.RLock
+    device: torch.device
+    batch_capacity: int
+    max_seq_len: int
+    validate: bool
+    prefetch_stream: Any | None  # where followers replay (None: inline)
+
+    @classmethod
+    def build(cls, config: HiSparseConfig, backend: Backend, device: torch.device,
+              tables: CacheTables, pool: HostPool, traffic: TrafficCounters,
+              lock: threading.RLock) -> DecodeContext:
+        """The buffers, kernels, streams, barriers and group replays for `tables`."""
+        L, size = config.num_layers, config.index_group_size
+        capacity = config.max_batch or config.max_requests
+        num_groups = -(-L // size)
+        padding_row = int(tables.device_kv.shape[1]) - 1
+        buffers = BatchBuffers(capacity, config.top_k, num_groups, padding_row,
+                               tables.resident.dtype, device)
+        plans = [MissPlan.empty(capacity, config.top_k, device) if size > 1 else None
+                 for _ in range(num_groups)]
+        kernels = DecodeKernels(backend, config.skip_io, config.zero_copy_swap_in, tables,
+                                buffers.req_slots, buffers.num_real, buffers.out, plans)
+        backup_stream = backend.backup_stream() if config.async_backup else None
+        prefetch = config.shared_index_prefetch and size > 1
+        prefetch_stream = backend.prefetch_stream() if prefetch else None
+        order = DecodeOrdering(backend, device, backup_stream)
+        replays: list[GroupReplay | None] = [None] * num_groups
+        for group in range(num_groups if size > 1 else 0):
+            followers = range(group * size + 1, min(group * size + size, L))
+            side = (SideStreamReplay(backend, device, prefetch_stream, followers)
+                    if prefetch_stream is not None else None)
+            replays[group] = GroupReplay(group, group * size, followers, plans[group],
+                                         tables, kernels, side)
+        return cls(tables=tables, pool=pool, traffic=traffic, buffers=buffers,
+                   kernels=kernels, order=order, replays=replays,
+                   layer_group=[layer // size for layer in range(L)],
+                   layer_kv=[tables.device_kv[layer] for layer in range(L)], lock=lock,
+                   device=device, batch_capacity=capacity, max_seq_len=config.max_seq_len,
+                   validate=config.validate, prefetch_stream=prefetch_stream)
+
+    def __post_init__(self) -> None:
+        t = self.tables
+        self.num_layers = len(self.layer_kv)
+        self.row_bytes = t.row_bytes
+        self.top_k_columns = self.buffers.out.shape[2]
+        self.page_entries = t.page_table.view(-1)  # for one flat index_copy_ per step
+
+
+class StepState(enum.Enum):
+    OPEN = "open"
+    ENDED = "ended"
+    CANCELLED = "cancelled"
+    CLOSED = "closed"  # the cache was closed while the step was open
+
+
+class DecodeStep:
+    """One decode step of a batch of running requests.
+
+    Public: `request_ids`, `positions` (each new token's), `batch_size`, and the persistent
+    `[Bcap]` device buffers its kernels read: `req_slots`, `num_real` `[1]`, `newest_rows`.
+    It owns its records, the layers `write_newest` wrote (a cancel restores them), and the
+    index groups whose anchor swapped in during it (their replays are owed until it ends).
+    Once ended or cancelled every verb raises `RequestStateError`.
+    """
+
+    def __init__(self, context: DecodeContext, request_ids: tuple[Hashable, ...],
+                 positions: tuple[int, ...], records: list[RequestRecord],
+                 grew: list[RequestRecord]) -> None:
+        self.request_ids = request_ids
+        self.positions = positions  # position of each request's new token (its seq_len - 1)
+        buffers = context.buffers
+        self.req_slots = buffers.req_slots  # [Bcap] int32 request slot per row (0: padding)
+        self.num_real = buffers.num_real  # [1] int32
+        self.newest_rows = buffers.newest_rows  # [Bcap] int32 device row of the new token
+        self._context: DecodeContext | None = context
+        self._lock = context.lock
+        self._records = records
+        self._grew = grew  # the records that took an extent for their new token
+        self._written: set[int] = set()  # layers given write_newest
+        self._anchored: list[GroupReplay] = []  # groups whose anchor swapped in
+        self._state = StepState.OPEN
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def is_open(self) -> bool:
+        return self._state is StepState.OPEN
+
+    def holds(self, record: RequestRecord) -> bool:
+        return any(r is record for r in self._records)
+
+    # --- opening --------------------------------------------------------------------------
+    @classmethod
+    def begin(cls, context: DecodeContext, request_ids: tuple[Hashable, ...],
+              records: list[RequestRecord]) -> DecodeStep:
+        """Append one token to each record and upload the step's batch and table updates.
+
+        The records change only once the updates are on their way to the device: a failed
+        upload (a device out of memory) leaves nothing changed and the step retryable.
+        """
+        c = context
+        plan = BatchPlan(records, c.tables, c.max_seq_len)
+        if plan.full:
+            raise InvalidInputError(
+                f"requests {plan.full!r} already hold max_seq_len={c.max_seq_len} tokens; "
+                "finish them or raise max_seq_len"
+            )
+        c.pool.check_free(len(plan.grow))
+        new_extents: list[int] = []  # the extent each grown record's new token starts
+        try:
+            for record, _ in plan.grow:
+                new_extents += c.pool.allocate(1, after=record.extents[-1])
+            plan.place_new_extents(new_extents)
+            updates = plan.updates()
+            # The previous step's backup (maybe still running on its side stream) reads the
+            # batch buffers, and seeding may have run on another thread's stream.
+            c.order.backup.wait()
+            c.order.tables_changed.wait()
+            c.buffers.upload(plan.columns(), updates)
+        except BaseException:
+            if new_extents:
+                c.pool.release(new_extents)
+            raise
+        grew = [record for record, _ in plan.grow]
+        for record, extent in zip(grew, new_extents, strict=True):
+            record.extents.append(extent)
+        for record in records:
+            record.num_tokens += 1
+        _install_table_updates(c, len(records), updates)
+        return cls(c, request_ids, plan.positions, records, grew)
+
+    # --- per layer ------------------------------------------------------------------------
+    def write_newest(self, layer: int, kv: torch.Tensor) -> None:
+        """Write the new token's row of `layer` for every request: `kv [B, W]`, B between the
+        step's request count and `max_batch` (padding rows go to the sink row)."""
+        c = self._usable("write_newest")
+        if type(layer) is not int or not 0 <= layer < c.num_layers:
+            check_layer(layer, c.num_layers)
+        rows = as_rows("kv", kv, c.row_bytes, 2, device=c.device)
+        count = rows.shape[0]
+        if not self.batch_size <= count <= c.batch_capacity:
+            check_batch_rows("kv", count, self.batch_size, c.batch_capacity)
+        c.layer_kv[layer].index_copy_(0, c.buffers.views(count).newest_rows_long, rows)
+        self._written.add(layer)
+
+    def swap_in(self, layer: int, top_k: torch.Tensor | None = None) -> torch.Tensor:
+        """Map each top-k position to the device row holding it, loading the misses.
+
+        Args:
+            layer: the KV layer attention is about to read.
+            top_k: `[B, K]` int32 positions on the cache's device, -1 = none; B between the
+                step's request count and `max_batch` (rows past the real count are padding).
+                A follower of an index group may leave it out, or must pass its anchor's
+                very tensor.
+
+        Returns:
+            `[B, K]` int32 rows of `device_kv(layer)` (-1 for none, invalid and padding): a
+            view of a buffer reused by the group's next call; a follower gets its anchor's.
+        """
+        c = self._usable("swap_in")
+        if type(layer) is not int or not 0 <= layer < c.num_layers:
+            check_layer(layer, c.num_layers)
+        group = c.layer_group[layer]
+        replay = c.replays[group]
+        if replay is not None and layer != replay.anchor:
+            return self._follow(c, layer, replay, top_k)
+        if top_k is None:
+            raise _anchor_needs_top_k(layer, replay)
+        rows = self._check_top_k(c, top_k)
+        if c.validate:
+            check_positions_against_lengths(
+                top_k, [r.num_tokens for r in self._records], self.request_ids)
+        if replay is not None:
+            replay.begin_plan()
+        # The kernels run over the B rows the caller passed, not over `max_batch`: a caller
+        # that captures one graph per batch size gets small grids for small batches. They
+        # read the caller's top-k in place (a copy into a buffer of ours cost 6 us per call).
+        out = c.buffers.views(rows).out[group]
+        c.kernels.launch_swap_in(layer, group, rows, top_k)
+        if replay is not None:
+            if replay.step is not self:
+                self._anchored.append(replay)
+            replay.finish_plan(self, top_k, out)
+        return out
+
+    def _follow(self, c: DecodeContext, layer: int, replay: GroupReplay,
+                top_k: torch.Tensor | None) -> torch.Tensor:
+        """A follower's rows: its anchor's, once its layer holds the anchor's copies. Handed a
+        top-k, it must be the anchor's own tensor: a check of its address, free on the hot
+        path; `validate` compares contents too."""
+        if replay.step is not self:
+            raise replay.not_anchored(layer)
+        if top_k is not None:
+            if not replay.is_anchor_top_k(top_k):
+                self._check_top_k(c, top_k)  # a malformed tensor gets the precise message
+                raise replay.other_top_k(layer, top_k)
+            if c.validate and not torch.equal(top_k, replay.top_k):
+                raise replay.changed_top_k(layer)
+        return replay.ready_rows(layer)
+
+    def _check_top_k(self, c: DecodeContext, top_k: object) -> int:
+        top_k = check_tensor("top_k", top_k, dtype=torch.int32, device=c.device, ndim=2)
+        rows, columns = top_k.shape
+        check_batch_rows("top_k", rows, self.batch_size, c.batch_capacity)
+        if columns != c.top_k_columns:
+            raise InvalidInputError(
+                f"top_k has {columns} columns, the cache was built for top_k="
+                f"{c.top_k_columns}; pad rows with -1 to {c.top_k_columns} columns"
+            )
+        return rows
+
+    # --- closing --------------------------------------------------------------------------
+    def end(self) -> None:
+        """Back every layer's new row up to its host row (on a side stream where supported)."""
+        with self._lock:
+            c = self._usable("end_decode_step")
+            if c.validate and len(self._written) != c.num_layers:
+                missing = sorted(set(range(c.num_layers)) - self._written)
+                raise RequestStateError(
+                    f"end_decode_step: layers {missing} got no write_newest in this step, so "
+                    "their host backup would store a stale row; call write_newest(layer, kv) "
+                    "for every layer first"
+                )
+            for replay in self._anchored:
+                replay.replay_owed()
+            c.order.backup.issue(self._launch_backup)
+            c.traffic.backed_up_tokens += self.batch_size
+            self._close(c, StepState.ENDED)
+
+    def cancel(self) -> None:
+        """Undo the step's token append, for a forward pass that failed part way.
+
+        Every request is back at its length before the step, with its KV as it was: the new
+        token's extent (if it took one) and short-regime slot are released, and the newest
+        slot gets its previous token back from the host. Rows the step's swap-ins brought into
+        hot buffers stay, as do the counters: those are valid copies of older tokens.
+        """
+        with self._lock:
+            c = self._context
+            if c is None:
+                raise self._refusal("cancel_decode_step")
+            # Followers must hold the rows their anchor's plan put in the group's tables.
+            for replay in self._anchored:
+                replay.replay_owed()
+            for replay in self._anchored:
+                replay.wait_unwaited()
+            # The device first: a failure leaves the step open and the call retryable.
+            self._restore_newest_slots(c)
+            self._undo_append(c)
+            self._close(c, StepState.CANCELLED)
+
+    def abandon(self) -> None:
+        """The cache is closing under an open step: refuse every verb from now on."""
+        self._state = StepState.CLOSED
+        self._context = None
+
+    def _close(self, c: DecodeContext, state: StepState) -> None:
+        """Mark where the step's device work ends (what slot release, reseeding and host-row
+        writers wait for) after every replay it owes, and let go of the cache."""
+        for replay in self._anchored:
+            replay.wait_unwaited()
+            replay.forget(self)
+        c.order.step_end.mark()
+        self._state = state
+        # An old step object the caller keeps must not keep the cache's tables alive.
+        self._context = None
+        self._records, self._anchored = [], []
+
+    def _launch_backup(self) -> None:
+        c = self._context
+        assert c is not None
+        b = c.buffers
+        c.kernels.launch_backup(c.tables, b.newest_rows, b.newest_host_rows, b.num_real)
+
+    def _restore_newest_slots(self, c: DecodeContext) -> None:
+        """Give each long request's newest slot its previous token back from the host, in the
+        layers `write_newest` overwrote."""
+        H, S = c.tables.hot_slots, c.tables.slots_per_request
+        newest = [(_slot(r) * S + H, _host_row(r, r.num_tokens - 2, c.tables.extent_tokens))
+                  for r in self._records if r.num_tokens - 1 > H]
+        if not newest or not self._written:
+            return
+        c.order.host_rows.drain()  # that row's backup may still be landing from a side stream
+        device_rows = torch.tensor([d for d, _ in newest], dtype=torch.long, device=c.device)
+        host_rows = torch.tensor([h for _, h in newest], dtype=torch.long)
+        for layer in sorted(self._written):
+            c.layer_kv[layer].index_copy_(
+                0, device_rows, c.pool.layers[layer][host_rows].to(c.device))
+
+    def _undo_append(self, c: DecodeContext) -> None:
+        """Put every record and table back at the length before the step."""
+        t, records, grew = c.tables, self._records, self._grew
+        H, E = t.hot_slots, t.extent_tokens
+        short = [(_slot(r), r.num_tokens - 1, _host_row(r, r.num_tokens - 1, E))
+                 for r in records if r.num_tokens - 1 < H]
+        uploaded = c.buffers.upload_columns(
+            [[_slot(r) for r in records], [r.num_tokens - 1 for r in records],
+             [_slot(r) for r in grew], [len(r.extents) - 1 for r in grew],
+             *zip(*short, strict=True)]
+        )
+        t.seq_lens[uploaded[0].long()] = uploaded[1]
+        if grew:
+            t.page_table[uploaded[2].long(), uploaded[3].long()] = -1
+        if short:
+            slot_index, hot_slot, row = (x.long() for x in uploaded[4:7])
+            t.slot_key[:, slot_index, hot_slot] = -1
+            t.resident[:, t.residency_keys(slot_index, hot_slot, row)] = -1
+        for record in records:
+            record.num_tokens -= 1
+        for record in grew:
+            c.pool.release(record.extents[-1:])
+            record.extents.pop()
+        if grew:
+            # Kernels of the step may still run; the freed extent held only the new token's
+            # row, which they never read, but its next writer waits for them all the same.
+            c.order.host_rows.note_rows_recycled()
+
+    # --- refusals -------------------------------------------------------------------------
+    def _usable(self, action: str) -> DecodeContext:
+        """The context, if the step is open and the cache still decodes; else raise."""
+        c = self._context
+        if c is None:
+            raise self._refusal(action)
+        if c.kernels.failure is not None:
+            c.kernels.check_usable(action)
+        return c
+
+    def _refusal(self, action: str) -> RequestStateError:
+        if self._state is StepState.CLOSED:
+            return RequestStateError("this HiSparseCache is closed; create a new one")
+        return RequestStateError(
+            f"cannot {action}: this decode step was {self._state.value} already; begin the "
+            "next one with begin_decode_step(request_ids)"
+        )
+
+
+def _install_table_updates(c: DecodeContext, batch: int, updates: dict[str, Any]) -> None:
+    """Write the uploaded values into the tables: one index_copy_ for the lengths, one more
+    where a request took an extent, two where a new token took its own short-regime slot."""
+    t, b = c.tables, c.buffers
+    views = b.views(batch)
+    t.seq_lens.index_copy_(0, views.batch_slots, views.seq_lens)
+    if "page_index" in updates:
+        count = len(updates["page_index"])
+        c.page_entries.index_copy_(0, b.field("page_index", count), b.field("page_extent", count))
+    if "short_slot" in updates:
+        count = len(updates["short_slot"])
+        slot, hot = b.field("short_slot", count), b.field("short_hot", count)
+        t.slot_key[:, slot, hot] = b.field("short_key_i32", count)
+        t.resident[:, b.field("short_key", count)] = b.field("short_hot_resident", count)
+
+
+def _slot(record: RequestRecord) -> int:
+    """The request slot of a record in a step (every running request has one)."""
+    assert record.slot is not None
+    return record.slot
+
+
+def _host_row(record: RequestRecord, position: int, extent_tokens: int) -> int:
+    page, offset = divmod(position, extent_tokens)
+    return record.extents[page] * extent_tokens + offset
+
+
+def _anchor_needs_top_k(layer: int, replay: GroupReplay | None) -> InvalidInputError:
+    if replay is None:
+        return InvalidInputError(
+            f"swap_in({layer}) needs its top_k ([B, K] int32 positions): with "
+            "index_group_size=1 every layer plans its own swap-in; pass the layer's top-k"
+        )
+    last = replay.followers[-1] if replay.followers else layer
+    return InvalidInputError(
+        f"swap_in({layer}) needs its top_k ([B, K] int32 positions): layer {layer} is the "
+        f"anchor of index group {replay.group} (layers {layer}..{last}) and plans the group's "
+        f"swap-in; pass the group's top-k here (its followers may then leave it out)"
+    )

@@ -58,6 +58,8 @@ class CacheModel:
         self.num_groups = -(-num_layers // index_group_size)
         self.requests: dict[Hashable, ModelRequest] = {}
         self.counts = [LayerCounts() for _ in range(num_layers)]
+        # Per running request, over anchor layers, since its last seeding (stats().requests).
+        self.request_counts: dict[Hashable, LayerCounts] = {}
         # What each group's anchor produced this step, for its followers to return.
         self._last_delta = [LayerCounts() for _ in range(self.num_groups)]
         self._last_result: list[list[list[int]]] = [[] for _ in range(self.num_groups)]
@@ -75,6 +77,7 @@ class CacheModel:
         held = {first + s: s for s in range(min(n, hot))}
         request.buffers = [HotBuffer(dict(held), [-1] * hot) for _ in range(self.num_groups)]
         request.running = True
+        self.request_counts[request_id] = LayerCounts()
 
     def release(self, request_id: Hashable) -> None:
         request = self.requests[request_id]
@@ -121,10 +124,13 @@ class CacheModel:
             counts.invalid += delta.invalid
             return self._last_result[group]
         delta = LayerCounts()
-        result = [
-            self._swap_in_row(group, request_id, list(row), delta)
-            for request_id, row in zip(batch, top_k, strict=True)
-        ]
+        result = []
+        for request_id, row in zip(batch, top_k, strict=True):
+            own = self.request_counts.setdefault(request_id, LayerCounts())
+            before = (delta.hits, delta.misses)
+            result.append(self._swap_in_row(group, request_id, list(row), delta))
+            own.hits += delta.hits - before[0]
+            own.misses += delta.misses - before[1]
         counts = self.counts[layer]
         counts.hits += delta.hits
         counts.misses += delta.misses

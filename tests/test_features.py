@@ -108,9 +108,10 @@ def test_launch_options_follow_the_table(name: str, monkeypatch: pytest.MonkeyPa
     backend_class = BUILTINS[name]
     monkeypatch.setattr(backend_class, "device_has_pdl", lambda self, device: True)
     monkeypatch.setattr(backend_class, "compute_units", lambda self, index=None: 7)
+    monkeypatch.setattr(backend_class, "warp_size", lambda self, index=None: 64)
     traits = backend_class().kernel_traits(torch.device("cpu"))
     has_pdl = DESIGN_MATRIX[Feature.PROGRAMMATIC_DEPENDENT_LAUNCH][name] is S
-    assert (traits.pdl, traits.compute_units) == (has_pdl, 7)
+    assert (traits.pdl, traits.compute_units, traits.warp_size) == (has_pdl, 7, 64)
 
 
 def test_a_table_must_cover_every_feature_and_explain_every_gap() -> None:

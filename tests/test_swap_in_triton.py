@@ -148,6 +148,9 @@ def make_tables(sizes: Sizes, gen: torch.Generator,
         hot_slots=hot,
         extent_tokens=ext,
         residency_map=residency_map,
+        # Not zero: the swap-in must add to what a request has counted, not overwrite it.
+        request_counters=torch.randint(0, 1000, (num_req, 2), generator=gen,
+                                       dtype=torch.int64).to(DEVICE),
     )
 
 
@@ -165,6 +168,8 @@ def clone_tables(t: CacheTables) -> CacheTables:
         hot_slots=t.hot_slots,
         extent_tokens=t.extent_tokens,
         residency_map=t.residency_map,
+        request_counters=(None if t.request_counters is None
+                          else t.request_counters.clone()),
     )
 
 
@@ -217,7 +222,8 @@ def poisoned_plan(sizes: Sizes) -> MissPlan:
 
 
 def assert_same_state(got: CacheTables, want: CacheTables) -> None:
-    for name in ("last_use", "lru_clock", "slot_key", "resident", "counters"):
+    for name in ("last_use", "lru_clock", "slot_key", "resident", "counters",
+                 "request_counters"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert torch.equal(got.device_kv, want.device_kv), "device rows differ"
 

@@ -27,7 +27,7 @@ from hisparse.core.requests import (
     SlotAllocator,
 )
 from hisparse.core.slot_tables import build_tables, clear_slot, seed_slot
-from hisparse.core.stats import CacheStats, Occupancy, TrafficCounters
+from hisparse.core.stats import CacheStats, Occupancy, RequestStats, TrafficCounters
 from hisparse.core.step import DecodeContext, DecodeStep
 from hisparse.core.validation import as_batch_ids, check_layer, check_prefill_rows, is_count
 from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
@@ -372,7 +372,8 @@ class HiSparseCache:
         occupancy = _occupancy(self._requests, self._pool, self._slots)
         layers = self._traffic.layer_stats(self.tables.counters, self.row_bytes,
                                            misses_copied=not self.config.skip_io)
-        return CacheStats(layers, occupancy, list(self.disabled_features))
+        return CacheStats(layers, occupancy, list(self.disabled_features),
+                          _request_stats(self._requests, self.tables.request_counters))
 
     @_bookkeeping
     def close(self) -> None:
@@ -545,3 +546,13 @@ def _concrete(device: torch.device) -> torch.device:
     (`same_device`) accept a tensor on any device of the type.
     """
     return torch.empty(0, device=device).device
+
+
+def _request_stats(requests: RequestTable, counters: torch.Tensor | None) -> list[RequestStats]:
+    """Per request holding a device slot, its slot's counters (read back in one copy)."""
+    holding = [r for r in requests if r.slot is not None]
+    if counters is None or not holding:
+        return []
+    values = counters.cpu().tolist()
+    return [RequestStats(r.request_id, str(r.state), r.num_tokens, *values[r.slot])
+            for r in holding]

@@ -38,6 +38,7 @@ def build_tables(config: HiSparseConfig, backend: Backend, pool: HostPool, devic
         resident=torch.full((G, R * pages * E if by_position else pool.num_rows), -1,
                             dtype=residency_dtype(H), device=device),
         counters=torch.zeros(L, 3, dtype=torch.int64, device=device),
+        request_counters=torch.zeros(R, 2, dtype=torch.int64, device=device),
         hot_slots=H,
         extent_tokens=E,
         residency_map=config.residency_map,
@@ -74,6 +75,8 @@ def seed_slot(tables: CacheTables, pool: HostPool, record: RequestRecord) -> Non
     # One stamp for all, below the clock: ties go by slot id, so the oldest token goes first.
     t.last_use[:, r].fill_(-1)
     t.lru_clock[:, r] = 0
+    if t.request_counters is not None:  # a request's hit rate counts from its seeding
+        t.request_counters[r] = 0
     for first, count, slot in pieces:
         for token, row, length in token_runs(record.extents, E, first, first + count):
             device_row = r * S + slot + token - first

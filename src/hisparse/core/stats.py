@@ -41,10 +41,31 @@ class Occupancy:
 
 
 @dataclass(frozen=True)
+class RequestStats:
+    """One request's swap-in traffic since it last got its device slot (admit, resume or a
+    completed transfer), summed over the anchor layers of its index groups (a follower layer
+    reads its anchor's rows and adds nothing of its own)."""
+
+    request_id: object
+    state: str
+    seq_len: int
+    hits: int
+    misses: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Hits over hits and misses; None before its first swap-in."""
+        looked_up = self.hits + self.misses
+        return self.hits / looked_up if looked_up else None
+
+
+@dataclass(frozen=True)
 class CacheStats:
     layers: list[LayerStats]
     occupancy: Occupancy
     disabled_features: list[str]
+    # Every request holding a device slot (running), in admission order.
+    requests: list[RequestStats] = field(default_factory=list)
 
     @property
     def hits(self) -> int:
@@ -79,6 +100,8 @@ class CacheStats:
             "layers": [asdict(s) for s in self.layers],
             "occupancy": asdict(self.occupancy),
             "disabled_features": list(self.disabled_features),
+            "requests": [{**asdict(r), "request_id": str(r.request_id), "hit_rate": r.hit_rate}
+                         for r in self.requests],
         }
 
 

@@ -53,6 +53,9 @@ class CacheTables:
     # step: 18.3 -> 13.6 us; 512-token extents: no change; benchmarks/NOTES.md fifteenth
     # pass), for R * T entries per group instead of N.
     residency_map: ResidencyMap = "host_row"
+    # [R, 2] int64: hits and misses of each request slot's swap-ins since it was last seeded
+    # (stats() reports them per request). None: not counted.
+    request_counters: torch.Tensor | None = None
 
     @property
     def slots_per_request(self) -> int:

@@ -53,6 +53,8 @@ def check_tables(tables: CacheTables) -> None:
         ("resident", t.resident, (num_groups, num_keys), None),
         ("counters", t.counters, (num_layers, 3), torch.int64),
     )
+    if t.request_counters is not None:
+        expected += (("request_counters", t.request_counters, (num_requests, 2), torch.int64),)
     for name, tensor, shape, dtype in expected:
         if (tuple(tensor.shape) != shape or not tensor.is_contiguous()
                 or tensor.device != device or dtype not in (None, tensor.dtype)):

@@ -55,6 +55,7 @@ class Scratch:
     order: torch.Tensor  # [Bcap, H] int32: each row's victims in slot order
     miss_row: torch.Tensor  # [Bcap, K] int32: each entry's code (lookup.py, _entry_codes)
     miss_count: torch.Tensor  # [Bcap] int32: misses per batch row
+    hit_count: torch.Tensor  # [Bcap] int32: hits per batch row (per-request counters)
     # [2 * buckets + 1] int32: misses per host-address bucket, entries handed out per bucket,
     # selection programs done
     address_order: torch.Tensor
@@ -68,7 +69,8 @@ class Scratch:
             return torch.zeros(*shape, dtype=torch.int32, device=device)
 
         return cls(order=zeros(batch_cap, hot_slots), miss_row=zeros(batch_cap, top_k),
-                   miss_count=zeros(batch_cap), address_order=zeros(2 * buckets + 1),
+                   miss_count=zeros(batch_cap), hit_count=zeros(batch_cap),
+                   address_order=zeros(2 * buckets + 1),
                    row_buckets=zeros(batch_cap, buckets),
                    plan=MissPlan.empty(batch_cap, top_k, device))
 
@@ -81,6 +83,7 @@ class Scratch:
         selection (which resets them): queued behind the lookup, so the next call starts
         from zero."""
         self.miss_count.zero_()
+        self.hit_count.zero_()
         self.address_order.zero_()
         self.row_buckets.zero_()
 
@@ -151,20 +154,25 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
                                          scratch.address_order[buckets:-1],
                                          scratch.address_order[-1:])
     resident, last_use, lru_clock = t.resident[group], t.last_use[group], t.lru_clock[group]
+    request_counts = t.request_counters
     shared = {"EARLY_LOADS": plan.early_loads, "POSITION_KEYED": plan.position_keyed,
-              "USE_PDL": plan.pdl, "ADDRESS_ORDER": plan.address_order, "NUM_BUCKETS": buckets}
+              "USE_PDL": plan.pdl, "ADDRESS_ORDER": plan.address_order, "NUM_BUCKETS": buckets,
+              "REQUEST_COUNTS": request_counts is not None}
     launches = [
         BoundLaunch(classify_kernel, plan.classify_grid, (
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, resident, last_use,
             lru_clock, scratch.miss_row, scratch.miss_count, t.counters[layer], bucket_count,
-            num_requests, t.slots_per_request, k, hot, t.extent_tokens, max_pages, n_rows,
-            positions), {**shared, "COUNTER_SEM": plan.counter_sem, "CHUNK_K": plan.classify_chunk,
-                         "num_warps": plan.classify_warps}, device=device, direct=direct),
+            scratch.hit_count, num_requests, t.slots_per_request, k, hot, t.extent_tokens,
+            max_pages, n_rows, positions),
+            {**shared, "COUNTER_SEM": plan.counter_sem, "CHUNK_K": plan.classify_chunk,
+             "num_warps": plan.classify_warps}, device=device, direct=direct),
         BoundLaunch(select_kernel, (rows,), (
             num_real, req_slots, t.seq_lens, top_k, out, resident, t.slot_key[group], last_use,
             lru_clock, scratch.miss_row, scratch.miss_count, scratch.order, miss_plan.src,
             miss_plan.dst, miss_plan.count, miss_plan.src.stride(0), bucket_count,
-            bucket_cursor, done, scratch.row_buckets, num_requests, t.slots_per_request, k,
+            bucket_cursor, done, scratch.row_buckets, scratch.hit_count,
+            request_counts if request_counts is not None else t.counters, num_requests,
+            t.slots_per_request, k,
             hot, n_rows, positions, resident.shape[0]),
             {**shared, "FAST_ROUNDS": plan.select_fast_rounds, "BLOCK_K": plan.block_k,
              "BLOCK_H": plan.block_h, "num_warps": plan.select_warps,

@@ -169,6 +169,8 @@ def classify_kernel(
     counters_ptr,  # [3] int64 this layer's counters
     bucket_count_ptr,  # [NUM_BUCKETS] int32 scratch: misses per host-address bucket (zero
     # between calls; ADDRESS_ORDER only)
+    hit_count_ptr,  # [Bcap] int32 scratch: hits per batch row (zero between calls;
+    # REQUEST_COUNTS only)
     R, S, K, H, E, P, N, T,
     EARLY_LOADS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,  # resident is indexed by r * T + position, not by host row
@@ -177,6 +179,7 @@ def classify_kernel(
     CHUNK_K: tl.constexpr,
     ADDRESS_ORDER: tl.constexpr,  # the selection writes the plan in host-address order
     NUM_BUCKETS: tl.constexpr,
+    REQUEST_COUNTS: tl.constexpr,  # count hits per batch row for the per-request counters
 ):
     if USE_PDL:  # the selection kernel may start now: it waits (gdc_wait) before our output
         gdc_launch_dependents()
@@ -201,3 +204,5 @@ def classify_kernel(
     n_hit, n_miss, n_invalid = _count_codes(code)
     _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
     tl.atomic_add(miss_count_ptr + b, n_miss, mask=n_miss > 0, sem=COUNTER_SEM)
+    if REQUEST_COUNTS:
+        tl.atomic_add(hit_count_ptr + b, n_hit, mask=n_hit > 0, sem=COUNTER_SEM)

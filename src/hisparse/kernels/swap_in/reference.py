@@ -123,8 +123,12 @@ def swap_in_reference(
         plan.src[miss_b, miss_rank[miss_b, miss_k]] = miss_row.to(plan.src.dtype)
         plan.dst[miss_b, miss_rank[miss_b, miss_k]] = miss_dst.to(plan.dst.dtype)
 
-    t.counters[layer, 0] += (valid & ~miss & ~lost).sum()
+    served = valid & ~miss & ~lost
+    t.counters[layer, 0] += served.sum()
     t.counters[layer, 1] += miss.sum()
+    if t.request_counters is not None:
+        per_row = torch.stack([served.sum(1), miss.sum(1)], dim=1)
+        t.request_counters.index_add_(0, r[real], per_row[real])
     t.counters[layer, 2] += invalid.sum()
     out.copy_(result.to(out.dtype))
 

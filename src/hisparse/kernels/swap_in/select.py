@@ -153,6 +153,8 @@ def select_kernel(
     done_ptr,  # [1] int32 scratch: programs done with the two above (all zero between calls)
     row_buckets_ptr,  # [Bcap, NUM_BUCKETS] int32 scratch: a row's misses per bucket (zero
     # between calls)
+    hit_count_ptr,  # [Bcap] int32 scratch: the lookup's hits per batch row (zero between calls)
+    request_counts_ptr,  # [R, 2] int64 hits and misses per request slot (REQUEST_COUNTS only)
     R, S, K, H, N,
     T,  # positions per request
     NUM_KEYS,  # entries of this group's residency map
@@ -167,6 +169,7 @@ def select_kernel(
     # that share the link's address translations are read together.
     ADDRESS_ORDER: tl.constexpr,
     NUM_BUCKETS: tl.constexpr,
+    REQUEST_COUNTS: tl.constexpr,  # add the row's hits and misses to its request's counters
 ):
     """One program per batch row. It owns all LRU state of its request (two rows of a batch
     never share a request slot), so the LRU needs no atomics (the address-ordered plan's
@@ -187,6 +190,14 @@ def select_kernel(
         gdc_launch_dependents()
     num_misses = tl.load(miss_count_ptr + b)
     tl.store(miss_count_ptr + b, 0, mask=num_misses != 0)  # zero for the next call
+    if REQUEST_COUNTS:
+        # The program owns its request for this call, so a plain add is enough.
+        num_hits = tl.load(hit_count_ptr + b)
+        tl.store(hit_count_ptr + b, 0, mask=num_hits != 0)
+        counts = request_counts_ptr + r.to(tl.int64) * 2
+        tl.store(counts, tl.load(counts, mask=real, other=0) + num_hits.to(tl.int64), mask=real)
+        tl.store(counts + 1, tl.load(counts + 1, mask=real, other=0) + num_misses.to(tl.int64),
+                 mask=real)
     installed = 0
     if real & (n > H):
         if num_misses > 0:

@@ -48,7 +48,7 @@ def test_reference_matches_naive_loops(rng: torch.Generator) -> None:
 def test_attention_over_hot_rows_equals_full_kv(backend_name: str, rng: torch.Generator) -> None:
     config = hisparse.HiSparseConfig.from_preset(
         "tiny", num_layers=2, index_group_size=2, row_bytes=2 * WIDTH, top_k=8,
-        device_buffer_size=12, extent_tokens=4, max_requests=3, max_batch=3,
+        hot_slots=12, extent_tokens=4, max_requests=3, max_batch=3,
         host_pool_tokens=256, max_seq_len=128,
     )
     g = rng

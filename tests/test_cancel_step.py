@@ -27,7 +27,7 @@ PROGRESS = {"nothing": (0, 0), "some rows": (3, 0), "anchor": (4, 1), "group": (
 
 def build(backend: Any, prefetch: bool | None) -> hisparse.HiSparseCache:
     config = hisparse.HiSparseConfig.from_preset(
-        "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, device_buffer_size=HOT,
+        "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, hot_slots=HOT,
         index_group_size=GROUP, extent_tokens=EXTENT, max_requests=4, max_batch=4,
         host_pool_tokens=40 * EXTENT, max_seq_len=32, validate=True,
         shared_index_prefetch=prefetch,

@@ -19,7 +19,7 @@ from hisparse.cli.main import main
 from hisparse.errors import InvalidInputError
 
 TINY = ["--device", "cpu", "--no-progress", "--batches", "1", "2", "--churns", "0", "1",
-        "--seq-len", "1024", "--top-k", "64", "--hot-buffer", "128", "--warmup", "2",
+        "--seq-len", "1024", "--top-k", "64", "--hot-slots", "128", "--warmup", "2",
         "--steps", "2", "--bulk-mib", "1", "--gather-pool-mib", "1",
         "--gather-rows", "100", "1000"]
 
@@ -153,10 +153,10 @@ def test_the_plot_shows_the_reference_values_the_tables_show(
 def test_bench_takes_its_swap_in_shape_from_a_config_file(
         capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     config = tmp_path / "mine.yaml"
-    config.write_text("top_k: 32\ndevice_buffer_size: 80\nrow_bytes: 128\nextent_tokens: 256\n"
+    config.write_text("top_k: 32\nhot_slots: 80\nrow_bytes: 128\nextent_tokens: 256\n"
                       "residency_map: position\n")
-    # TINY without its --top-k 64 --hot-buffer 128, which would win over the file.
-    base = TINY[:TINY.index("--top-k")] + TINY[TINY.index("--hot-buffer") + 2:]
+    # TINY without its --top-k 64 --hot-slots 128, which would win over the file.
+    base = TINY[:TINY.index("--top-k")] + TINY[TINY.index("--hot-slots") + 2:]
     doc = bench_json(capsys, tmp_path, "--config", str(config), "--churns", "1",
                      "--batches", "1", "--layouts", "extents", base=base)
     sizes = doc["sw1"]["sizes"]
@@ -177,7 +177,7 @@ def test_bench_takes_its_swap_in_shape_from_a_config_file(
     error = usage_error_line(capsys.readouterr().err, "bench")
     assert error.startswith("hisparse bench: error: argument --top-k: 100 entries do not fit "
                             f"the hot buffer of config file {config} (80 slots); pass "
-                            "--hot-buffer too")
+                            "--hot-slots too")
 
 
 def test_a_wrong_device_row_fails_the_byte_check() -> None:
@@ -204,7 +204,7 @@ def test_a_wrong_device_row_fails_the_byte_check() -> None:
     [
         (["--churns", "2"], "--churns"),
         (["--layouts", "diagonal"], "--layouts"),
-        (["--hot-buffer", "10"], "--hot-buffer"),
+        (["--hot-slots", "10"], "--hot-slots"),
         (["--gather-rows", "10000000"], "--gather-rows"),
         (["--device", "no-such-device"], "--device"),
         (["--only", "everything"], "--only"),

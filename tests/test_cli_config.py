@@ -19,7 +19,7 @@ num_layers: 2
 kv_dtype: bf16
 row_bytes_by_dtype: {fp8: 96, bf16: 160}
 top_k: 32
-device_buffer_size: 72
+hot_slots: 72
 index_group_size: 2
 max_requests: 2
 max_seq_len: 2048
@@ -66,7 +66,7 @@ def test_simulate_reads_a_config_file(capsys: pytest.CaptureFixture[str], mine: 
     doc = run_json(capsys, "simulate", "--config", str(mine), *SIM_SMALL)
     config = doc["config"]
     assert (config["model"], config["num_layers"], config["row_bytes"]) == ("mine", 2, 160)
-    assert (config["top_k"], config["device_buffer_size"], config["index_group_size"]) == (
+    assert (config["top_k"], config["hot_slots"], config["index_group_size"]) == (
         32, 72, 2)
     # 2 steps x 2 layers x 32 entries looked up, every one a hit or a miss.
     summary = doc["summary"]
@@ -118,29 +118,29 @@ def test_an_unknown_preset_points_at_config(capsys: pytest.CaptureFixture[str],
 def test_a_top_k_past_the_presets_hot_buffer_names_hot_buffer_in_both_commands(
     capsys: pytest.CaptureFixture[str], command: str,
 ) -> None:
-    """simulate answered with a config key (`device_buffer_size: got 128, must be at least top_k
+    """simulate answered with a config key (`hot_slots: got 128, must be at least top_k
     (5000)`), while plan went on; now both refuse the same way and name the option to pass."""
     error = usage_error(capsys, command, "--preset", "tiny", "--top-k", "5000",
                         *(SIM_SMALL if command == "simulate" else []))
     assert error == (
         f"hisparse {command}: error: argument --top-k: 5000 entries do not fit the hot buffer "
-        "of the tiny preset (128 slots); pass --hot-buffer too (at least 5000; 10000 is the "
+        "of the tiny preset (128 slots); pass --hot-slots too (at least 5000; 10000 is the "
         "usual 2 x top-k) or use at most --top-k 128")
-    assert "device_buffer_size" not in error
+    assert "hot_slots" not in error
 
 
 def test_plan_and_simulate_derive_the_same_hot_buffer(capsys: pytest.CaptureFixture[str],
                                                       mine: Path) -> None:
     """A preset that leaves the hot buffer unset (deepseek-v3.2) derives 2 x top-k in both; one
-    that sets it (tiny) keeps it while top-k fits, and --hot-buffer wins in both."""
+    that sets it (tiny) keeps it while top-k fits, and --hot-slots wins in both."""
     def plan_and_simulate(*argv: str) -> tuple[int, int]:
         planned = run_json(capsys, "plan", *argv, "--context", "8192")["settings"]["hot_slots"]
         simulated = run_json(capsys, "simulate", *argv, *SIM_SMALL)
-        return planned, simulated["config"]["device_buffer_size"]
+        return planned, simulated["config"]["hot_slots"]
 
     assert plan_and_simulate("--preset", "deepseek-v3.2", "--top-k", "48") == (96, 96)
     assert plan_and_simulate("--preset", "tiny", "--top-k", "48") == (128, 128)
-    assert plan_and_simulate("--preset", "tiny", "--top-k", "200", "--hot-buffer", "300") == (
+    assert plan_and_simulate("--preset", "tiny", "--top-k", "200", "--hot-slots", "300") == (
         300, 300)
 
 
@@ -150,13 +150,13 @@ def test_option_values_the_config_refuses_are_named_by_their_option(
 ) -> None:
     extra = SIM_SMALL if command == "simulate" else []
     error = usage_error(capsys, command, "--preset", "tiny", "--top-k", "100",
-                        "--hot-buffer", "50", *extra)
-    assert error == (f"hisparse {command}: error: argument --hot-buffer: got 50, must be at "
+                        "--hot-slots", "50", *extra)
+    assert error == (f"hisparse {command}: error: argument --hot-slots: got 50, must be at "
                      "least --top-k (100)")
     error = usage_error(capsys, command, "--preset", "tiny", "--index-group-size", "8", *extra)
     assert error.startswith(f"hisparse {command}: error: argument --index-group-size: got 8, "
                             "larger than ")
-    assert "index_group_size" not in error and "device_buffer_size" not in error
+    assert "index_group_size" not in error and "hot_slots" not in error
     if command == "simulate":  # --layers is simulate's: the value at fault is that option's
         error = usage_error(capsys, command, "--preset", "tiny", "--layers", "1", *extra)
         assert error == ("hisparse simulate: error: argument --layers: --index-group-size: got 2, "

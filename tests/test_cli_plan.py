@@ -155,7 +155,7 @@ def test_plan_table_names_the_columns(capsys: pytest.CaptureFixture[str]) -> Non
         (["--miss-rate", "2"], "--miss-rate"),
         (["--gpu-mem-gib", "abc"], "--gpu-mem-gib"),
         (["--weights-gib", "500"], "--weights-gib"),
-        (["--hot-buffer", "100"], "--hot-buffer"),
+        (["--hot-slots", "100"], "--hot-slots"),
         (["--preset", "no-such-model"], "--preset"),
     ],
 )

@@ -164,7 +164,7 @@ def test_table_output_and_progress_on_stderr(capsys: pytest.CaptureFixture[str])
         (["--carryover", "1.5"], "--carryover"),
         (["--steps", "0"], "--steps"),
         (["--steps", "4", "--warmup", "4"], "--warmup"),
-        (["--hot-buffer", "10"], "--hot-buffer"),
+        (["--hot-slots", "10"], "--hot-slots"),
         (["--heavy-hitters", "100"], "--heavy-hitters"),
         (["--kv-dtype", "int4"], "--kv-dtype"),
     ],

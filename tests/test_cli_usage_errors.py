@@ -29,7 +29,7 @@ def test_simulate_glm5_on_a_cpu_keeps_whole_index_groups(
     # The CPU default caps the preset's layers at 2; GLM-5 shares one top-k per 4 layers, and
     # the cap used to make a config with index_group_size > num_layers: a ConfigError
     # traceback instead of a run.
-    code = main(["simulate", "--preset", "glm-5", "--top-k", "64", "--hot-buffer", "128",
+    code = main(["simulate", "--preset", "glm-5", "--top-k", "64", "--hot-slots", "128",
                  "--json", *SIM_SMALL])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -115,7 +115,7 @@ def test_targets_are_judged_at_sw1_sizes_on_an_accelerator() -> None:
 @pytest.mark.parametrize("change", [
     {"seq_len": 16384},  # --quick on a GPU, or --seq-len
     {"top_k": 512, "hot_slots": 1024},  # --top-k
-    {"hot_slots": 8192},  # --hot-buffer
+    {"hot_slots": 8192},  # --hot-slots
 ])
 def test_targets_are_not_judged_for_another_workload(change: dict[str, int]) -> None:
     # DESIGN.md's targets (and SGLang's times they quote) are for SW-1's sizes; a smaller

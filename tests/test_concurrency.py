@@ -41,7 +41,7 @@ def fast_switching() -> Iterator[None]:
 
 def build(backend: Any, validate: bool = True) -> hisparse.HiSparseCache:
     config = hisparse.HiSparseConfig.from_preset(
-        "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, device_buffer_size=8,
+        "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, hot_slots=8,
         index_group_size=2, extent_tokens=4, max_requests=6, max_batch=4,
         host_pool_tokens=1024, max_seq_len=256, validate=validate,
     )

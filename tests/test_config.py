@@ -58,7 +58,7 @@ def test_overrides_and_derived_fields() -> None:
     derived = HiSparseConfig(top_k=100)
     assert derived.hot_slots == 200
     assert derived.replace(top_k=300).hot_slots == 600  # derived again
-    assert derived.replace(device_buffer_size=250).hot_slots == 250
+    assert derived.replace(hot_slots=250).hot_slots == 250
     assert derived.replace(kv_dtype="bf16").row_bytes == 1152
     assert derived.replace(row_bytes=100, kv_dtype="bf16").row_bytes == 100
     assert derived.slots_per_request == 201
@@ -94,12 +94,12 @@ def test_every_problem_is_reported_at_once() -> None:
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"device_buffer_size": 10, "top_k": 64}, "device_buffer_size: got 10, must be at least"),
+        ({"hot_slots": 10, "top_k": 64}, "hot_slots: got 10, must be at least"),
         ({"index_group_size": 5, "num_layers": 4}, "index_group_size: got 5"),
         ({"max_batch": 9}, "max_batch: got 9, larger than max_requests (8)"),
         ({"max_seq_len": 9000}, "max_seq_len: got 9000, more than the host pool holds (8192"),
         ({"host_pool_tokens": 2**31}, "must be < 2**31"),
-        ({"device_buffer_size": 2**31}, "device_buffer_size: got 2147483648, must be < 2**31"),
+        ({"hot_slots": 2**31}, "hot_slots: got 2147483648, must be < 2**31"),
         ({"num_layers": True}, "num_layers: expected a positive int, got True"),
         ({"skip_io": None}, "skip_io: got None; valid choices: true or false"),
         ({"validate": 1}, "validate: got 1"),
@@ -186,7 +186,7 @@ def valid_settings(draw: st.DrawFn) -> dict:
         "num_layers": draw(st.integers(1, 100)),
         "kv_dtype": draw(st.sampled_from(["fp8", "bf16"])),
         "top_k": top_k,
-        "device_buffer_size": draw(st.none() | st.integers(top_k, 4 * top_k)),
+        "hot_slots": draw(st.none() | st.integers(top_k, 4 * top_k)),
         "max_requests": max_requests,
         "max_batch": draw(st.none() | st.integers(1, max_requests)),
         "extent_tokens": extent,
@@ -223,3 +223,19 @@ def test_invalid_values_are_rejected_by_name(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as caught:
         HiSparseConfig.from_preset("tiny", **{field: value})
     assert any(problem.startswith(f"{field}:") for problem in caught.value.problems)
+
+
+def test_the_hot_buffers_old_key_still_loads_with_a_warning(tmp_path) -> None:
+    """`hot_slots` was `device_buffer_size` until issue 21 gave the hot buffer one name: a
+    file or an override with the old key loads the same config and says what to rename;
+    both names at once is refused rather than one silently winning."""
+    old_file = tmp_path / "old.yaml"
+    old_file.write_text("num_layers: 2\ntop_k: 64\ndevice_buffer_size: 200\n")
+    with pytest.warns(DeprecationWarning, match="'device_buffer_size' is now 'hot_slots'"):
+        config = HiSparseConfig.from_yaml(old_file)
+    assert config.hot_slots == 200 and config.slots_per_request == 201
+    with pytest.warns(DeprecationWarning, match="override: the key 'device_buffer_size'"):
+        assert HiSparseConfig.from_preset("tiny", device_buffer_size=300).hot_slots == 300
+    with pytest.raises(ConfigError, match="keep hot_slots only"):
+        HiSparseConfig.from_dict({"num_layers": 2, "hot_slots": 8, "device_buffer_size": 8})
+    assert HiSparseConfig.from_preset("tiny", top_k=32, hot_slots=None).hot_slots == 64

@@ -27,7 +27,7 @@ PROMPTS = {"long": 20, "mid": 11, "short": 3}  # long and mid are past H, short 
 
 def build(backend: Any, group: int, validate: bool = False) -> hisparse.HiSparseCache:
     config = hisparse.HiSparseConfig.from_preset(
-        "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, device_buffer_size=HOT,
+        "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, hot_slots=HOT,
         index_group_size=group, extent_tokens=EXTENT, max_requests=4, max_batch=3,
         host_pool_tokens=64 * EXTENT, max_seq_len=64, validate=validate,
         shared_index_prefetch=True,

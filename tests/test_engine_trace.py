@@ -57,7 +57,7 @@ def _config(hot: int, top_k: int, extent: int, group: int, validate: bool, pool_
     """Configs are frozen, so one per argument tuple; parsing the preset was ~10% of the run."""
     return hisparse.HiSparseConfig.from_preset(
         "tiny", num_layers=NUM_LAYERS, row_bytes=ROW_BYTES, top_k=top_k,
-        device_buffer_size=hot, index_group_size=group, extent_tokens=extent,
+        hot_slots=hot, index_group_size=group, extent_tokens=extent,
         max_requests=max_requests, max_batch=max_batch, host_pool_tokens=pool_extents * extent,
         max_seq_len=pool_extents * extent, validate=validate, residency_map=residency_map,
     )

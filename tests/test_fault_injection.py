@@ -25,7 +25,7 @@ LAYERS, WIDTH = 4, 32
 
 
 def config(**overrides: Any) -> hisparse.HiSparseConfig:
-    shape = dict(num_layers=LAYERS, row_bytes=WIDTH, top_k=4, device_buffer_size=8,
+    shape = dict(num_layers=LAYERS, row_bytes=WIDTH, top_k=4, hot_slots=8,
                  extent_tokens=4, max_requests=3, max_batch=3, host_pool_tokens=64,
                  max_seq_len=64, index_group_size=2, validate=True)
     return hisparse.HiSparseConfig.from_preset("tiny", **(shape | overrides))

@@ -163,7 +163,7 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
 # --- the helpers catch what they must ---------------------------------------------------
 def _small_cache() -> hisparse.HiSparseCache:
     config = hisparse.HiSparseConfig.from_preset(
-        "tiny", num_layers=2, row_bytes=16, top_k=2, device_buffer_size=4, extent_tokens=2,
+        "tiny", num_layers=2, row_bytes=16, top_k=2, hot_slots=4, extent_tokens=2,
         max_requests=2, max_batch=2, host_pool_tokens=32, max_seq_len=32, validate=True,
     )
     cache = hisparse.HiSparseCache(config, device="cpu")

@@ -15,7 +15,7 @@ from oracle import CacheModel
 
 
 def _config(**overrides: object) -> hisparse.HiSparseConfig:
-    base = {"num_layers": 4, "top_k": 4, "device_buffer_size": 6, "extent_tokens": 4,
+    base = {"num_layers": 4, "top_k": 4, "hot_slots": 6, "extent_tokens": 4,
             "max_requests": 3, "host_pool_tokens": 512, "max_seq_len": 64,
             "index_group_size": 2}
     return hisparse.HiSparseConfig.from_preset("tiny", **{**base, **overrides})

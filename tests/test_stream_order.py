@@ -40,7 +40,7 @@ def deferred_cache(backend: DeferredStreamCpu, max_requests: int, pool_extents: 
     """A cache whose follower replays (and backups, with `async_backup`) run on deferred side
     streams of `backend`."""
     config = hisparse.HiSparseConfig.from_preset(
-        "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, device_buffer_size=HOT,
+        "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, hot_slots=HOT,
         index_group_size=GROUP, extent_tokens=EXTENT, max_requests=max_requests,
         max_batch=min(3, max_requests), host_pool_tokens=pool_extents * EXTENT, max_seq_len=64,
         validate=False, async_backup=async_backup, shared_index_prefetch=True,

@@ -69,7 +69,7 @@ class World:
 
 def build_world(backend: Any, generator: torch.Generator) -> World:
     config = hisparse.HiSparseConfig.from_preset(
-        "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, device_buffer_size=HOT,
+        "tiny", num_layers=LAYERS, row_bytes=WIDTH, top_k=TOP_K, hot_slots=HOT,
         index_group_size=GROUP, extent_tokens=EXTENT, max_requests=4, max_batch=3,
         host_pool_tokens=POOL_EXTENTS * EXTENT, max_seq_len=MAX_SEQ, validate=True,
     )

@@ -182,13 +182,13 @@ def build_tables(
     `mirror`: the pool's rows on the device, to seed the hot buffers from (faster than a
     host gather of B x (H+1) rows)."""
     device = backend.device()
-    hot, slots, n = sizes.hot_slots, sizes.hot_slots + 1, sizes.seq_len
+    hot_slots, slots, n = sizes.hot_slots, sizes.hot_slots + 1, sizes.seq_len
     pages, extent = page_table_for(layout, batch, sizes, rng)
     host_rows = token_host_rows(pages, extent, n)  # [B, seq_len]
     num_rows = batch * n
     i32 = {"dtype": torch.int32, "device": device}
     host = pool[:num_rows]
-    seeded = host_rows[:, n - 1 - hot:]  # the H tokens before the newest, then the newest
+    seeded = host_rows[:, n - 1 - hot_slots:]  # the H tokens before the newest, then the newest
     device_kv = torch.zeros(1, batch * slots, sizes.row_bytes, dtype=torch.uint8, device=device)
     source = host if mirror is None else mirror
     seeded_rows = torch.from_numpy(seeded.reshape(-1)).to(source.device)
@@ -196,13 +196,13 @@ def build_tables(
     # The positions every page table maps (a pool of B x seq_len rows: as many keys either way).
     positions = pages.shape[1] * extent
     if residency_map == "position":
-        lru_keys = (np.arange(batch)[:, None] * positions + np.arange(n - 1 - hot, n - 1))
+        lru_keys = (np.arange(batch)[:, None] * positions + np.arange(n - 1 - hot_slots, n - 1))
         num_keys = batch * positions
     else:
-        lru_keys, num_keys = seeded[:, :hot], num_rows
-    resident = torch.full((1, num_keys), -1, dtype=residency_dtype(hot), device=device)
+        lru_keys, num_keys = seeded[:, :hot_slots], num_rows
+    resident = torch.full((1, num_keys), -1, dtype=residency_dtype(hot_slots), device=device)
     resident[0, torch.from_numpy(lru_keys.reshape(-1)).to(device)] = torch.arange(
-        hot, dtype=resident.dtype, device=device).repeat(batch)
+        hot_slots, dtype=resident.dtype, device=device).repeat(batch)
     tables = CacheTables(
         device_kv=device_kv,
         host_kv=[host],
@@ -213,11 +213,11 @@ def build_tables(
         slot_key=torch.from_numpy(
             np.ascontiguousarray(lru_keys, dtype=np.int32)).to(device)[None],
         # The engine's seeded state: one stamp for all, ties by slot id (oldest token first).
-        last_use=torch.full((1, batch, hot), -1, **i32),
+        last_use=torch.full((1, batch, hot_slots), -1, **i32),
         lru_clock=torch.zeros(1, batch, **i32),
         resident=resident,
         counters=torch.zeros(1, 3, dtype=torch.int64, device=device),
-        hot_slots=hot,
+        hot_slots=hot_slots,
         extent_tokens=extent,
         residency_map=residency_map,
     )

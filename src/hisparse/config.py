@@ -41,7 +41,7 @@ class HiSparseConfig:
     """One cache's shape and switches. Build with `from_preset`, `from_yaml` or `from_dict`.
 
     Defaults describe DeepSeek-V3.2 (configs/default.yaml lists them). Fields left as None
-    are derived: `row_bytes` from `row_bytes_by_dtype[kv_dtype]`, `device_buffer_size` as
+    are derived: `row_bytes` from `row_bytes_by_dtype[kv_dtype]`, `hot_slots` as
     `2 * top_k`, `max_batch` as `max_requests`, `residency_map` as `"host_row"`; `replace()`
     derives them again.
     """
@@ -54,7 +54,7 @@ class HiSparseConfig:
         default_factory=lambda: _DEEPSEEK_ROW_BYTES, hash=False
     )
     top_k: int = 2048
-    device_buffer_size: int | None = None
+    hot_slots: int | None = None  # H, the hot buffer's LRU slots; None: 2 * top_k
     index_group_size: int = 1
     max_requests: int = 64
     max_batch: int | None = None
@@ -115,19 +115,19 @@ class HiSparseConfig:
                 if value is not None or name != "row_bytes":
                     problems.append(f"{name}: expected a positive int, got {value!r}")
 
-        if self.device_buffer_size is None and "top_k" not in bad:
-            set_field(self, "device_buffer_size", 2 * self.top_k)
-            derived.add("device_buffer_size")
+        if self.hot_slots is None and "top_k" not in bad:
+            set_field(self, "hot_slots", 2 * self.top_k)
+            derived.add("hot_slots")
         if self.max_batch is None and "max_requests" not in bad:
             set_field(self, "max_batch", self.max_requests)
             derived.add("max_batch")
-        for name, low in (("device_buffer_size", self.top_k), ("max_batch", 1)):
+        for name, low in (("hot_slots", self.top_k), ("max_batch", 1)):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 problems.append(f"{name}: expected an int, got {value!r}")
                 bad.add(name)
             elif _is_int(value) and _is_int(low) and value < low:
-                what = "top_k" if name == "device_buffer_size" else "1"
+                what = "top_k" if name == "hot_slots" else "1"
                 problems.append(f"{name}: got {value}, must be at least {what} ({low})")
 
         if self.residency_map is None:
@@ -155,8 +155,8 @@ class HiSparseConfig:
 
     def _check_limits(self) -> list[str]:
         problems = []
-        if self.device_buffer_size >= INT32_LIMIT:
-            problems.append(f"device_buffer_size: got {self.device_buffer_size}, must be < 2**31")
+        if self.hot_slots >= INT32_LIMIT:
+            problems.append(f"hot_slots: got {self.hot_slots}, must be < 2**31")
         if self.index_group_size > self.num_layers:
             problems.append(
                 f"index_group_size: got {self.index_group_size}, larger than num_layers "
@@ -185,21 +185,16 @@ class HiSparseConfig:
             )
         if self.max_requests * self.slots_per_request >= INT32_LIMIT:
             problems.append(
-                f"max_requests * (device_buffer_size + 1) = "
+                f"max_requests * (hot_slots + 1) = "
                 f"{self.max_requests * self.slots_per_request} device rows, must be < 2**31"
             )
         return problems
 
     # --- derived sizes (docs/ARCHITECTURE.md symbols) ------------------------------------
     @property
-    def hot_slots(self) -> int:
-        """H: LRU-managed device slots per (request, index group)."""
-        return self.device_buffer_size
-
-    @property
     def slots_per_request(self) -> int:
         """S = H + 1: slot H holds the newest token."""
-        return self.device_buffer_size + 1
+        return self.hot_slots + 1
 
     @property
     def batch_capacity(self) -> int:
@@ -246,6 +241,7 @@ class HiSparseConfig:
         """Build from a mapping of field names; unknown keys are rejected with the valid list."""
         if not isinstance(values, Mapping):
             raise ConfigError(f"{source or 'config'}: expected a mapping of keys, got {values!r}")
+        values = _renamed_keys(values, source)
         known = set(cls.field_names())
         unknown = sorted(map(str, set(values) - known))
         problems = []
@@ -275,16 +271,19 @@ class HiSparseConfig:
             raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
         if loaded is None:
             loaded = {}
+        overrides = dict(_renamed_keys(overrides, "override"))
         if not isinstance(loaded, Mapping):
             raise ConfigError(
                 f"{path}: expected a mapping of config keys, got {type(loaded).__name__}"
             )
-        known = set(cls.field_names())
+        known = set(cls.field_names()) | set(RENAMED_KEYS)
         # An unknown override is the caller's mistake, not the file's: say so.
         problems = [
             f"unknown override key(s): {', '.join(sorted(map(str, set(overrides) - known)))}; "
             f"valid keys: {', '.join(cls.field_names())}"
         ] if set(overrides) - known else []
+        if isinstance(loaded, Mapping):
+            loaded = _renamed_keys(loaded, str(path))
         values = {"model": path.stem, **loaded,
                   **{k: v for k, v in overrides.items() if k in known}}
         try:
@@ -378,3 +377,23 @@ def resolve_features(
             turned_off.append(feature)
         changes[flag] = usable if asked is None else bool(asked) and usable
     return config.replace(**changes), turned_off
+
+
+# Keys a config file or override may still use, with their new names; each use warns once.
+RENAMED_KEYS = {"device_buffer_size": "hot_slots"}
+
+
+def _renamed_keys(values: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    old = [key for key in RENAMED_KEYS if key in values]
+    if not old:
+        return values
+    renamed = dict(values)
+    for key in old:
+        new = RENAMED_KEYS[key]
+        if new in renamed:
+            raise ConfigError(f"{source or 'config'}: {key} and {new} are the same setting "
+                              f"({key} is its old name); keep {new} only")
+        warnings.warn(f"{source or 'config'}: the key {key!r} is now {new!r}; rename it "
+                      "(the old name will stop working)", DeprecationWarning, stacklevel=4)
+        renamed[new] = renamed.pop(key)
+    return renamed

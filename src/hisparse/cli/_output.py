@@ -268,7 +268,7 @@ def fraction(text: str) -> float:
 DEFAULT_PRESET = "deepseek-v3.2"
 # plan, simulate and bench --config share the rule: the config's hot buffer where it sets one
 # (tiny: 128), else 2 x top-k (deepseek-v3.2 and glm-5 leave it null); a --top-k larger than
-# a set hot buffer is a usage error that names --hot-buffer.
+# a set hot buffer is a usage error that names --hot-slots.
 HOT_BUFFER_HELP = ("LRU hot slots per request and index group (default: the config's where it "
                    "sets one, else 2 x top-k; it must hold --top-k)")
 
@@ -336,16 +336,16 @@ def load_config(
             "(or pass --config FILE)")
         parser.error(f"argument {source_option}: {text}")
     top_k = overrides.get("top_k")
-    if (top_k is not None and "device_buffer_size" not in overrides
-            and base.device_buffer_size < top_k and "top_k" in flags
-            and "device_buffer_size" in flags):
+    if (top_k is not None and "hot_slots" not in overrides
+            and base.hot_slots < top_k and "top_k" in flags
+            and "hot_slots" in flags):
         # The source fixes its hot buffer (tiny: 128 slots): a larger top-k needs a larger one.
         # Where it leaves the buffer unset (null), it is derived as 2 x top-k and never gets here.
         parser.error(
             f"argument {flags['top_k']}: {top_k} entries do not fit the hot buffer of "
-            f"{config_source(args)} ({base.device_buffer_size} slots); pass "
-            f"{flags['device_buffer_size']} too (at least {top_k}; {2 * top_k} is the usual "
-            f"2 x top-k) or use at most {flags['top_k']} {base.device_buffer_size}")
+            f"{config_source(args)} ({base.hot_slots} slots); pass "
+            f"{flags['hot_slots']} too (at least {top_k}; {2 * top_k} is the usual "
+            f"2 x top-k) or use at most {flags['top_k']} {base.hot_slots}")
     parser.error(options_in_config_problems(problems, flags, overrides, source_option))
 
 

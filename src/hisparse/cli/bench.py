@@ -41,7 +41,7 @@ COPY_LIMITS = {
     ("gather", 131072): Reference("46-48 GB/s (local rows)", 46e9, 48e9, note="local rows"),
 }
 REFERENCE_ROW_BYTES = 656  # the gathers were measured with 656 B rows; other rows: no reference
-# What makes a run SW-1 for the targets: --quick, --seq-len, --top-k or --hot-buffer change it.
+# What makes a run SW-1 for the targets: --quick, --seq-len, --top-k or --hot-slots change it.
 SW1_SHAPE = ("seq_len", "top_k", "hot_slots", "row_bytes", "extent_tokens")
 SGLANG_FULL_MISS_B1_SECONDS = 257e-6  # SGLang 0.5.23 fused swap-in, SW-1 scattered, B=1
 SGLANG_B128_CHURN02_SECONDS = 1.36e-3  # same kernel, B=128, churn 0.2
@@ -93,7 +93,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sw1.add_argument("--seq-len", type=out.positive_int, default=None, metavar="TOKENS")
     sw1.add_argument("--top-k", type=out.positive_int, default=None,
                      help="(default: --config's, else SW-1's 2048)")
-    sw1.add_argument("--hot-buffer", type=out.positive_int, default=None, metavar="SLOTS",
+    sw1.add_argument("--hot-slots", "--hot-buffer", dest="hot_slots",
+                     type=out.positive_int, default=None, metavar="SLOTS",
                      help="(default: --config's where it sets one, else 2 x top-k)")
     sw1.add_argument("--warmup", type=out.non_negative_int, default=None)
     sw1.add_argument("--steps", type=out.positive_int, default=None)
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         sizes.check()
     except HisparseError as exc:
         given = "--config/" if args.config else ""
-        parser.error(f"argument {given}--seq-len/--top-k/--hot-buffer: {exc}")
+        parser.error(f"argument {given}--seq-len/--top-k/--hot-slots: {exc}")
     pool_rows = (pick["gather_pool_mib"] << 20) // sizes.row_bytes
     if args.only != "sw1" and max(pick["gather_rows"]) > pool_rows:
         parser.error(f"argument --gather-rows: {max(pick['gather_rows'])} rows do not fit a "
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 # The --config keys bench takes, and the options that set the same values.
-CONFIG_FLAGS = {"top_k": "--top-k", "device_buffer_size": "--hot-buffer",
+CONFIG_FLAGS = {"top_k": "--top-k", "hot_slots": "--hot-slots",
                 "residency_map": "--residency-map"}
 
 
@@ -198,12 +199,12 @@ def sw1_shape(parser: argparse.ArgumentParser,
     options on top (the same hot-buffer rule as plan and simulate)."""
     if args.config is None:
         top_k = args.top_k or 2048
-        return ({"top_k": top_k, "hot_slots": args.hot_buffer or 2 * top_k},
+        return ({"top_k": top_k, "hot_slots": args.hot_slots or 2 * top_k},
                 args.residency_map or "host_row")
     config = out.load_config(parser, args, CONFIG_FLAGS, top_k=args.top_k,
-                             device_buffer_size=args.hot_buffer,
+                             hot_slots=args.hot_slots,
                              residency_map=args.residency_map)
-    return ({"top_k": config.top_k, "hot_slots": config.device_buffer_size,
+    return ({"top_k": config.top_k, "hot_slots": config.hot_slots,
              "row_bytes": config.row_bytes, "extent_tokens": config.extent_tokens},
             config.residency_map)
 

@@ -23,7 +23,7 @@ DEFAULT_CONTEXTS = (8192, 32768, 65536, 131072)
 CONFIG_FLAGS = {
     "kv_dtype": "--kv-dtype",
     "top_k": "--top-k",
-    "device_buffer_size": "--hot-buffer",
+    "hot_slots": "--hot-slots",
     "extent_tokens": "--extent-tokens",
     "index_group_size": "--index-group-size",
 }
@@ -80,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        f"{' '.join(map(str, DEFAULT_CONTEXTS))})")
     cache.add_argument("--top-k", type=out.positive_int, default=None,
                        help="top-k entries per step (default: the config's)")
-    cache.add_argument("--hot-buffer", type=out.positive_int, default=None, metavar="SLOTS",
+    cache.add_argument("--hot-slots", "--hot-buffer", dest="hot_slots",
+                       type=out.positive_int, default=None, metavar="SLOTS",
                        help=out.HOT_BUFFER_HELP)
     cache.add_argument("--extent-tokens", type=out.positive_int, default=None,
                        help="host extent size in tokens (default: the config's)")
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         out.check_writable(parser, "--plot", args.plot)
     config = load_config(parser, args)
     shape = model_shape(config, args)
-    hot_slots = config.device_buffer_size or 2 * config.top_k
+    hot_slots = config.hot_slots
     settings = PlanSettings(
         gpu_mem_bytes=round(args.gpu_mem_gib * GIB),
         weights_bytes=round(args.weights_gib * GIB),
@@ -166,7 +167,7 @@ def load_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> An
         CONFIG_FLAGS,
         kv_dtype=args.kv_dtype,
         top_k=args.top_k,
-        device_buffer_size=args.hot_buffer,
+        hot_slots=args.hot_slots,
         extent_tokens=args.extent_tokens,
         index_group_size=args.index_group_size,
     )

@@ -20,7 +20,7 @@ CONFIG_FLAGS = {
     "kv_dtype": "--kv-dtype",
     "num_layers": "--layers",
     "top_k": "--top-k",
-    "device_buffer_size": "--hot-buffer",
+    "hot_slots": "--hot-slots",
     "index_group_size": "--index-group-size",
 }
 
@@ -64,7 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="KV dtype (default: the config's)")
     where.add_argument("--top-k", type=out.positive_int, default=None,
                        help="top-k entries per step (default: the config's)")
-    where.add_argument("--hot-buffer", type=out.positive_int, default=None, metavar="SLOTS",
+    where.add_argument("--hot-slots", "--hot-buffer", dest="hot_slots",
+                       type=out.positive_int, default=None, metavar="SLOTS",
                        help=out.HOT_BUFFER_HELP)
     where.add_argument("--index-group-size", type=out.positive_int, default=None,
                        help="layers sharing one top-k (default: the config's)")
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
              for key, value in defaults.items()}
     config = out.load_config(
         parser, args, CONFIG_FLAGS, kv_dtype=args.kv_dtype, num_layers=args.layers,
-        top_k=args.top_k, device_buffer_size=args.hot_buffer,
+        top_k=args.top_k, hot_slots=args.hot_slots,
         index_group_size=args.index_group_size,
     )
     # The default caps the preset's layers, but never below one whole index group (GLM-5
@@ -212,7 +213,7 @@ def render(result: Any) -> str:
     summary = result.summary()
     workload = result.workload
     config = result.config
-    hot_slots = config["device_buffer_size"] or 2 * config["top_k"]
+    hot_slots = config["hot_slots"]
     header = (
         f"{config['model']} on {result.device} ({result.backend} backend): "
         f"{workload.requests} requests x {config['num_layers']} layers x {workload.steps} steps "

@@ -103,7 +103,7 @@ class HiSparseCache:
         self.num_layers = L = config.num_layers
         self.row_bytes = config.row_bytes
         self.top_k = config.top_k
-        self.hot_slots = H = config.device_buffer_size or 2 * config.top_k
+        self.hot_slots = H = config.hot_slots
         self.slots_per_request = H + 1
         self.max_requests = config.max_requests
         self.batch_capacity = config.max_batch or config.max_requests

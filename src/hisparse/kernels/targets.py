@@ -141,7 +141,7 @@ class _Scenario:
     label: str
     batch: int  # Bcap
     top_k: int = 2048
-    hot: int = 4096  # H
+    hot_slots: int = 4096  # H
     row_bytes: int = 656  # the 656-byte FP8 MLA row
     extent: int = 512  # E
     residency: str = "host_row"
@@ -194,9 +194,9 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
                   tuning=no_early),
         _Scenario("B=1 pdl off", 1, tuning={"pdl": False}),
         _Scenario("B=16 shared-index replay", 16, swap_in=False, replay=True),
-        _Scenario("B=1 H=16384", 1, hot=16384),
-        _Scenario("B=1 H=32768 int32 residency", 1, hot=32768),
-        _Scenario("tiny preset B=8 (the probe's)", 8, top_k=64, hot=128, row_bytes=64,
+        _Scenario("B=1 H=16384", 1, hot_slots=16384),
+        _Scenario("B=1 H=32768 int32 residency", 1, hot_slots=32768),
+        _Scenario("tiny preset B=8 (the probe's)", 8, top_k=64, hot_slots=128, row_bytes=64,
                   extent=64, replay=True, quick=True),
     ]
     traits = _target_traits(target)
@@ -233,16 +233,16 @@ def _scenario_tables(s: _Scenario, torch: Any) -> tuple[Any, dict[str, Any]]:
     host_rows = 65536
     keys = requests * positions if s.residency == "position" else host_rows
     tables = CacheTables(
-        device_kv=torch.empty(1, requests * (s.hot + 1), s.row_bytes, dtype=torch.uint8),
+        device_kv=torch.empty(1, requests * (s.hot_slots + 1), s.row_bytes, dtype=torch.uint8),
         host_kv=[torch.empty(host_rows, s.row_bytes, dtype=torch.uint8)],
         page_table=torch.empty(requests, pages, dtype=i32),
         seq_lens=torch.empty(requests, dtype=i32),
-        slot_key=torch.empty(1, requests, s.hot, dtype=i32),
-        last_use=torch.empty(1, requests, s.hot, dtype=i32),
+        slot_key=torch.empty(1, requests, s.hot_slots, dtype=i32),
+        last_use=torch.empty(1, requests, s.hot_slots, dtype=i32),
         lru_clock=torch.empty(1, requests, dtype=i32),
-        resident=torch.empty(1, keys, dtype=residency_dtype(s.hot)),
+        resident=torch.empty(1, keys, dtype=residency_dtype(s.hot_slots)),
         counters=torch.empty(1, 3, dtype=torch.int64),
-        hot_slots=s.hot, extent_tokens=s.extent, residency_map=s.residency,
+        hot_slots=s.hot_slots, extent_tokens=s.extent, residency_map=s.residency,
     )
     b, k = s.batch, s.top_k
     num_real = torch.empty(1, dtype=i32)

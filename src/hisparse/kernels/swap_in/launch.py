@@ -147,7 +147,7 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
     """The lookup, selection and (unless skip-IO) copy launches of one call."""
     t, device = tables, tables.last_use.device
     num_requests, max_pages = t.page_table.shape
-    rows, k, hot = plan.rows, plan.top_k, plan.hot_slots
+    rows, k, hot_slots = plan.rows, plan.top_k, plan.hot_slots
     n_rows, positions = t.num_host_rows, t.positions_per_request
     buckets = plan.address_buckets
     bucket_count, bucket_cursor, done = (scratch.address_order[:buckets],
@@ -162,7 +162,7 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
         BoundLaunch(classify_kernel, plan.classify_grid, (
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, resident, last_use,
             lru_clock, scratch.miss_row, scratch.miss_count, t.counters[layer], bucket_count,
-            scratch.hit_count, num_requests, t.slots_per_request, k, hot, t.extent_tokens,
+            scratch.hit_count, num_requests, t.slots_per_request, k, hot_slots, t.extent_tokens,
             max_pages, n_rows, positions),
             {**shared, "COUNTER_SEM": plan.counter_sem, "CHUNK_K": plan.classify_chunk,
              "num_warps": plan.classify_warps}, device=device, direct=direct),
@@ -173,7 +173,7 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
             bucket_cursor, done, scratch.row_buckets, scratch.hit_count,
             request_counts if request_counts is not None else t.counters, num_requests,
             t.slots_per_request, k,
-            hot, n_rows, positions, resident.shape[0]),
+            hot_slots, n_rows, positions, resident.shape[0]),
             {**shared, "FAST_ROUNDS": plan.select_fast_rounds, "BLOCK_K": plan.block_k,
              "BLOCK_H": plan.block_h, "num_warps": plan.select_warps,
              **({"launch_pdl": True} if plan.pdl else {})}, device=device, direct=direct),
@@ -314,13 +314,13 @@ class SwapInLauncher:
 
 
 def _check_shape(tables: CacheTables, top_k: int) -> None:
-    hot = tables.hot_slots
-    if hot < top_k:
-        raise fail("the hot buffer must hold at least top_k slots", f"H={hot} < K={top_k}",
-                   "raise device_buffer_size to at least top_k")
-    if tables.resident.dtype not in (residency_dtype(hot), torch.int32):
+    hot_slots = tables.hot_slots
+    if hot_slots < top_k:
+        raise fail("the hot buffer must hold at least top_k slots", f"H={hot_slots} < K={top_k}",
+                   "raise hot_slots to at least top_k")
+    if tables.resident.dtype not in (residency_dtype(hot_slots), torch.int32):
         raise fail(f"tables.resident must be int16 (while H <= {INT16_MAX_HOT_SLOTS}) or int32",
-                   f"{tables.resident.dtype} with H={hot}",
+                   f"{tables.resident.dtype} with H={hot_slots}",
                    "allocate it with core.tables.residency_dtype(hot_slots)")
 
 

@@ -26,7 +26,7 @@ def swap_in_reference(
     skip_io: bool = False,
 ) -> None:
     t = tables
-    hot = t.hot_slots
+    hot_slots = t.hot_slots
     slots = t.slots_per_request
     ext = t.extent_tokens
     batch_cap = top_k.shape[0]
@@ -43,11 +43,11 @@ def swap_in_reference(
     valid = real[:, None] & (pos >= 0) & (pos < n)
     invalid = real[:, None] & ((pos < -1) | (pos >= n))
     base = (r * slots)[:, None]
-    short = n <= hot
+    short = n <= hot_slots
 
     result = torch.where(valid & short, base + pos, -1)
     newest = valid & ~short & (pos == n - 1)
-    result = torch.where(newest, base + hot, result)
+    result = torch.where(newest, base + hot_slots, result)
     candidate = valid & ~short & ~newest
 
     safe_pos = torch.where(candidate, pos, 0)
@@ -80,13 +80,13 @@ def swap_in_reference(
     update = real & ~short[:, 0]
     clock = t.lru_clock[group, r].long()[:, None]  # [B, 1]
     stamps = t.last_use[group, r].long()  # [B, H]
-    slot_ids = torch.arange(hot, device=dev)
-    hit_slot = torch.zeros(batch_cap, hot + 1, dtype=torch.bool, device=dev)
-    hit_slot.scatter_(1, torch.where(hit, resident_slot, hot), True)
-    stamps = torch.where(hit_slot[:, :hot], clock, stamps)
+    slot_ids = torch.arange(hot_slots, device=dev)
+    hit_slot = torch.zeros(batch_cap, hot_slots + 1, dtype=torch.bool, device=dev)
+    hit_slot.scatter_(1, torch.where(hit, resident_slot, hot_slots), True)
+    stamps = torch.where(hit_slot[:, :hot_slots], clock, stamps)
     evictable = stamps < clock
     # (stamp, slot id) as one key: stamps are int32, slot ids < H.
-    age_key = torch.where(evictable, stamps * hot + slot_ids, torch.iinfo(torch.int64).max)
+    age_key = torch.where(evictable, stamps * hot_slots + slot_ids, torch.iinfo(torch.int64).max)
     by_age = age_key.argsort(dim=1)
     num_miss = miss.sum(1, keepdim=True)
     installed = torch.minimum(num_miss, evictable.sum(1, keepdim=True))
@@ -94,8 +94,9 @@ def swap_in_reference(
     chosen = evictable & (oldest_rank < installed)
     # The chosen slots go to the misses in slot-id order: miss m (top-k order) takes the m-th.
     chosen_rank = chosen.long().cumsum(1) - 1
-    victims = torch.zeros(batch_cap, hot + 1, dtype=torch.long, device=dev)
-    victims.scatter_(1, torch.where(chosen, chosen_rank, hot), slot_ids.expand_as(chosen_rank))
+    victims = torch.zeros(batch_cap, hot_slots + 1, dtype=torch.long, device=dev)
+    victims.scatter_(1, torch.where(chosen, chosen_rank, hot_slots),
+                     slot_ids.expand_as(chosen_rank))
     miss_rank = miss.long().cumsum(1) - 1
     miss = miss & (miss_rank < installed)
     victim = victims.gather(1, miss_rank.clamp(min=0))

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse import benchmarking
-from hisparse.core.tables import CacheTables, MissPlan
 from hisparse.kernels import swap_in as kernels
+from hisparse.layout.tables import CacheTables, MissPlan
+from hisparse.tools import benchmarking
 
 ROW_BYTES = 656  # DeepSeek-V3.2 fp8 row
 GIB = 1 << 30

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hisparse import benchmarking
+from hisparse.tools import benchmarking
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import swap_in as sw1  # a sibling script, not a package
@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("profile_step: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from hisparse.core.tables import MissPlan
     from hisparse.kernels import swap_in as kernels
+    from hisparse.layout.tables import MissPlan
 
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     sizes = sw1.SIZES

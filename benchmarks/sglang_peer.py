@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from hisparse.backends.base import Backend
-from hisparse.core.tables import CacheTables
 from hisparse.errors import InvalidInputError
+from hisparse.layout.tables import CacheTables
 
 # Where each SGLang release keeps the kernel, relative to the `sglang` package.
 SOURCE_PATHS = ("jit_kernel/csrc/hisparse.cuh", "kernels/jit/csrc/kvcacheio/hisparse.cuh")

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 import triton
 
-from hisparse import benchmarking
 from hisparse.backends.registry import get_backend
 from hisparse.kernels import swap_in as kernels
+from hisparse.tools import benchmarking
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """SW-1, the swap-in kernel workload of DESIGN.md section 8, on one CUDA GPU.
 
 One layer, 656 B rows, top_k 2048, hot buffer 4096 (+1 newest), every request at seq_len 32768
-fully in the host pool; the tables, layouts and top-k trace are hisparse.benchmarking's (the
+fully in the host pool; the tables, layouts and top-k trace are hisparse.tools.benchmarking's (the
 same workload `hisparse bench` times eagerly). Each step keeps (1 - churn) of the previous
 top-k and takes the rest from positions that are not in the hot buffer, so it misses exactly
 churn x K rows. Before each step the L2 is flushed (the rest of a model runs between two
@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hisparse import benchmarking
 from hisparse.backends.registry import get_backend
 from hisparse.cli._output import non_negative_int, positive_int
-from hisparse.core.tables import CacheTables, MissPlan
 from hisparse.errors import InvalidInputError
+from hisparse.layout.tables import CacheTables, MissPlan
+from hisparse.tools import benchmarking
 
 SIZES = benchmarking.SW1Sizes()  # DESIGN.md 8; extent_tokens: HiSparseConfig's default
 
@@ -141,7 +141,7 @@ class Cell:
 
 def build_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int,
                rng: np.random.Generator, residency_map: str = "host_row") -> Cell:
-    """SW-1's tables and top-k trace (hisparse.benchmarking), extents of `extent` tokens."""
+    """SW-1's tables and top-k trace (hisparse.tools.benchmarking), extents of `extent` tokens."""
     sizes = dataclasses.replace(SIZES, extent_tokens=extent)
     tables, host_rows = benchmarking.build_tables(
         get_backend("cuda"), pool.host, layout, batch, sizes, rng, mirror=pool.mirror,
@@ -160,7 +160,7 @@ def run_cell(pool: Pool, batch: int, churn: float, layout: str, extent: int, arg
              seed: int, batch_capacity: int | None = None,
              peer: tuple[str, Callable[..., object]] | None = None,
              residency_map: str | None = None) -> dict[str, object]:
-    """hisparse.benchmarking's SW-1 cell (graph replays, every step checked against the
+    """hisparse.tools.benchmarking's SW-1 cell (graph replays, every step checked against the
     mirror, then the skip-IO probe) as one JSON record; `batch_capacity`: padded to it.
     `peer` (name, kernel_for): time that kernel on the cell instead, without the probe.
     `residency_map`: hisparse's (None: --residency-map)."""
@@ -489,8 +489,9 @@ def main(argv: list[str] | None = None) -> int:
                      "caches": f"flushed before every step (2 x L2 {args.flush} over), then "
                                "the top-k copied in: tables cold, top-k warm, as between two "
                                "layers",
-                     "new_positions": "hisparse.benchmarking.ChurnTrace: positions older than "
-                                      "the seeded hot buffer, not selected recently",
+                     "new_positions": "hisparse.tools.benchmarking.ChurnTrace: positions "
+                                      "older than the seeded hot buffer, not selected "
+                                      "recently",
                      "layouts": {"scattered": "every token at a random row of a pool of B*32768",
                                  "extents": "hisparse.core.host_pool.ExtentAllocator, "
                                             f"{SIZES.extent_tokens}-token extents, fresh pool",

@@ -50,7 +50,7 @@ def test_import_touches_no_device_and_loads_no_backend() -> None:
 def test_every_public_name_resolves() -> None:
     for name in hisparse.__all__:
         assert getattr(hisparse, name) is not None, name
-    assert callable(hisparse.probe)
+    assert callable(hisparse.probe) and hisparse.probe.__module__ == "hisparse.tools.probe"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = hisparse.nope
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.core.tables import CacheTables
 from hisparse.errors import InvalidInputError
 from hisparse.kernels.backup_reference import backup_newest_reference
+from hisparse.layout.tables import CacheTables
 from interpreted_kernels import (  # sets TRITON_INTERPRET before kernels compile
     DEVICE,
     KERNEL_MARK,

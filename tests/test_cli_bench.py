@@ -11,12 +11,12 @@ import torch
 
 from cli_checks import assert_plot_written_or_matplotlib_missing, usage_error_line
 from conftest import needs_module
-from hisparse import benchmarking
 from hisparse.backends.base import Backend
 from hisparse.backends.registry import get_backend
 from hisparse.cli import bench as bench_cli
 from hisparse.cli.main import main
 from hisparse.errors import InvalidInputError
+from hisparse.tools import benchmarking
 
 TINY = ["--device", "cpu", "--no-progress", "--batches", "1", "2", "--churns", "0", "1",
         "--seq-len", "1024", "--top-k", "64", "--hot-slots", "128", "--warmup", "2",

@@ -44,7 +44,7 @@ def test_probe_of_a_device_that_is_not_there_is_not_usable(fake_env) -> None:
 def test_probe_runs_its_checks_on_the_requested_device(
     fake_env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hisparse import probe as probe_module
+    from hisparse.tools import probe as probe_module
 
     fake_env("cuda", gpus=2)
     entered: list[torch.device] = []

@@ -9,10 +9,10 @@ import random
 import pytest
 
 from cli_checks import assert_plot_written_or_matplotlib_missing, usage_error_line
-from hisparse import planning
 from hisparse.cli.main import main
 from hisparse.errors import InvalidInputError
-from hisparse.planning import GIB, ModelShape, PlanSettings
+from hisparse.tools import planning
+from hisparse.tools.planning import GIB, ModelShape, PlanSettings
 
 DSV32_FP8 = ModelShape("deepseek-v3.2", num_layers=61, row_bytes=656, indexer_key_bytes=132)
 ONE_H200 = PlanSettings(
@@ -187,7 +187,7 @@ def test_help_shows_an_example_and_the_formulas(capsys: pytest.CaptureFixture[st
 
 def test_resident_entry_bytes_match_the_engines_table_dtype() -> None:
     """planning spells the dtype rule out without torch; it must agree with the engine's."""
-    from hisparse.core.tables import residency_dtype
+    from hisparse.layout.tables import residency_dtype
 
     for hot in (1, 4096, 32766, 32767, 32768, 65536):
         assert planning.resident_entry_bytes(hot) == residency_dtype(hot).itemsize, hot

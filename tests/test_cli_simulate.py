@@ -13,7 +13,7 @@ import pytest
 from cli_checks import assert_plot_written_or_matplotlib_missing, usage_error_line
 from hisparse.cli import simulate as simulate_cli
 from hisparse.cli.main import main
-from hisparse.simulation import TraceModel, make_traces
+from hisparse.tools.simulation import TraceModel, make_traces
 
 # The tiny preset: 4 layers in index groups of 2, top-k 64, 128 hot slots, 64 B fp8 rows.
 TINY = {"layers": 4, "group_size": 2, "top_k": 64, "hot": 128, "row_bytes": 64}

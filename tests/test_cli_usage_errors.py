@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from cli_checks import usage_error_line
-from hisparse import benchmarking
 from hisparse.cli import bench as bench_cli
 from hisparse.cli.main import main
+from hisparse.tools import benchmarking
 
 SIM_SMALL = ["--device", "cpu", "--no-progress", "--requests", "1", "--steps", "2",
              "--warmup", "0", "--context", "512"]
@@ -64,7 +64,7 @@ def test_simulate_refuses_an_unwritable_output_before_running(
     which: int,
 ) -> None:
     target = unwritable_targets(tmp_path)[which]
-    monkeypatch.setattr("hisparse.simulation.simulate", _must_not_run)
+    monkeypatch.setattr("hisparse.tools.simulation.simulate", _must_not_run)
     with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--preset", "tiny", *SIM_SMALL, "--output", str(target)])
     assert exit_info.value.code == 2

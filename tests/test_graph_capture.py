@@ -12,9 +12,9 @@ if not torch.cuda.is_available():
     pytest.skip("graph capture needs a CUDA or ROCm GPU; none is visible", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
 
-from hisparse.core.tables import MissPlan
 from hisparse.kernels.swap_in import copy_planned_triton, swap_in_triton, tuning
 from hisparse.kernels.swap_in.reference import copy_planned_reference, swap_in_reference
+from hisparse.layout.tables import MissPlan
 from test_swap_in_triton import (
     DEVICE,
     POISON,

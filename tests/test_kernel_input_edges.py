@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import test_backup_triton as backup_helpers
-from hisparse.core.tables import CacheTables, MissPlan
 from hisparse.errors import InvalidInputError
 from hisparse.kernels.backup_reference import backup_newest_reference
 from hisparse.kernels.swap_in.reference import copy_planned_reference, swap_in_reference
+from hisparse.layout.tables import CacheTables, MissPlan
 from interpreted_kernels import (  # sets TRITON_INTERPRET before kernels compile
     DEVICE,
     KERNEL_MARK,

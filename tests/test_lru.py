@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hisparse
-from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.layout.tables import CacheTables, MissPlan
 from oracle import CacheModel
 
 BACKENDS = hisparse.available_backends()

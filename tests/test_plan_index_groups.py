@@ -13,9 +13,9 @@ import random
 
 import pytest
 
-from hisparse import planning
 from hisparse.cli.main import main
-from hisparse.planning import GIB, ModelShape, PlanSettings
+from hisparse.tools import planning
+from hisparse.tools.planning import GIB, ModelShape, PlanSettings
 
 
 def test_indexer_keys_are_held_once_per_index_group(seed: int) -> None:

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import hisparse
-from hisparse import probe as probe_module
 from hisparse.backends import registry
 from hisparse.backends.base import Backend
 from hisparse.cli.main import main
 from hisparse.kernels.targets import NEEDS_INTEL_BACKEND, TARGETS
-from hisparse.probe import COMPILED, NOT_COMPILED, RAN, SCHEMA_VERSION, format_report, probe
+from hisparse.tools import probe as probe_module
+from hisparse.tools.probe import COMPILED, NOT_COMPILED, RAN, SCHEMA_VERSION, format_report, probe
 
 TOP_LEVEL_KEYS = {
     "schema_version", "hisparse_version", "requested", "backend", "usable", "reason",

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from hisparse import benchmarking
 from hisparse.backends.registry import get_backend
-from hisparse.core.tables import CacheTables
 from hisparse.errors import InvalidInputError
+from hisparse.layout.tables import CacheTables
+from hisparse.tools import benchmarking
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import sglang_peer  # a benchmark module, not part of the package

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hisparse.core.tables import CacheTables, MissPlan, ResidencyMap
 from hisparse.errors import InvalidInputError
 from hisparse.kernels.swap_in.reference import copy_planned_reference, swap_in_reference
+from hisparse.layout.tables import CacheTables, MissPlan, ResidencyMap
 from interpreted_kernels import (  # sets TRITON_INTERPRET before kernels compile
     DEVICE,
     KERNEL_MARK,

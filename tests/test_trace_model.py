@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hisparse.errors import InvalidInputError
-from hisparse.simulation import TopKTrace, TraceModel, make_traces
+from hisparse.tools.simulation import TopKTrace, TraceModel, make_traces
 
 
 def run_trace(model: TraceModel, seed: int, start: int, steps: int) -> list[np.ndarray]:

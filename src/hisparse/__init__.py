@@ -44,7 +44,7 @@ _LAZY: dict[str, str] = {
     "HiSparseConfig": "hisparse.config",
     "resolve_features": "hisparse.config",
     "HiSparseCache": "hisparse.core.engine",
-    "probe": "hisparse.probe",
+    "probe": "hisparse.tools.probe",
 }
 
 __all__ = [
@@ -65,7 +65,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # the names __getattr__ provides, for type checkers and IDEs
-    from hisparse import probe as probe
     from hisparse.backends.base import Backend as Backend
     from hisparse.backends.features import Feature as Feature
     from hisparse.backends.registry import available_backends as available_backends
@@ -74,6 +73,7 @@ if TYPE_CHECKING:  # the names __getattr__ provides, for type checkers and IDEs
     from hisparse.config import HiSparseConfig as HiSparseConfig
     from hisparse.config import resolve_features as resolve_features
     from hisparse.core.engine import HiSparseCache as HiSparseCache
+    from hisparse.tools.probe import probe as probe
 
 
 def __getattr__(name: str) -> Any:
@@ -81,9 +81,7 @@ def __getattr__(name: str) -> Any:
     if module_name is None:
         raise AttributeError(f"module 'hisparse' has no attribute {name!r}")
     module = importlib.import_module(module_name)
-    # `hisparse.probe` is a submodule that is also callable (see the end of probe.py), since
-    # importing a submodule rebinds the package attribute of the same name anyway.
-    value = module if module_name == f"{__name__}.{name}" else getattr(module, name)
+    value = getattr(module, name)
     globals()[name] = value
     return value
 

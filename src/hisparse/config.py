@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from hisparse.backends.features import RAISE_WHEN_REQUESTED, Feature
-from hisparse.core.widths import RESIDENCY_MAPS
 from hisparse.errors import ConfigError, FeatureDisabledWarning
+from hisparse.layout.widths import RESIDENCY_MAPS
 
 if TYPE_CHECKING:
     from hisparse.backends.base import Backend

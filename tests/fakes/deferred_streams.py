@@ -33,9 +33,9 @@ import torch
 from hisparse.backends.base import CopyPlannedFn, SwapInFn
 from hisparse.backends.cpu import CPU_FEATURES, CpuBackend
 from hisparse.backends.features import Feature, FeatureTable, supported
-from hisparse.core.tables import CacheTables, MissPlan
 from hisparse.kernels.backup_reference import backup_newest_reference
 from hisparse.kernels.swap_in.reference import copy_planned_reference, swap_in_reference
+from hisparse.layout.tables import CacheTables, MissPlan
 
 
 class DeferredStream:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from hisparse.cli import _output as out
-from hisparse.core.widths import RESIDENCY_MAPS
+from hisparse.layout.widths import RESIDENCY_MAPS
 
 FULL = {"batches": [1, 16, 64, 128], "churns": [0.0, 0.05, 0.2, 1.0], "seq_len": 32768,
         "warmup": 8, "steps": 40, "gather_pool_mib": 1024, "gather_rows": [2048, 16384, 131072],
@@ -124,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
         pyplot = out.import_pyplot()
         if isinstance(pyplot, str):
             return out.fail("bench", pyplot)
-    from hisparse import benchmarking
     from hisparse.errors import HisparseError
+    from hisparse.tools import benchmarking
 
     backend = out.backend_for_device_argument(parser, args.device)
     on_cpu = backend.torch_device_type == "cpu"
@@ -228,7 +228,7 @@ def sw1_target(cell: Any, on_cpu: bool, sizes: Any) -> tuple[str, bool | None]:
 
 def is_sw1_workload(sizes: Any) -> bool:
     """Whether `sizes` is SW-1's workload (step counts aside: they only sharpen the median)."""
-    from hisparse.benchmarking import SW1Sizes
+    from hisparse.tools.benchmarking import SW1Sizes
 
     sw1 = SW1Sizes()
     return all(getattr(sizes, name) == getattr(sw1, name) for name in SW1_SHAPE)

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from hisparse.cli import _output as out
-from hisparse.planning import (
+from hisparse.tools.planning import (
     DSA_INDEXER_KEY_BYTES,
     FORMULAS,
     GIB,
@@ -114,8 +114,8 @@ def model_shape(config: Any, args: argparse.Namespace) -> ModelShape:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hisparse import planning
     from hisparse.errors import InvalidInputError
+    from hisparse.tools import planning
 
     parser: argparse.ArgumentParser = args.parser
     if args.plot:

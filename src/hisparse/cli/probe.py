@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hisparse.probe import format_report, probe
+    from hisparse.tools.probe import format_report, probe
 
     config = None
     if args.config is not None:

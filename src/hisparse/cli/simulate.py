@@ -114,7 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hisparse.errors import HisparseError
-    from hisparse.simulation import TraceModel, Workload, simulate
+    from hisparse.tools.simulation import TraceModel, Workload, simulate
 
     parser: argparse.ArgumentParser = args.parser
     if args.plot:

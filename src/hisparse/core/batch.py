@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from hisparse.core.requests import RequestRecord
-from hisparse.core.tables import CacheTables
+from hisparse.layout.tables import CacheTables
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16}
 _ALIGN = 16  # bytes: every field starts where a kernel's vector loads may assume it does

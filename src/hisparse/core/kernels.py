@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from hisparse.backends.base import Backend, BackupFn
-from hisparse.core.tables import CacheTables, MissPlan
 from hisparse.errors import HisparseError, RequestStateError
 from hisparse.kernels.backup_reference import backup_newest_reference
+from hisparse.layout.tables import CacheTables, MissPlan
 
 
 class DecodeKernels:

@@ -14,8 +14,8 @@ import torch
 
 from hisparse.core.kernels import DecodeKernels
 from hisparse.core.ordering import SideStreamReplay
-from hisparse.core.tables import CacheTables, MissPlan
 from hisparse.errors import InvalidInputError, RequestStateError
+from hisparse.layout.tables import CacheTables, MissPlan
 
 
 class GroupReplay:

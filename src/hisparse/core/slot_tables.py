@@ -10,7 +10,7 @@ import torch
 from hisparse.backends.base import Backend
 from hisparse.core.host_pool import HostPool, token_rows, token_runs
 from hisparse.core.requests import RequestRecord
-from hisparse.core.tables import CacheTables, residency_dtype
+from hisparse.layout.tables import CacheTables, residency_dtype
 
 if TYPE_CHECKING:
     from hisparse.config import HiSparseConfig

@@ -25,7 +25,6 @@ from hisparse.core.ordering import DecodeOrdering, SideStreamReplay
 from hisparse.core.replay import GroupReplay
 from hisparse.core.requests import RequestRecord
 from hisparse.core.stats import TrafficCounters
-from hisparse.core.tables import CacheTables, MissPlan
 from hisparse.core.validation import (
     as_rows,
     check_batch_rows,
@@ -34,6 +33,7 @@ from hisparse.core.validation import (
     check_tensor,
 )
 from hisparse.errors import InvalidInputError, RequestStateError
+from hisparse.layout.tables import CacheTables, MissPlan
 
 if TYPE_CHECKING:
     from hisparse.config import HiSparseConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.core.tables import CacheTables
+from hisparse.layout.tables import CacheTables
 
 
 def backup_newest_reference(

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse.core.tables import CacheTables
 from hisparse.errors import InvalidInputError
+from hisparse.layout.tables import CacheTables
 
 
 @triton.jit

@@ -226,7 +226,7 @@ def _scenario_tables(s: _Scenario, torch: Any) -> tuple[Any, dict[str, Any]]:
     """CPU tables shaped like a deployment's (torch.empty: never touched, so the host pool
     and device rows cost address space only). Sizes keep production's divisibility by 16,
     which Triton specialises on: R=16 requests, 128 Ki tokens per request."""
-    from hisparse.core.tables import CacheTables, MissPlan, residency_dtype
+    from hisparse.layout.tables import CacheTables, MissPlan, residency_dtype
 
     i32, requests, positions = torch.int32, 16, 131072
     pages = positions // s.extent

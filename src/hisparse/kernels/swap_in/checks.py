@@ -11,9 +11,9 @@ import weakref
 
 import torch
 
-from hisparse.core.tables import CacheTables, MissPlan
-from hisparse.core.widths import RESIDENCY_MAPS
 from hisparse.errors import InvalidInputError
+from hisparse.layout.tables import CacheTables, MissPlan
+from hisparse.layout.widths import RESIDENCY_MAPS
 
 _checked_host: weakref.WeakKeyDictionary[CacheTables, set[int]] = weakref.WeakKeyDictionary()
 

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from hisparse.core.tables import CacheTables, MissPlan, residency_dtype
-from hisparse.core.widths import INT16_MAX_HOT_SLOTS
 from hisparse.kernels.launching import BoundLaunch
 from hisparse.kernels.swap_in.checks import (
     check_int32,
@@ -45,6 +43,8 @@ from hisparse.kernels.swap_in.plan import (
     replay_plan,
 )
 from hisparse.kernels.swap_in.select import select_kernel
+from hisparse.layout.tables import CacheTables, MissPlan, residency_dtype
+from hisparse.layout.widths import INT16_MAX_HOT_SLOTS
 
 
 @dataclass(eq=False)

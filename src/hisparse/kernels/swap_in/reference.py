@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hisparse.core.tables import CacheTables, MissPlan
+from hisparse.layout.tables import CacheTables, MissPlan
 
 
 def swap_in_reference(

@@ -461,8 +461,9 @@ def _stats_line(stats: Any) -> str:
 
 
 class _CallableModule(types.ModuleType):
-    """Lets `hisparse.probe(...)` call the function although `hisparse.probe` is this module
-    (importing a submodule always rebinds the package attribute of the same name)."""
+    """Lets `hisparse.tools.probe(...)` call the function although `hisparse.tools.probe` is
+    this module (importing a submodule always rebinds the package attribute of the same
+    name)."""
 
     def __call__(self, device: str | torch.device | Backend | None = None,
                  run_checks: bool = True, config: HiSparseConfig | None = None,

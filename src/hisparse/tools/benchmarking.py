@@ -27,8 +27,8 @@ import torch
 from hisparse.backends.base import Backend, SwapInFn
 from hisparse.backends.features import Feature
 from hisparse.core.host_pool import ExtentAllocator
-from hisparse.core.tables import CacheTables, MissPlan, ResidencyMap, residency_dtype
 from hisparse.errors import InvalidInputError
+from hisparse.layout.tables import CacheTables, MissPlan, ResidencyMap, residency_dtype
 
 LAYOUTS = ("scattered", "extents")
 SWEEP_LAYOUT = "shuffled-extents"

@@ -10,8 +10,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from hisparse.core.widths import resident_entry_bytes
 from hisparse.errors import InvalidInputError
+from hisparse.layout.widths import resident_entry_bytes
 
 GIB = 1 << 30
 INT32_BYTES = 4

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from hisparse.core.widths import resident_entry_bytes
+from hisparse.layout.widths import resident_entry_bytes
 
 # What `CacheTables.resident` is indexed by (core.widths.RESIDENCY_MAPS, for the config).
 ResidencyMap = Literal["host_row", "position"]

@@ -8,10 +8,29 @@ with the host on accelerators, which is why the GPU backends bind the Triton ker
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from hisparse.layout.tables import CacheTables, MissPlan
+
+
+@dataclass
+class _Lookup:
+    """What the lookup found for every entry of a padded batch (the classify kernel's part)."""
+
+    real: torch.Tensor  # [B] real rows with a request slot in range
+    r: torch.Tensor  # [B] request slot (0 for padding)
+    short: torch.Tensor  # [B, 1] short regime
+    result: torch.Tensor  # [B, K] device row of every served entry, -1 elsewhere
+    served: torch.Tensor  # [B, K] hits, short-regime and newest entries
+    hit: torch.Tensor  # [B, K] long-regime hits
+    resident_slot: torch.Tensor  # [B, K] the hit's slot
+    miss: torch.Tensor  # [B, K]
+    invalid: torch.Tensor  # [B, K] out of range, or without a host row
+    row: torch.Tensor  # [B, K] host row of long-regime candidates
+    key: torch.Tensor  # [B, K] their residency key
+    base: torch.Tensor  # [B, 1] the request slot's first device row
 
 
 def swap_in_reference(
@@ -26,12 +45,25 @@ def swap_in_reference(
     skip_io: bool = False,
 ) -> None:
     t = tables
-    hot_slots = t.hot_slots
-    slots = t.slots_per_request
-    ext = t.extent_tokens
-    batch_cap = top_k.shape[0]
-    dev = top_k.device
+    found = _lookup(t, group, req_slots, top_k, num_real)
+    miss, victim, installed = _select_victims(t, group, found)
+    result = torch.where(miss, found.base + victim, found.result)
+    _install(t, layer, group, found, miss, victim, installed, plan, skip_io)
+    served = found.served & ~miss
+    t.counters[layer, 0] += served.sum()
+    t.counters[layer, 1] += miss.sum()
+    t.counters[layer, 2] += found.invalid.sum()
+    if t.request_counters is not None:
+        per_row = torch.stack([served.sum(1), miss.sum(1)], dim=1)
+        t.request_counters.index_add_(0, found.r[found.real], per_row[found.real])
+    out.copy_(result.to(out.dtype))
 
+
+def _lookup(t: CacheTables, group: int, req_slots: torch.Tensor, top_k: torch.Tensor,
+            num_real: torch.Tensor) -> _Lookup:
+    """Resolve every entry: short regime, newest token, hit, miss or invalid."""
+    hot_slots, slots, ext = t.hot_slots, t.slots_per_request, t.extent_tokens
+    batch_cap, dev = top_k.shape[0], top_k.device
     real = torch.arange(batch_cap, device=dev) < num_real.to(dev).long()
     # A real row with a request slot outside [0, R) is treated as padding, as the Triton
     # kernels do: a negative slot would otherwise wrap around to another request's state.
@@ -72,27 +104,37 @@ def swap_in_reference(
     if by_position:
         lost = lost | (miss & no_row)
         miss = miss & ~no_row
-    invalid = invalid | lost
     result = torch.where(hit, base + resident_slot, result)
+    return _Lookup(real=real, r=r, short=short, result=result, served=valid & ~lost,
+                   hit=hit, resident_slot=resident_slot, miss=miss, invalid=invalid | lost,
+                   row=row, key=key, base=base)
 
-    # Exact LRU over the long-regime rows; everything below only touches those rows. Hits take
-    # the clock's value; the evictable slots are those below it, oldest first, ties by slot id.
-    update = real & ~short[:, 0]
+
+def _select_victims(t: CacheTables, group: int, found: _Lookup
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact LRU over the long-regime rows: hits take the clock's value; the evictable slots
+    are those below it, oldest first, ties by slot id; miss m (top-k order) takes the m-th
+    victim in slot-id order. Returns (installed misses, each entry's victim slot, the count
+    installed per row) and leaves the stamps and clocks updated."""
+    hot_slots = t.hot_slots
+    batch_cap, dev = found.result.shape[0], found.result.device
+    r, hit, miss = found.r, found.hit, found.miss
+    update = found.real & ~found.short[:, 0]
     clock = t.lru_clock[group, r].long()[:, None]  # [B, 1]
     stamps = t.last_use[group, r].long()  # [B, H]
     slot_ids = torch.arange(hot_slots, device=dev)
     hit_slot = torch.zeros(batch_cap, hot_slots + 1, dtype=torch.bool, device=dev)
-    hit_slot.scatter_(1, torch.where(hit, resident_slot, hot_slots), True)
+    hit_slot.scatter_(1, torch.where(hit, found.resident_slot, hot_slots), True)
     stamps = torch.where(hit_slot[:, :hot_slots], clock, stamps)
     evictable = stamps < clock
     # (stamp, slot id) as one key: stamps are int32, slot ids < H.
-    age_key = torch.where(evictable, stamps * hot_slots + slot_ids, torch.iinfo(torch.int64).max)
+    age_key = torch.where(evictable, stamps * hot_slots + slot_ids,
+                          torch.iinfo(torch.int64).max)
     by_age = age_key.argsort(dim=1)
     num_miss = miss.sum(1, keepdim=True)
     installed = torch.minimum(num_miss, evictable.sum(1, keepdim=True))
     oldest_rank = torch.empty_like(by_age).scatter_(1, by_age, slot_ids.expand_as(by_age))
     chosen = evictable & (oldest_rank < installed)
-    # The chosen slots go to the misses in slot-id order: miss m (top-k order) takes the m-th.
     chosen_rank = chosen.long().cumsum(1) - 1
     victims = torch.zeros(batch_cap, hot_slots + 1, dtype=torch.long, device=dev)
     victims.scatter_(1, torch.where(chosen, chosen_rank, hot_slots),
@@ -100,38 +142,37 @@ def swap_in_reference(
     miss_rank = miss.long().cumsum(1) - 1
     miss = miss & (miss_rank < installed)
     victim = victims.gather(1, miss_rank.clamp(min=0))
-    result = torch.where(miss, base + victim, result)
     stamps = torch.where(chosen, clock, stamps)
     t.last_use[group, r[update]] = stamps[update].to(t.last_use.dtype)
     t.lru_clock[group, r[update]] += 1
+    return miss, victim, torch.where(update, installed[:, 0], 0)
 
+
+def _install(t: CacheTables, layer: int, group: int, found: _Lookup, miss: torch.Tensor,
+             victim: torch.Tensor, installed: torch.Tensor, plan: MissPlan | None,
+             skip_io: bool) -> None:
+    """Give each installed miss its victim slot in the tables, copy its row (unless
+    skip-IO) and record it in the plan, batch row by batch row in top-k order."""
     miss_b, miss_k = miss.nonzero(as_tuple=True)
-    miss_req = r[miss_b]
+    miss_req = found.r[miss_b]
     miss_slot = victim[miss_b, miss_k]
-    miss_row = row[miss_b, miss_k]
-    miss_key = key[miss_b, miss_k]
+    miss_row = found.row[miss_b, miss_k]
+    miss_key = found.key[miss_b, miss_k]
     old_key = t.slot_key[group, miss_req, miss_slot].long()
     t.resident[group, old_key[old_key >= 0]] = -1
     t.resident[group, miss_key] = miss_slot.to(t.resident.dtype)
     t.slot_key[group, miss_req, miss_slot] = miss_key.to(t.slot_key.dtype)
-    miss_dst = miss_req * slots + miss_slot
+    miss_dst = miss_req * t.slots_per_request + miss_slot
     if not skip_io and miss_row.numel():
         host = t.host_kv[layer]
+        dev = found.result.device
         t.device_kv[layer][miss_dst] = host[miss_row.to(host.device)].to(dev, non_blocking=True)
-
     if plan is not None:
-        plan.count[:batch_cap].copy_(torch.where(update, installed[:, 0], 0).to(plan.count.dtype))
+        batch_cap = found.result.shape[0]
+        miss_rank = miss.long().cumsum(1) - 1
+        plan.count[:batch_cap].copy_(installed.to(plan.count.dtype))
         plan.src[miss_b, miss_rank[miss_b, miss_k]] = miss_row.to(plan.src.dtype)
         plan.dst[miss_b, miss_rank[miss_b, miss_k]] = miss_dst.to(plan.dst.dtype)
-
-    served = valid & ~miss & ~lost
-    t.counters[layer, 0] += served.sum()
-    t.counters[layer, 1] += miss.sum()
-    if t.request_counters is not None:
-        per_row = torch.stack([served.sum(1), miss.sum(1)], dim=1)
-        t.request_counters.index_add_(0, r[real], per_row[real])
-    t.counters[layer, 2] += invalid.sum()
-    out.copy_(result.to(out.dtype))
 
 
 def copy_planned_reference(tables: CacheTables, layer: int, plan: MissPlan) -> None:

@@ -51,9 +51,40 @@ def _select_victims(
     candidate = in_h & (stamps < clock)  # this step's hits carry the clock
     # H >= K leaves at least M candidates; the minimum only keeps us in bounds.
     installed = tl.minimum(num_misses, tl.sum(candidate.to(tl.int32), axis=0))
-    # The threshold stamp: every candidate below it is a victim, and the first `installed -
-    # below` (by slot id) of those at it. A step stamps all the slots it uses alike, so a few
-    # stamp values hold the oldest slots: take them oldest first, one value per round...
+    threshold, below = _victim_threshold(candidate, stamps, installed, FAST_ROUNDS)
+    victim, victim_rank = _victim_ranks(candidate, stamps, threshold, below, installed,
+                                        BLOCK_H)
+    tl.store(order_ptr + b * H + victim_rank, h, mask=victim)
+    # A victim's old token is in no top-k entry of this step (it was not hit, and a miss's
+    # token is held by no slot), so this never touches a key a miss installs below.
+    tl.store(resident_ptr + keys_by_slot,
+             tl.full(keys_by_slot.shape, -1, resident_ptr.dtype.element_ty),
+             mask=victim & (keys_by_slot >= 0) & (keys_by_slot < NUM_KEYS))
+    tl.store(stamp_row + h, tl.zeros(h.shape, tl.int32) + clock, mask=victim)
+    tl.debug_barrier()  # the victims in `order` are visible to every thread
+    miss = row >= 0
+    rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+    miss = miss & (rank < installed)
+    slot = tl.load(order_ptr + b * H + rank, mask=miss, other=0)
+    tl.store(resident_ptr + key, slot.to(resident_ptr.dtype.element_ty), mask=miss)
+    tl.store(slot_key_ptr + r.to(tl.int64) * H + slot, key, mask=miss)
+    tl.store(out_ptr + b * K + k, base + slot, mask=miss)
+    if ADDRESS_ORDER:
+        _plan_in_address_order(b, row, miss, base + slot, K, N, plan_src_ptr, plan_dst_ptr,
+                               plan_stride, bucket_count_ptr, bucket_cursor_ptr,
+                               row_buckets_ptr, NUM_BUCKETS)
+    else:
+        tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
+        tl.store(plan_dst_ptr + b * plan_stride + rank, base + slot, mask=miss)
+    return installed
+
+
+@triton.jit
+def _victim_threshold(candidate, stamps, installed, FAST_ROUNDS: tl.constexpr):
+    """The threshold stamp and the candidates below it: every candidate below the threshold
+    is a victim, and the first `installed - below` (by slot id) of those at it. A step stamps
+    all the slots it uses alike, so a few stamp values hold the oldest slots: take them oldest
+    first, one value per round..."""
     lowest = tl.min(tl.where(candidate, stamps, _NO_STAMP), axis=0)
     threshold = lowest
     below = 0
@@ -79,6 +110,12 @@ def _select_victims(
                     found = trial
         threshold = lowest + found
         below = tl.sum((candidate & (stamps < threshold)).to(tl.int32), axis=0)
+    return threshold, below
+
+
+@triton.jit
+def _victim_ranks(candidate, stamps, threshold, below, installed, BLOCK_H: tl.constexpr):
+    """Which slots are victims and each one's rank in slot order."""
     older = candidate & (stamps < threshold)
     tied = candidate & (stamps == threshold)
     need = installed - below
@@ -93,51 +130,68 @@ def _select_victims(
         older_through = tl.cumsum(older.to(tl.int32), axis=0)
         tied_through = tl.cumsum(tied.to(tl.int32), axis=0)
     victim = older | (tied & (tied_through <= need))
-    victim_rank = older_through + tl.minimum(tied_through, need) - 1
-    tl.store(order_ptr + b * H + victim_rank, h, mask=victim)
-    # A victim's old token is in no top-k entry of this step (it was not hit, and a miss's
-    # token is held by no slot), so this never touches a key a miss installs below.
-    tl.store(resident_ptr + keys_by_slot,
-             tl.full(keys_by_slot.shape, -1, resident_ptr.dtype.element_ty),
-             mask=victim & (keys_by_slot >= 0) & (keys_by_slot < NUM_KEYS))
-    tl.store(stamp_row + h, tl.zeros(h.shape, tl.int32) + clock, mask=victim)
-    tl.debug_barrier()  # the victims in `order` are visible to every thread
-    miss = row >= 0
-    rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
-    miss = miss & (rank < installed)
-    slot = tl.load(order_ptr + b * H + rank, mask=miss, other=0)
-    tl.store(resident_ptr + key, slot.to(resident_ptr.dtype.element_ty), mask=miss)
-    tl.store(slot_key_ptr + r.to(tl.int64) * H + slot, key, mask=miss)
-    tl.store(out_ptr + b * K + k, base + slot, mask=miss)
-    if ADDRESS_ORDER:
-        # Every miss the classify grid counted takes an entry of its address bucket; the plan
-        # holds the call's misses bucket by bucket, K to a plan row. (A miss left without a
-        # slot, which H >= K rules out, would leave a source of -1 that the copy skips.)
-        bins = tl.arange(0, NUM_BUCKETS)
-        counted = row >= 0
-        bucket = tl.where(counted, _address_bucket(row, N, NUM_BUCKETS), 0)
-        # The miss's rank in its bucket within this row, from counters only this program
-        # touches: one shared cursor per bucket, claimed by every miss of the batch, cost
-        # 30-140 us per step at churn 0.2-1.0 in contention (H200, round address-order).
-        row_buckets = row_buckets_ptr + b * NUM_BUCKETS
-        within_row = tl.atomic_add(row_buckets + bucket, tl.full(bucket.shape, 1, tl.int32),
-                                   mask=counted, sem="relaxed")
-        tl.debug_barrier()  # every thread's count is in (at L2, where the load below reads)
-        row_counts = tl.load(row_buckets + bins, cache_modifier=".cg")
-        # The row's entries of each bucket in one claim per bucket.
-        row_first = tl.atomic_add(bucket_cursor_ptr + bins, row_counts, mask=row_counts > 0,
-                                  sem="relaxed")
-        tl.store(row_buckets + bins, tl.zeros(bins.shape, tl.int32), mask=row_counts > 0)
-        bucket_counts = tl.load(bucket_count_ptr + bins)
-        first = tl.cumsum(bucket_counts, axis=0) - bucket_counts + row_first
-        entry = tl.gather(first, bucket, 0) + within_row
-        entry = (entry // K) * plan_stride + entry % K
-        tl.store(plan_src_ptr + entry, tl.where(miss, row, -1), mask=counted)
-        tl.store(plan_dst_ptr + entry, base + slot, mask=counted)
-    else:
-        tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
-        tl.store(plan_dst_ptr + b * plan_stride + rank, base + slot, mask=miss)
-    return installed
+    return victim, older_through + tl.minimum(tied_through, need) - 1
+
+
+@triton.jit
+def _plan_in_address_order(b, row, miss, dst, K, N, plan_src_ptr, plan_dst_ptr, plan_stride,
+                           bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr,
+                           NUM_BUCKETS: tl.constexpr):
+    """Every miss the classify grid counted takes an entry of its address bucket; the plan
+    holds the call's misses bucket by bucket, K to a plan row. (A miss left without a slot,
+    which H >= K rules out, would leave a source of -1 that the copy skips.)"""
+    bins = tl.arange(0, NUM_BUCKETS)
+    counted = row >= 0
+    bucket = tl.where(counted, _address_bucket(row, N, NUM_BUCKETS), 0)
+    # The miss's rank in its bucket within this row, from counters only this program
+    # touches: one shared cursor per bucket, claimed by every miss of the batch, cost
+    # 30-140 us per step at churn 0.2-1.0 in contention (H200, round address-order).
+    row_buckets = row_buckets_ptr + b * NUM_BUCKETS
+    within_row = tl.atomic_add(row_buckets + bucket, tl.full(bucket.shape, 1, tl.int32),
+                               mask=counted, sem="relaxed")
+    tl.debug_barrier()  # every thread's count is in (at L2, where the load below reads)
+    row_counts = tl.load(row_buckets + bins, cache_modifier=".cg")
+    # The row's entries of each bucket in one claim per bucket.
+    row_first = tl.atomic_add(bucket_cursor_ptr + bins, row_counts, mask=row_counts > 0,
+                              sem="relaxed")
+    tl.store(row_buckets + bins, tl.zeros(bins.shape, tl.int32), mask=row_counts > 0)
+    bucket_counts = tl.load(bucket_count_ptr + bins)
+    first = tl.cumsum(bucket_counts, axis=0) - bucket_counts + row_first
+    entry = tl.gather(first, bucket, 0) + within_row
+    entry = (entry // K) * plan_stride + entry % K
+    tl.store(plan_src_ptr + entry, tl.where(miss, row, -1), mask=counted)
+    tl.store(plan_dst_ptr + entry, dst, mask=counted)
+
+
+@triton.jit
+def _add_request_counts(b, r, real, num_misses, hit_count_ptr, request_counts_ptr):
+    """Add row b's hits (the lookup's count, zeroed for the next call) and misses to its
+    request slot's counters. The program owns its request for this call: no atomics."""
+    num_hits = tl.load(hit_count_ptr + b)
+    tl.store(hit_count_ptr + b, 0, mask=num_hits != 0)
+    counts = request_counts_ptr + r.to(tl.int64) * 2
+    tl.store(counts, tl.load(counts, mask=real, other=0) + num_hits.to(tl.int64), mask=real)
+    tl.store(counts + 1, tl.load(counts + 1, mask=real, other=0) + num_misses.to(tl.int64),
+             mask=real)
+
+
+@triton.jit
+def _count_address_ordered_plan(b, K, plan_count_ptr, bucket_count_ptr, bucket_cursor_ptr,
+                                done_ptr, NUM_BUCKETS: tl.constexpr):
+    """Plan row b's entry count (K to a row, in address order), and the last program done
+    zeroes the bucket state for the next call (a call without misses left it zero). Every
+    program's loads and claims returned before its plan stores, which precede this (a
+    barrier, then the program's single ticket exchange), so none can see the zeroes."""
+    total = tl.sum(tl.load(bucket_count_ptr + tl.arange(0, NUM_BUCKETS)), axis=0)
+    tl.store(plan_count_ptr + b, tl.minimum(tl.maximum(total - b * K, 0), K))
+    if total > 0:
+        tl.debug_barrier()
+        ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:
+            bins = tl.arange(0, NUM_BUCKETS)
+            tl.store(bucket_count_ptr + bins, tl.zeros(bins.shape, tl.int32))
+            tl.store(bucket_cursor_ptr + bins, tl.zeros(bins.shape, tl.int32))
+            tl.store(done_ptr, 0)
 
 
 @triton.jit
@@ -191,13 +245,7 @@ def select_kernel(
     num_misses = tl.load(miss_count_ptr + b)
     tl.store(miss_count_ptr + b, 0, mask=num_misses != 0)  # zero for the next call
     if REQUEST_COUNTS:
-        # The program owns its request for this call, so a plain add is enough.
-        num_hits = tl.load(hit_count_ptr + b)
-        tl.store(hit_count_ptr + b, 0, mask=num_hits != 0)
-        counts = request_counts_ptr + r.to(tl.int64) * 2
-        tl.store(counts, tl.load(counts, mask=real, other=0) + num_hits.to(tl.int64), mask=real)
-        tl.store(counts + 1, tl.load(counts + 1, mask=real, other=0) + num_misses.to(tl.int64),
-                 mask=real)
+        _add_request_counts(b, r, real, num_misses, hit_count_ptr, request_counts_ptr)
     installed = 0
     if real & (n > H):
         if num_misses > 0:
@@ -210,20 +258,8 @@ def select_kernel(
             )
         tl.store(lru_clock_ptr + r, clock + 1)
     if ADDRESS_ORDER:
-        total = tl.sum(tl.load(bucket_count_ptr + tl.arange(0, NUM_BUCKETS)), axis=0)
-        tl.store(plan_count_ptr + b, tl.minimum(tl.maximum(total - b * K, 0), K))
-        # The last program done zeroes the bucket state for the next call (a call without
-        # misses left it zero). Every program's loads and claims above returned before its
-        # plan stores, which precede this (a barrier, then the program's single ticket
-        # exchange), so none can see the zeroes.
-        if total > 0:
-            tl.debug_barrier()
-            ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel")
-            if ticket == tl.num_programs(0) - 1:
-                bins = tl.arange(0, NUM_BUCKETS)
-                tl.store(bucket_count_ptr + bins, tl.zeros(bins.shape, tl.int32))
-                tl.store(bucket_cursor_ptr + bins, tl.zeros(bins.shape, tl.int32))
-                tl.store(done_ptr, 0)
+        _count_address_ordered_plan(b, K, plan_count_ptr, bucket_count_ptr, bucket_cursor_ptr,
+                                    done_ptr, NUM_BUCKETS)
     else:
         tl.store(plan_count_ptr + b, installed)
 

@@ -4,7 +4,7 @@ Targets: cuda:sm_90 (H100/H200), cuda:sm_100 (B200), hip:gfx942 (MI300X), hip:gf
 and xpu:pvc where the Intel Triton backend is installed (it skips, with the reason, where it
 is not). Stock Triton wheels build for NVIDIA and AMD on a CPU machine, so this runs in CI.
 
-The variants are those the launch functions pick (kernels/targets.py, `compile_variants()`,
+The variants are those the launch functions pick (kernels/compile_variants.py, `compile_variants()`,
 which also gives the coverage argument: every value of every launch-time switch, the
 switches that share a code path crossed, the shipped shapes and the hot-buffer sizes where
 the selection changes code). What a CPU can check of a build, and is checked here:

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install 'hisparse[triton]')")
 
 # The launches of a B=1 step (classify, select, prefetching copy) and a B=16 one (the planned
-# copy), as the launch code makes them on an sm_90 device (kernels/targets.py), compiled in a
-# process of their own: the kernel tests set TRITON_INTERPRET=1 in this one.
+# copy), as the launch code makes them on an sm_90 device (kernels/compile_variants.py),
+# compiled in a process of their own: the kernel tests set TRITON_INTERPRET=1 in this one.
 SCENARIOS = ("B=1 fp8 extents", "B=16 fp8 extents")
 NAMES = {"copy_prefetched": "prefetched_copy"}
 

@@ -4,13 +4,9 @@ Importing this package never needs NIXL; constructing a NIXL endpoint or sender 
 (`pip install 'hisparse[pd]'`).
 """
 
-from hisparse.pd.nixl_adapter import (
-    NixlDecodeEndpoint,
-    NixlPrefillSender,
-    PrefillWrite,
-    TransferOutcome,
-    import_nixl,
-)
+from hisparse.pd.decode_endpoint import NixlDecodeEndpoint, TransferOutcome
+from hisparse.pd.nixl_adapter import import_nixl
+from hisparse.pd.prefill_sender import NixlPrefillSender, PrefillWrite
 from hisparse.pd.ticket import TransferTicket, coalesce_rows, split_runs
 
 __all__ = [

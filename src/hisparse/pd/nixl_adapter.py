@@ -18,40 +18,27 @@ Prefill node::
     sender.write(TransferTicket.from_bytes(payload), kv_layers, source_rows).wait()
 
 Neither class is thread-safe: call each from one thread (the scheduler's).
+
+The decode side is `decode_endpoint.py`, the prefill side `prefill_sender.py`. This module is
+what both share: importing NIXL, starting an agent, describing memory to it, and the wire
+format of the notifications the prefill node sends the decode node. Both log to this
+module's logger, `hisparse.pd.nixl_adapter`.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
-import secrets
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, NoReturn, Protocol
+from typing import Any
 
-import numpy as np
 import torch
 
-from hisparse.errors import (
-    HisparseError,
-    InvalidInputError,
-    MissingDependencyError,
-    RequestStateError,
-    TransferError,
-    UnknownRequestError,
-)
-from hisparse.pd.ticket import TransferTicket, coalesce_rows, split_runs
+from hisparse.errors import MissingDependencyError, TransferError
 
 logger = logging.getLogger(__name__)
 
 _NOTIF_PREFIX = b"hisparse/1 "
-# Transfer ids of finished or aborted transfers kept to tell a late notification from a
-# stray one in the log; old ones are forgotten first.
-_RETIRED_MEMORY = 4096
 
 
 def import_nixl() -> ModuleType:
@@ -69,43 +56,7 @@ def import_nixl() -> ModuleType:
     return nixl
 
 
-class _ReservingCache(Protocol):
-    """The part of `hisparse.HiSparseCache` the decode endpoint uses."""
-
-    def reserve_host_slots(self, request_id: Any, num_tokens: int) -> Any: ...
-    def complete_transfer(self, request_id: Any) -> None: ...
-    def abort(self, request_id: Any) -> None: ...
-    def host_tensors(self) -> list[torch.Tensor]: ...
-
-
-@dataclass(frozen=True)
-class TransferOutcome:
-    """One request whose transfer ended, as `NixlDecodeEndpoint.poll` reports it.
-
-    `error is None`: the rows landed and `complete_transfer` ran; the request can decode.
-    A `TransferError`: the transfer failed or timed out and its rows were released.
-    Any other `HisparseError`: the rows landed but `complete_transfer` refused (e.g. no free
-    device slot); the rows stay reserved: call `cache.complete_transfer` again or `cache.abort`.
-    """
-
-    request_id: Hashable
-    transfer_id: str
-    error: HisparseError | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self.error is None
-
-
-@dataclass
-class _Pending:
-    request_id: Hashable
-    ticket: TransferTicket
-    deadline: float
-    timeout_s: float
-
-
-def _agent(nixl: ModuleType, name: str, backends: Sequence[str]) -> Any:
+def start_agent(nixl: ModuleType, name: str, backends: Sequence[str]) -> Any:
     config = nixl.nixl_agent_config(backends=list(backends))
     try:
         return nixl.nixl_agent(name, config)
@@ -116,533 +67,50 @@ def _agent(nixl: ModuleType, name: str, backends: Sequence[str]) -> Any:
         ) from exc
 
 
-def _memory_of(tensor: torch.Tensor) -> tuple[str, int]:
+def memory_of(tensor: torch.Tensor) -> tuple[str, int]:
     """NIXL memory type and device id of a tensor."""
     if tensor.device.type == "cpu":
         return "DRAM", 0
     return "VRAM", int(tensor.device.index or 0)
 
 
-def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
     start = int(tensor.data_ptr())
     return start, start + tensor.numel() * tensor.element_size()
 
 
-class NixlDecodeEndpoint:
-    """Decode side: the cache's host pool as a NIXL write target, one ticket per request.
 
-    Args:
-        cache: a `hisparse.HiSparseCache` (anything with `reserve_host_slots`,
-            `complete_transfer`, `abort` and `host_tensors`).
-        agent_name: this node's NIXL agent name, unique among the agents that talk to it.
-        host_tensors: the cache's per-layer `[N, W]` host tensors. Default: the cache's own.
-        timeout_s: default time from `prepare_request` to the completion notification, after
-            which the rows are released and the request reported failed.
-        backends: NIXL backends to start ("UCX" works on every host, CPU-only included).
-        clock: monotonic seconds; injectable for tests.
-
-    Raises:
-        ImportError: NIXL is not installed (the message names `pip install 'hisparse[pd]'`).
-        TransferError: the agent could not start or the pool could not be registered.
-    """
-
-    def __init__(
-        self,
-        cache: _ReservingCache,
-        agent_name: str,
-        *,
-        host_tensors: Sequence[torch.Tensor] | None = None,
-        timeout_s: float = 60.0,
-        backends: Sequence[str] = ("UCX",),
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if not timeout_s > 0:  # also refuses NaN, which no clock reading would ever reach
-            raise InvalidInputError(f"timeout_s must be > 0 seconds, got {timeout_s}.")
-        nixl = import_nixl()
-        pool = list(host_tensors if host_tensors is not None else cache.host_tensors())
-        for layer, tensor in enumerate(pool):
-            if tensor.dim() != 2 or not tensor.is_contiguous():
-                raise InvalidInputError(
-                    f"host tensor of layer {layer} has shape {tuple(tensor.shape)} "
-                    f"(contiguous={tensor.is_contiguous()}); the pool must be contiguous [N, W]."
-                )
-        self.cache = cache
-        self.agent_name = agent_name
-        self.timeout_s = float(timeout_s)
-        self._clock = clock
-        self._agent = _agent(nixl, agent_name, backends)
-        self._pool_ranges = [_byte_range(t) for t in pool]
-        try:
-            self._registration = self._agent.register_memory(pool)
-        except Exception as exc:
-            raise TransferError(
-                f"NIXL agent {agent_name!r} could not register the host pool "
-                f"({len(pool)} layers, {sum(e - s for s, e in self._pool_ranges)} bytes): {exc}."
-            ) from exc
-        self._pool = pool  # keeps the registered memory alive as long as the endpoint
-        # A fresh nonce per endpoint keeps ids unique across restarts under the same name.
-        self._id_prefix = secrets.token_hex(4)
-        self._ids = itertools.count()
-        self._pending: dict[str, _Pending] = {}
-        self._transfer_of: dict[Hashable, str] = {}
-        self._retired: OrderedDict[str, str] = OrderedDict()
-        self._undelivered: list[TransferOutcome] = []
-        self._closed = False
-        self._unread: collections.deque[tuple[str, bytes]] = collections.deque()
-
-    def publish(self) -> bytes:
-        """This agent's NIXL metadata; every prefill node passes it to `connect` once."""
-        return self._agent.get_agent_metadata()
-
-    @property
-    def pending(self) -> list[Hashable]:
-        """Requests whose transfer was prepared and has not ended yet."""
-        return [p.request_id for p in self._pending.values()]
-
-    def prepare_request(
-        self, request_id: Hashable, num_tokens: int, *, timeout_s: float | None = None
-    ) -> TransferTicket:
-        """Reserve host rows for a request in all layers and describe them for the prefill node.
-
-        Raises what `cache.reserve_host_slots` raises (nothing reserved then), or
-        `InvalidInputError` for a request already waiting for a transfer, `RequestStateError`
-        after `close()`.
-        """
-        if self._closed:  # the pool is deregistered: no prefill node could write the rows
-            raise RequestStateError(
-                f"cannot prepare request {request_id!r}: this NixlDecodeEndpoint is closed; "
-                "create a new one"
-            )
-        if request_id in self._transfer_of:
-            raise InvalidInputError(
-                f"request {request_id!r} already waits for transfer "
-                f"{self._transfer_of[request_id]}; cancel() it before preparing it again."
-            )
-        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        if not timeout > 0:  # also refuses NaN: the rows would stay reserved forever
-            raise InvalidInputError(f"timeout_s must be > 0 seconds, got {timeout_s}.")
-        reservation = self.cache.reserve_host_slots(request_id, num_tokens)
-        try:
-            ticket = self._ticket(request_id, reservation)
-        except BaseException:
-            self.cache.abort(request_id)
-            raise
-        self._pending[ticket.transfer_id] = _Pending(
-            request_id, ticket, self._clock() + timeout, timeout
-        )
-        self._transfer_of[request_id] = ticket.transfer_id
-        return ticket
-
-    def poll(self) -> list[TransferOutcome]:
-        """Handle arrived notifications and expired deadlines; report every transfer that ended.
-
-        Never raises for one request's failure: the failure is in its outcome's `error`.
-        """
-        outcomes, self._undelivered = self._undelivered, []
-        try:
-            for sender, messages in self._agent.get_new_notifs().items():
-                self._unread.extend((sender, message) for message in messages)
-            # One at a time off the queue: if handling one raises, the rest (transfers whose
-            # rows landed) are handled by the next poll() rather than lost to their deadline.
-            while self._unread:
-                sender, message = self._unread.popleft()
-                outcome = self._on_notification(sender, message)
-                if outcome is not None:
-                    outcomes.append(outcome)
-            now = self._clock()
-            for transfer_id, pending in list(self._pending.items()):
-                if now >= pending.deadline:
-                    error = TransferError(
-                        f"KV transfer {transfer_id} for request {pending.request_id!r} timed "
-                        f"out: no completion notification within {pending.timeout_s:g} s; its "
-                        f"{pending.ticket.num_tokens} host rows were released. Check that the "
-                        f"prefill node connected to agent {self.agent_name!r} and wrote the "
-                        "ticket, or raise timeout_s."
-                    )
-                    outcomes.append(self._fail(transfer_id, error, why="timed out"))
-        except BaseException:
-            # These requests already changed state in the cache (running, or released): the
-            # scheduler must still hear of them, so the next poll() reports them.
-            self._undelivered = outcomes + self._undelivered
-            raise
-        return outcomes
-
-    def wait(self, request_id: Hashable, timeout_s: float | None = None) -> None:
-        """Poll until this request's transfer ends; raise its error if it failed.
-
-        Outcomes of other requests seen meanwhile are kept for the next `poll()`.
-        """
-        transfer_id = self._transfer_of.get(request_id)
-        if transfer_id is None:
-            raise InvalidInputError(
-                f"request {request_id!r} has no pending transfer; call prepare_request first."
-            )
-        give_up = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            outcomes = self.poll()
-            mine = [o for o in outcomes if o.transfer_id == transfer_id]
-            self._undelivered.extend(o for o in outcomes if o.transfer_id != transfer_id)
-            if mine:
-                if mine[0].error is not None:
-                    raise mine[0].error
-                return
-            if give_up is not None and time.monotonic() >= give_up:
-                raise TimeoutError(
-                    f"transfer {transfer_id} for request {request_id!r} still pending after "
-                    f"{timeout_s:g} s of wait(); it stays pending until its deadline."
-                )
-            time.sleep(0.0005)
-
-    def cancel(self, request_id: Hashable) -> None:
-        """Give up on a request's transfer and release its rows (`cache.abort`)."""
-        transfer_id = self._transfer_of.get(request_id)
-        if transfer_id is None:
-            raise InvalidInputError(f"request {request_id!r} has no pending transfer to cancel.")
-        self._retire(transfer_id, "cancelled")
-        self._release(request_id)
-
-    def close(self) -> None:
-        """Cancel every pending transfer and deregister the pool. The endpoint is unusable after."""
-        for request_id in self.pending:
-            self.cancel(request_id)
-        if self._registration is not None:
-            self._agent.deregister_memory(self._registration)
-            self._registration = None
-        self._closed = True
-
-    # --- internals ---------------------------------------------------------------------------
-    def _ticket(self, request_id: Hashable, reservation: Any) -> TransferTicket:
-        row_bytes = int(reservation.row_bytes)
-        rows = np.asarray(reservation.rows, dtype=np.int64)
-        addresses = []
-        if len(reservation.layers) > len(self._pool_ranges):
-            raise TransferError(
-                f"the cache reserved rows of request {request_id!r} in "
-                f"{len(reservation.layers)} layers but this endpoint registered "
-                f"{len(self._pool_ranges)} layers; pass every layer's host tensor "
-                "(or leave host_tensors out to use the cache's own)."
-            )
-        for layer in reservation.layers:
-            start, end = int(layer.base_address), int(layer.base_address) + int(layer.num_bytes)
-            reg_start, reg_end = self._pool_ranges[layer.layer]
-            if not reg_start <= start < end <= reg_end:
-                raise TransferError(
-                    f"layer {layer.layer} of request {request_id!r} is at "
-                    f"[{start:#x}, {end:#x}) but the registered pool is at "
-                    f"[{reg_start:#x}, {reg_end:#x}); the cache reallocated its host pool, "
-                    "so create a new NixlDecodeEndpoint and publish() again."
-                )
-            if rows.size and (rows.min() < 0 or (rows.max() + 1) * row_bytes > end - start):
-                raise TransferError(
-                    f"reserved rows of request {request_id!r} span {rows.min()}..{rows.max()}, "
-                    f"outside layer {layer.layer}'s {(end - start) // row_bytes} rows."
-                )
-            addresses.append(start)
-        return TransferTicket(
-            transfer_id=f"{self._id_prefix}-{next(self._ids)}",
-            request_id=str(request_id),
-            agent_name=self.agent_name,
-            num_tokens=int(rows.size),
-            row_bytes=row_bytes,
-            layer_addresses=tuple(addresses),
-            runs=coalesce_rows(rows),
-        )
-
-    def _on_notification(self, sender: str, message: bytes) -> TransferOutcome | None:
-        if not message.startswith(_NOTIF_PREFIX):
-            logger.debug("ignoring a non-hisparse NIXL notification from %s: %r", sender, message)
-            return None
-        kind, _, rest = message[len(_NOTIF_PREFIX) :].decode(errors="replace").partition(" ")
-        transfer_id, _, reason = rest.partition(" ")
-        pending = self._pending.get(transfer_id)
-        if pending is None:
-            # Typical after a timeout or cancel: the prefill node finished late. The rows were
-            # already released, so nothing here may touch the cache.
-            logger.warning(
-                "ignoring a late %r notification from %s for transfer %s (%s)",
-                kind,
-                sender,
-                transfer_id,
-                self._retired.get(transfer_id, "unknown to this endpoint"),
-            )
-            return None
-        if kind == "fail":
-            error = TransferError(
-                f"prefill node {sender!r} could not write KV transfer {transfer_id} for request "
-                f"{pending.request_id!r}: {reason or 'no reason given'}; its "
-                f"{pending.ticket.num_tokens} host rows were released. Re-run prefill."
-            )
-            return self._fail(transfer_id, error, why=f"failed on {sender}")
-        if kind != "done":
-            logger.warning("ignoring NIXL notification of unknown kind %r from %s", kind, sender)
-            return None
-        try:
-            self.cache.complete_transfer(pending.request_id)
-        except HisparseError as exc:
-            self._retire(transfer_id, "completed")
-            return TransferOutcome(pending.request_id, transfer_id, exc)
-        # Retired only now: after any other exception the request stays pending, so its
-        # deadline still releases the rows instead of the endpoint forgetting them.
-        self._retire(transfer_id, "completed")
-        return TransferOutcome(pending.request_id, transfer_id)
-
-    def _fail(self, transfer_id: str, error: TransferError, why: str) -> TransferOutcome:
-        pending = self._retire(transfer_id, why)
-        self._release(pending.request_id)
-        logger.warning("%s", error)
-        return TransferOutcome(pending.request_id, transfer_id, error)
-
-    def _release(self, request_id: Hashable) -> None:
-        try:
-            self.cache.abort(request_id)
-        except (UnknownRequestError, RequestStateError):
-            # Someone called cache.abort directly (endpoint.cancel is the way); nothing is held.
-            logger.warning("request %r was already released from the cache", request_id)
-
-    def _retire(self, transfer_id: str, why: str) -> _Pending:
-        pending = self._pending.pop(transfer_id)
-        del self._transfer_of[pending.request_id]
-        self._retired[transfer_id] = f"request {pending.request_id!r}, {why}"
-        while len(self._retired) > _RETIRED_MEMORY:
-            self._retired.popitem(last=False)
-        return pending
+# ---- the notifications: "hisparse/1 done <transfer_id>" or "hisparse/1 fail <id> <reason>" --
+def done_notification(transfer_id: str) -> bytes:
+    """What the WRITE carries: its arrival on the decode node means every row landed."""
+    return _NOTIF_PREFIX + b"done " + transfer_id.encode()
 
 
-class PrefillWrite:
-    """One posted WRITE; `poll()` until True or `wait()`. Errors raise `TransferError`."""
-
-    def __init__(self, sender: NixlPrefillSender, ticket: TransferTicket, handle: Any) -> None:
-        self.ticket = ticket
-        self._sender = sender
-        self._handle = handle
-        self._error: TransferError | None = None
-        self.done = False
-
-    def poll(self) -> bool:
-        """True once every row landed on the decode node (its notification is then on its way)."""
-        if self._error is not None:
-            raise self._error
-        if self.done:
-            return True
-        try:
-            state = self._sender._agent.check_xfer_state(self._handle)
-        except Exception as exc:
-            self._fail(f"NIXL reported {exc!r}", exc)
-        if state == "ERR":
-            self._fail("NIXL reported the transfer state ERR", None)
-        if state != "DONE":
-            return False
-        self.done = True
-        self._sender._agent.release_xfer_handle(self._handle)
-        return True
-
-    def wait(self, timeout_s: float = 30.0) -> None:
-        """Block until done; a timeout cancels the transfer and raises `TransferError`."""
-        give_up = time.monotonic() + timeout_s
-        while not self.poll():
-            if time.monotonic() >= give_up:
-                self._fail(f"not finished after {timeout_s:g} s", None)
-            time.sleep(0.0005)
-
-    def _fail(self, reason: str, cause: BaseException | None) -> NoReturn:
-        try:  # releasing an active handle asks NIXL to cancel it
-            self._sender._agent.release_xfer_handle(self._handle)
-            cancelled = True
-        except Exception:
-            logger.warning("could not cancel NIXL transfer %s", self.ticket.transfer_id)
-            cancelled = False
-        if cancelled:
-            self._sender._notify_failure(self.ticket, reason)
-            release = "on the failure notice"
-        else:
-            # The WRITE may still be landing: a notice now would free the rows for another
-            # request under it. The decode node's deadline releases them later instead.
-            release = "at its deadline (NIXL could not cancel the write, so no notice was sent)"
-        self._error = TransferError(
-            f"KV transfer {self.ticket.transfer_id} of request {self.ticket.request_id} to "
-            f"{self.ticket.agent_name!r} failed: {reason}. The decode node releases the rows "
-            f"{release}; re-run prefill for this request."
-        )
-        raise self._error from cause
+def fail_notification(transfer_id: str, reason: str) -> bytes:
+    """Tells the decode node to release the rows now rather than at its deadline."""
+    return _NOTIF_PREFIX + f"fail {transfer_id} {reason}".encode()
 
 
-class NixlPrefillSender:
-    """Prefill side: WRITEs a request's rows from its own registered memory to a decode ticket.
+def parse_notification(message: bytes) -> tuple[str, str, str] | None:
+    """(kind, transfer_id, reason) of a hisparse notification; None for any other message."""
+    if not message.startswith(_NOTIF_PREFIX):
+        return None
+    kind, _, rest = message[len(_NOTIF_PREFIX) :].decode(errors="replace").partition(" ")
+    transfer_id, _, reason = rest.partition(" ")
+    return kind, transfer_id, reason
 
-    Args:
-        agent_name: this node's NIXL agent name, unique among the agents that talk to it.
-        backends: NIXL backends to start.
-    """
 
-    def __init__(self, agent_name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
-        nixl = import_nixl()
-        self.agent_name = agent_name
-        self._agent = _agent(nixl, agent_name, backends)
-        self._registered: list[tuple[int, int, Any]] = []  # (start, end, registration)
-        self._tensors: list[torch.Tensor] = []
-        self._connected: set[str] = set()
+_MOVED = {  # the classes that lived here, still importable from here
+    "NixlDecodeEndpoint": "hisparse.pd.decode_endpoint",
+    "TransferOutcome": "hisparse.pd.decode_endpoint",
+    "NixlPrefillSender": "hisparse.pd.prefill_sender",
+    "PrefillWrite": "hisparse.pd.prefill_sender",
+}
 
-    def register(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Register the memory rows will be read from (once per buffer, e.g. the KV pool)."""
-        for tensor in tensors:
-            if not tensor.is_contiguous():
-                raise InvalidInputError(
-                    f"cannot register a non-contiguous tensor of shape {tuple(tensor.shape)}; "
-                    "register the contiguous buffer it is a view of."
-                )
-            start, end = _byte_range(tensor)
-            try:
-                registration = self._agent.register_memory([tensor])
-            except Exception as exc:
-                raise TransferError(
-                    f"NIXL agent {self.agent_name!r} could not register {end - start} bytes "
-                    f"at {start:#x}: {exc}."
-                ) from exc
-            self._registered.append((start, end, registration))
-            self._tensors.append(tensor)
 
-    def connect(self, decode_metadata: bytes) -> str:
-        """Load a decode node's `publish()` output; returns its agent name."""
-        try:
-            name = self._agent.add_remote_agent(decode_metadata)
-        except Exception as exc:
-            raise TransferError(
-                f"could not load the decode node's NIXL metadata ({len(decode_metadata)} bytes): "
-                f"{exc}; pass exactly what NixlDecodeEndpoint.publish() returned."
-            ) from exc
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        self._connected.add(name)
-        return name
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import importlib
 
-    def write(
-        self,
-        ticket: TransferTicket | bytes | dict[str, Any],
-        layers: Sequence[torch.Tensor],
-        source_rows: np.ndarray | Sequence[int] | None = None,
-    ) -> PrefillWrite:
-        """Post one WRITE of every layer's rows for the ticket, with a completion notification.
-
-        Args:
-            ticket: what the decode node's `prepare_request` returned (object, bytes or dict).
-            layers: per layer a registered 2D tensor whose rows are `ticket.row_bytes` wide.
-            source_rows: row of each token in those tensors (same in every layer);
-                default `0 .. num_tokens-1`.
-
-        Raises:
-            InvalidInputError: the sources do not match the ticket (nothing was sent).
-            TransferError: NIXL refused or failed the transfer (the decode node is told).
-        """
-        if not isinstance(ticket, TransferTicket):
-            ticket = (
-                TransferTicket.from_bytes(ticket)
-                if isinstance(ticket, bytes)
-                else TransferTicket.from_dict(ticket)
-            )
-        rows = self._check_sources(ticket, layers, source_rows)
-        pieces = split_runs(ticket.runs, rows)  # [M, 4]: first_token, dst_row, src_row, n
-        width = ticket.row_bytes
-        lengths = (pieces[:, 3] * width).astype(np.uint64)
-        remote = np.empty((ticket.num_layers, len(pieces), 3), dtype=np.uint64)
-        local = np.empty_like(remote)
-        for layer, tensor in enumerate(layers):
-            remote[layer, :, 0] = ticket.layer_addresses[layer] + pieces[:, 1] * width
-            local[layer, :, 0] = tensor.data_ptr() + pieces[:, 2] * width
-        remote[:, :, 1] = local[:, :, 1] = lengths
-        remote[:, :, 2] = ticket.device_id
-        local_type, local_device = _memory_of(layers[0])
-        local[:, :, 2] = local_device
-        agent = self._agent
-        try:
-            handle = agent.initialize_xfer(
-                "WRITE",
-                agent.get_xfer_descs(local.reshape(-1, 3), local_type),
-                agent.get_xfer_descs(remote.reshape(-1, 3), ticket.mem_type),
-                ticket.agent_name,
-                _NOTIF_PREFIX + b"done " + ticket.transfer_id.encode(),
-            )
-        except Exception as exc:
-            reason = f"NIXL refused the descriptors ({exc!r})"
-            self._notify_failure(ticket, reason)
-            raise TransferError(
-                f"KV transfer {ticket.transfer_id} of request {ticket.request_id} to "
-                f"{ticket.agent_name!r} could not start: {reason}. The ticket does not match "
-                "the decode node's registered pool (stale ticket or metadata?); re-run prefill."
-            ) from exc
-        write = PrefillWrite(self, ticket, handle)
-        try:
-            state = agent.transfer(handle)
-        except Exception as exc:
-            write._fail(f"posting failed ({exc!r})", exc)
-        if state == "ERR":
-            write._fail("posting returned ERR", None)
-        return write
-
-    def close(self) -> None:
-        """Deregister this sender's memory and forget connected decode agents."""
-        for name in self._connected:
-            self._agent.remove_remote_agent(name)
-        self._connected.clear()
-        for _, _, registration in self._registered:
-            self._agent.deregister_memory(registration)
-        self._registered.clear()
-        self._tensors.clear()
-
-    def _check_sources(
-        self,
-        ticket: TransferTicket,
-        layers: Sequence[torch.Tensor],
-        source_rows: np.ndarray | Sequence[int] | None,
-    ) -> np.ndarray:
-        if ticket.agent_name not in self._connected:
-            raise InvalidInputError(
-                f"decode agent {ticket.agent_name!r} is not connected to {self.agent_name!r}; "
-                "call connect() with the metadata its NixlDecodeEndpoint.publish() returned."
-            )
-        if len(layers) != ticket.num_layers:
-            raise InvalidInputError(
-                f"ticket {ticket.transfer_id} has {ticket.num_layers} layers but "
-                f"{len(layers)} source tensors were given; pass one per layer."
-            )
-        rows = (
-            np.arange(ticket.num_tokens, dtype=np.int64)
-            if source_rows is None
-            else np.asarray(source_rows, dtype=np.int64).reshape(-1)
-        )
-        if rows.size != ticket.num_tokens:
-            raise InvalidInputError(
-                f"ticket {ticket.transfer_id} has {ticket.num_tokens} tokens but "
-                f"{rows.size} source rows were given."
-            )
-        for layer, tensor in enumerate(layers):
-            width = tensor.shape[-1] * tensor.element_size() if tensor.dim() == 2 else -1
-            if width != ticket.row_bytes or not tensor.is_contiguous():
-                raise InvalidInputError(
-                    f"source layer {layer} has shape {tuple(tensor.shape)} and dtype "
-                    f"{tensor.dtype} (contiguous={tensor.is_contiguous()}); the ticket needs "
-                    f"contiguous [rows, W] tensors with {ticket.row_bytes}-byte rows."
-                )
-            if rows.size and (rows.min() < 0 or rows.max() >= tensor.shape[0]):
-                raise InvalidInputError(
-                    f"source rows span {rows.min()}..{rows.max()} but layer {layer} has "
-                    f"{tensor.shape[0]} rows."
-                )
-            if tensor.device != layers[0].device:
-                raise InvalidInputError(
-                    f"source layer {layer} is on {tensor.device}, layer 0 on "
-                    f"{layers[0].device}; keep all layers of one write on one device."
-                )
-            start, end = _byte_range(tensor)
-            if not any(s <= start and end <= e for s, e, _ in self._registered):
-                raise InvalidInputError(
-                    f"source layer {layer} ([{start:#x}, {end:#x})) is not in memory this "
-                    "sender registered; call register() with its buffer first."
-                )
-        return rows
-
-    def _notify_failure(self, ticket: TransferTicket, reason: str) -> None:
-        """Tell the decode node to release the rows now rather than at its deadline."""
-        message = _NOTIF_PREFIX + f"fail {ticket.transfer_id} {reason}".encode()
-        try:
-            self._agent.send_notif(ticket.agent_name, message)
-        except Exception as exc:  # the decode node may be gone; its deadline covers that
-            logger.info("could not send the failure notice for %s: %r", ticket.transfer_id, exc)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

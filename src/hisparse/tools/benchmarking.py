@@ -29,6 +29,9 @@ from hisparse.backends.features import Feature
 from hisparse.core.host_pool import ExtentAllocator
 from hisparse.errors import InvalidInputError
 from hisparse.layout.tables import CacheTables, MissPlan, ResidencyMap, residency_dtype
+from hisparse.tools.sw1_steps import CellSteps
+from hisparse.tools.sw1_steps import rows_match as rows_match  # the benchmarks call both here
+from hisparse.tools.sw1_steps import wrong_rows as wrong_rows
 
 LAYOUTS = ("scattered", "extents")
 SWEEP_LAYOUT = "shuffled-extents"
@@ -282,94 +285,30 @@ def sw1_cell(
     what hisparse's residency map is keyed by (`CacheTables.residency_map`)."""
     rng = np.random.default_rng([seed, batch, round(churn * 1000),
                                  (*LAYOUTS, SWEEP_LAYOUT).index(layout)])
-    device = backend.device()
     capacity = batch if batch_capacity is None else batch_capacity
-    if capacity < batch:
-        raise InvalidInputError(f"batch_capacity {capacity} is smaller than the batch {batch}; "
-                                "pass at least the batch size")
-    if skip_io and kernel_for is not None:
-        raise InvalidInputError("skip_io times hisparse's own planning, which cannot follow "
-                                "another kernel (its tables are not hisparse's); pass one of "
-                                "skip_io and kernel_for")
+    _check_cell_options(batch, capacity, skip_io, kernel_for)
     tables, host_rows = build_tables(backend, pool, layout, batch, sizes, rng, mirror=mirror,
                                      residency_map=residency_map)
     kernel = swap_in_kernel(backend)[0] if kernel_for is None else kernel_for(tables, host_rows)
     trace = ChurnTrace(batch, sizes, churn, rng)
-    req_slots = torch.zeros(capacity, dtype=torch.int32, device=device)  # padding: slot 0
-    req_slots[:batch] = torch.arange(batch, dtype=torch.int32, device=device)
-    num_real = torch.tensor([batch], dtype=torch.int32, device=device)
-    padded_top_k = torch.full((capacity, sizes.top_k), -1, dtype=torch.int32, device=device)
-    top_k = padded_top_k[:batch]  # the real rows, rewritten every step
-    padded_out = torch.full((capacity, sizes.top_k), -1, dtype=torch.int32, device=device)
-    out = padded_out[:batch]
-    host_rows_on_device = None if mirror is None else torch.from_numpy(host_rows).to(device)
-    wrong = torch.zeros((), dtype=torch.int64, device=device)
-    graphs = backend.supports(Feature.GRAPH_CAPTURE)
-    timer = StepTimer(backend, device, queued=graphs)
-    flusher = CacheFlusher(device, flush)
-
-    def step_for(io_kernel: Callable[..., None], **options: object) -> Callable[[], None]:
-        def call() -> None:
-            io_kernel(tables, 0, 0, req_slots, padded_top_k, num_real, padded_out, **options)
-
-        if not graphs:
-            return call
-        graph = backend.new_graph()
-        with backend.graph_capture(graph):
-            call()
-        return graph.replay
-
-    def check() -> None:
-        if host_rows_on_device is not None:
-            wrong.add_(wrong_rows(tables, mirror, host_rows_on_device, top_k, out))
-
-    # Every top-k of the cell is drawn up front and staged on the device: no host work sits
-    # between two steps but a synchronization, so each step starts on an empty queue. (Queueing
-    # all steps back to back instead, with the per-step byte check between them, made extents
-    # B=128 churn 0.2 16% slower and much noisier on the H200: sustained load is not what one
-    # layer's swap-in sees inside a model either.)
     steps = sizes.warmup_steps + sizes.timed_steps
     planned = sizes.timed_steps if skip_io else 0
-    staged = torch.from_numpy(np.stack([trace.step() for _ in range(1 + steps + planned)]))
-    staged = staged.to(device)
-    misses_after = torch.zeros(1 + steps, dtype=torch.int64, device=device)
-
-    def next_top_k(index: int) -> None:
-        flusher.flush()  # the rest of a model runs between two swap-ins of one layer...
-        top_k.copy_(staged[index])  # ...and the indexer writes the top-k last
-
-    next_top_k(0)
-    kernel(tables, 0, 0, req_slots, padded_top_k, num_real, padded_out)  # compiles, allocates
-    check()
-    misses_after[0] = tables.counters[0, 1]
-    run = step_for(kernel)
-    elapsed = []
-    for step in range(1, 1 + steps):
-        next_top_k(step)
-        elapsed.append(timer.record(run))
-        misses_after[step].copy_(tables.counters[0, 1])
-        check()
-        backend.synchronize()
+    graphs = backend.supports(Feature.GRAPH_CAPTURE)
+    timer = StepTimer(backend, backend.device(), queued=graphs)
+    cell = CellSteps(backend, tables, host_rows, trace, batch, capacity, sizes.top_k, mirror,
+                     graphs, timer, CacheFlusher(backend.device(), flush), 1 + steps + planned)
+    elapsed, misses_after = cell.time_kernel(kernel, steps)
     times = [seconds() for seconds in elapsed[sizes.warmup_steps:]]
     misses = misses_after.diff()[sizes.warmup_steps:].tolist()
     counted_by = "kernel counters"
     if kernel_for is not None and not any(misses):
         misses, counted_by = [trace.fresh_per_step * batch] * len(misses), "trace"
-    verified = int(wrong) == 0 and (mirror is not None or rows_match(
-        tables, host_rows, staged[steps].cpu().numpy(), out))
-    skip_io_seconds = None
-    if skip_io:
-        run_planning = step_for(backend.skip_io_swap_in_kernel(), skip_io=True)
-        planning = []
-        for index in range(1 + steps, 1 + steps + planned):
-            next_top_k(index)
-            planning.append(timer.record(run_planning))
-            backend.synchronize()
-        skip_io_seconds = statistics.median(seconds() for seconds in planning)
+    verified = cell.rows_verified(host_rows, steps)
+    skip_io_seconds = cell.time_planning(1 + steps, planned) if skip_io else None
+    verified = verified and cell.padding_untouched()  # padding returns nothing
     times.sort()
     step_seconds = statistics.median(times)
     misses_per_step = statistics.mean(misses)
-    verified = verified and bool((padded_out[batch:] == -1).all())  # padding returns nothing
     return SW1Cell(
         layout=layout,
         batch=batch,
@@ -389,27 +328,15 @@ def sw1_cell(
     )
 
 
-def wrong_rows(tables: CacheTables, pool_rows: torch.Tensor, host_rows: torch.Tensor,
-               top_k: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Scalar tensor on `pool_rows`' device: top-k entries whose returned device row differs
-    from their token's host row, or that returned none (DESIGN.md 3.1).
-
-    `pool_rows` is the host pool or a copy of it on the device (which keeps a per-step check
-    on the device); `host_rows` [B, seq_len] and `top_k` are moved to its device."""
-    where = pool_rows.device
-    token_rows = host_rows.to(where).gather(1, top_k.to(where, torch.int64))
-    expected = pool_rows[token_rows]
-    returned = out.to(where, torch.int64)
-    got = tables.device_kv[0][out.clamp(min=0).long()].to(where)
-    return ((got != expected).any(dim=-1) | (returned < 0)).sum()
-
-
-def rows_match(tables: CacheTables, host_rows: np.ndarray, positions: np.ndarray,
-               out: torch.Tensor) -> bool:
-    """Every returned device row holds the host row of its token, checked on the host."""
-    wrong = wrong_rows(tables, tables.host_kv[0], torch.from_numpy(host_rows),
-                       torch.from_numpy(positions), out)
-    return int(wrong) == 0
+def _check_cell_options(batch: int, capacity: int, skip_io: bool,
+                        kernel_for: Callable[..., SwapInFn] | None) -> None:
+    if capacity < batch:
+        raise InvalidInputError(f"batch_capacity {capacity} is smaller than the batch {batch}; "
+                                "pass at least the batch size")
+    if skip_io and kernel_for is not None:
+        raise InvalidInputError("skip_io times hisparse's own planning, which cannot follow "
+                                "another kernel (its tables are not hisparse's); pass one of "
+                                "skip_io and kernel_for")
 
 
 FLUSH_MODES = ("write", "read", "none")

@@ -80,7 +80,37 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
         >>> report["backend"], report["ok"]
         ('cpu', True)
     """
-    report: dict[str, Any] = {
+    report = _empty_report(device)
+    builds = kernel_targets or ("quick" if run_checks else "off")
+    if builds not in KERNEL_TARGET_SCOPES:
+        raise ValueError(f"kernel_targets must be one of {', '.join(KERNEL_TARGET_SCOPES)}, "
+                         f"not {kernel_targets!r}")
+    _start_compile(builds)
+    try:
+        backend = get_backend() if device is None else find_backend(device)
+    except BackendUnavailableError as exc:
+        report["reason"] = str(exc)
+        report["kernel_targets"] = _kernel_targets(builds, None)
+        return report
+    index = _describe_backend(report, backend, device)
+    if not report["usable"]:
+        report["kernel_targets"] = _kernel_targets(builds, None)
+        return report
+    report["versions"] = _versions(backend)
+    report["devices"] = [{"index": i, "name": n} for i, n in enumerate(backend.device_names())]
+    if run_checks:
+        report["checks"] = _run_checks(backend, index, config)
+    report["kernel_targets"] = _kernel_targets(builds, _ran_here(backend, report["checks"]))
+    failed = [c["name"] for c in report["checks"] if c["status"] == "failed"]
+    report["ok"] = not failed
+    if failed:
+        report["reason"] = f"check(s) failed: {', '.join(failed)}"
+    return report
+
+
+def _empty_report(device: str | torch.device | Backend | None) -> dict[str, Any]:
+    """The report of a backend not (yet) found: every key, nothing usable."""
+    return {
         "schema_version": SCHEMA_VERSION,
         "hisparse_version": hisparse.__version__,
         "requested": None if device is None else str(device),
@@ -97,17 +127,12 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
         "kernel_targets": [],
         "ok": False,
     }
-    builds = kernel_targets or ("quick" if run_checks else "off")
-    if builds not in KERNEL_TARGET_SCOPES:
-        raise ValueError(f"kernel_targets must be one of {', '.join(KERNEL_TARGET_SCOPES)}, "
-                         f"not {kernel_targets!r}")
-    _start_compile(builds)
-    try:
-        backend = get_backend() if device is None else find_backend(device)
-    except BackendUnavailableError as exc:
-        report["reason"] = str(exc)
-        report["kernel_targets"] = _kernel_targets(builds, None)
-        return report
+
+
+def _describe_backend(report: dict[str, Any], backend: Backend,
+                      device: str | torch.device | Backend | None) -> int | None:
+    """Fill in the backend's name, features, notes, reason and `usable`; the device index
+    the checks run on (None: the backend's default)."""
     report["backend"] = backend.name
     report["features"] = backend.features.to_dict()
     report["verified_on_hardware"] = backend.verified_on_hardware
@@ -124,28 +149,23 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
         except BackendUnavailableError as exc:
             report["reason"] = str(exc)
     report["usable"] = report["reason"] is None
-    if not report["usable"]:
-        report["kernel_targets"] = _kernel_targets(builds, None)
-        return report
-    report["versions"] = _versions(backend)
-    report["devices"] = [{"index": i, "name": n} for i, n in enumerate(backend.device_names())]
-    if run_checks:
-        # The requested device current while the checks run on `backend.device()`.
-        scope = (contextlib.nullcontext() if index is None
-                 else backend.device_scope(backend.device(index)))
-        with scope:
-            for name, check in (
-                ("host_buffer", _check_host_buffer),
-                ("register_host", _check_register_host),
-                ("swap_in_roundtrip", lambda b: _check_swap_in(b, config)),
-            ):
-                report["checks"].append(_run_check(name, check, backend))
-    report["kernel_targets"] = _kernel_targets(builds, _ran_here(backend, report["checks"]))
-    failed = [c["name"] for c in report["checks"] if c["status"] == "failed"]
-    report["ok"] = not failed
-    if failed:
-        report["reason"] = f"check(s) failed: {', '.join(failed)}"
-    return report
+    return index
+
+
+def _run_checks(backend: Backend, index: int | None,
+                config: HiSparseConfig | None) -> list[dict[str, Any]]:
+    """The checks, with the requested device current while they run on `backend.device()`."""
+    scope = (contextlib.nullcontext() if index is None
+             else backend.device_scope(backend.device(index)))
+    checks = []
+    with scope:
+        for name, check in (
+            ("host_buffer", _check_host_buffer),
+            ("register_host", _check_register_host),
+            ("swap_in_roundtrip", lambda b: _check_swap_in(b, config)),
+        ):
+            checks.append(_run_check(name, check, backend))
+    return checks
 
 
 def format_report(report: dict) -> str:

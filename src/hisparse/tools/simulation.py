@@ -372,6 +372,41 @@ def peak_host_rss_bytes() -> int | None:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # Linux reports KiB
 
 
+def _measure_planning(
+    backend: Any,
+    config: Any,
+    target: Any,
+    workload: Workload,
+    main: list[Any],
+    measure_planning: bool,
+    on_pass: Any,
+    on_step: Any,
+) -> tuple[list[float | None], str]:
+    """Each step's planning seconds from a skip-IO replay of the workload (None where not
+    measured), and the note that says whether and how they were measured."""
+    from hisparse.backends.features import Feature
+    from hisparse.core.engine import HiSparseCache
+
+    planning: list[float | None] = [None] * len(main)
+    if not measure_planning:
+        note = "not measured (--no-split)"
+    elif not backend.supports(Feature.SKIP_IO_PROBE):
+        support = backend.support(Feature.SKIP_IO_PROBE)
+        note = f"not measured: the {backend.name} backend has no skip-IO probe ({support.reason})"
+    else:
+        with HiSparseCache(config.replace(skip_io=True), device=target) as probe_cache:
+            if on_pass is not None:
+                on_pass("skip-IO replay")
+            probe = run_pass(probe_cache, workload, on_step)
+        if [p[:2] for p in probe] == [m[:2] for m in main]:
+            planning = [p[3] for p in probe]
+            note = ("measured: the same trace replayed with skip-IO (planning and LRU, no "
+                    "bytes moved); copy = swap-in - planning, per step")
+        else:
+            note = "not reported: the skip-IO replay saw different hits/misses than the run"
+    return planning, note
+
+
 def simulate(
     config: Any,
     workload: Workload,
@@ -387,7 +422,6 @@ def simulate(
     "skip-IO replay" where that runs; `on_step()` after every step of either pass."""
     import torch
 
-    from hisparse.backends.features import Feature
     from hisparse.backends.registry import get_backend
     from hisparse.core.engine import HiSparseCache
 
@@ -410,23 +444,8 @@ def simulate(
             int(torch.accelerator.max_memory_allocated(cache.device)) if measure_device else None
         )
 
-    planning: list[float | None] = [None] * len(main)
-    if not measure_planning:
-        note = "not measured (--no-split)"
-    elif not backend.supports(Feature.SKIP_IO_PROBE):
-        support = backend.support(Feature.SKIP_IO_PROBE)
-        note = f"not measured: the {backend.name} backend has no skip-IO probe ({support.reason})"
-    else:
-        with HiSparseCache(config.replace(skip_io=True), device=target) as probe_cache:
-            if on_pass is not None:
-                on_pass("skip-IO replay")
-            probe = run_pass(probe_cache, workload, on_step)
-        if [p[:2] for p in probe] == [m[:2] for m in main]:
-            planning = [p[3] for p in probe]
-            note = ("measured: the same trace replayed with skip-IO (planning and LRU, no "
-                    "bytes moved); copy = swap-in - planning, per step")
-        else:
-            note = "not reported: the skip-IO replay saw different hits/misses than the run"
+    planning, note = _measure_planning(backend, config, target, workload, main,
+                                       measure_planning, on_pass, on_step)
 
     records = [
         StepRecord(

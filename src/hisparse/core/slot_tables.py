@@ -75,8 +75,6 @@ def seed_slot(tables: CacheTables, pool: HostPool, record: RequestRecord) -> Non
     # One stamp for all, below the clock: ties go by slot id, so the oldest token goes first.
     t.last_use[:, r].fill_(-1)
     t.lru_clock[:, r] = 0
-    if t.request_counters is not None:  # a request's hit rate counts from its seeding
-        t.request_counters[r] = 0
     for first, count, slot in pieces:
         for token, row, length in token_runs(record.extents, E, first, first + count):
             device_row = r * S + slot + token - first
@@ -100,3 +98,5 @@ def clear_slot(tables: CacheTables, record: RequestRecord) -> None:
     t.lru_clock[:, r] = 0
     t.seq_lens[r] = 0
     t.page_table[r].fill_(-1)
+    if t.request_counters is not None:  # a free slot counts nothing: the next seed starts at 0
+        t.request_counters[r] = 0

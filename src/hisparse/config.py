@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 KV_DTYPES = ("fp8", "bf16")
 INT32_LIMIT = 2**31  # rows and slots are int32 on the device
+MAX_DRAFT_TOKENS = 16  # verify steps of up to this many tokens per request (draft slots)
 # Config flags that switch a backend feature; None = use it where supported.
 FEATURE_FLAGS: Mapping[str, Feature] = MappingProxyType({
     "graph_capture": Feature.GRAPH_CAPTURE,
@@ -68,6 +69,9 @@ class HiSparseConfig:
     zero_copy_swap_in: bool | None = None
     skip_io: bool = False
     validate: bool = False
+    # D: the most tokens one verify step appends per request (speculative decoding); the cache
+    # reserves D never-evicted device slots per request for them (docs/ARCHITECTURE.md).
+    max_draft_tokens: int = 1
     _derived: frozenset[str] = dataclasses.field(
         default=frozenset(), init=False, repr=False, compare=False
     )
@@ -105,7 +109,7 @@ class HiSparseConfig:
                     f"kv_dtype {self.kv_dtype!r}; set one of them"
                 )
         positive = ("num_layers", "top_k", "index_group_size", "max_requests", "max_seq_len",
-                    "host_pool_tokens", "extent_tokens", "row_bytes")
+                    "host_pool_tokens", "extent_tokens", "row_bytes", "max_draft_tokens")
         bad = set()  # fields already reported: nothing is derived or checked from them
         for name in positive:
             value = getattr(self, name)
@@ -115,8 +119,10 @@ class HiSparseConfig:
                 if value is not None or name != "row_bytes":
                     problems.append(f"{name}: expected a positive int, got {value!r}")
 
-        if self.device_buffer_size is None and "top_k" not in bad:
-            set_field(self, "device_buffer_size", 2 * self.top_k)
+        if self.device_buffer_size is None and not {"top_k", "max_draft_tokens"} & bad:
+            # A verify step of D tokens may select D * top_k distinct positions, all of which
+            # must fit the LRU at once (the union): the default makes room for them.
+            set_field(self, "device_buffer_size", max(2, self.max_draft_tokens) * self.top_k)
             derived.add("device_buffer_size")
         if self.max_batch is None and "max_requests" not in bad:
             set_field(self, "max_batch", self.max_requests)
@@ -155,6 +161,20 @@ class HiSparseConfig:
 
     def _check_limits(self) -> list[str]:
         problems = []
+        if self.max_draft_tokens > MAX_DRAFT_TOKENS:
+            problems.append(f"max_draft_tokens: got {self.max_draft_tokens}, at most "
+                            f"{MAX_DRAFT_TOKENS} are supported")
+        elif 1 < self.max_draft_tokens and (
+                self.max_draft_tokens * self.top_k > self.device_buffer_size):
+            # Refused here rather than at a step: a union that does not fit would leave
+            # misses without a slot, i.e. rows the swap-in cannot return.
+            problems.append(
+                f"device_buffer_size: got {self.device_buffer_size}, a verify step of "
+                f"max_draft_tokens={self.max_draft_tokens} tokens may select "
+                f"{self.max_draft_tokens} x top_k = {self.max_draft_tokens * self.top_k} "
+                "distinct positions, which must all fit the hot buffer; raise "
+                "device_buffer_size or lower max_draft_tokens"
+            )
         if self.device_buffer_size >= INT32_LIMIT:
             problems.append(f"device_buffer_size: got {self.device_buffer_size}, must be < 2**31")
         if self.index_group_size > self.num_layers:
@@ -185,7 +205,7 @@ class HiSparseConfig:
             )
         if self.max_requests * self.slots_per_request >= INT32_LIMIT:
             problems.append(
-                f"max_requests * (device_buffer_size + 1) = "
+                f"max_requests * (device_buffer_size + max_draft_tokens) = "
                 f"{self.max_requests * self.slots_per_request} device rows, must be < 2**31"
             )
         return problems
@@ -198,8 +218,8 @@ class HiSparseConfig:
 
     @property
     def slots_per_request(self) -> int:
-        """S = H + 1: slot H holds the newest token."""
-        return self.device_buffer_size + 1
+        """H + D: slot H holds the newest token, slots H..H+D-1 a verify step's drafts."""
+        return self.device_buffer_size + self.max_draft_tokens
 
     @property
     def batch_capacity(self) -> int:

@@ -29,6 +29,7 @@ from hisparse.core.requests import (
 from hisparse.core.slot_tables import build_tables, clear_slot, seed_slot
 from hisparse.core.stats import CacheStats, Occupancy, TrafficCounters
 from hisparse.core.step import DecodeContext, DecodeStep
+from hisparse.core.verify import VerifyContext, VerifyStep
 from hisparse.core.validation import as_batch_ids, check_layer, check_prefill_rows, is_count
 from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
 
@@ -104,7 +105,8 @@ class HiSparseCache:
         self.row_bytes = config.row_bytes
         self.top_k = config.top_k
         self.hot_slots = H = config.device_buffer_size or 2 * config.top_k
-        self.slots_per_request = H + 1
+        self.max_draft_tokens = D = config.max_draft_tokens
+        self.slots_per_request = H + D
         self.max_requests = config.max_requests
         self.batch_capacity = config.max_batch or config.max_requests
         self.extent_tokens = E = config.extent_tokens
@@ -112,7 +114,7 @@ class HiSparseCache:
         self.index_group_size = config.index_group_size
         self.num_groups = -(-L // config.index_group_size)
         # Row R*S of every layer is the sink padded batch rows' newest-token writes go to.
-        self._padding_row = config.max_requests * (H + 1)
+        self._padding_row = config.max_requests * (H + D)
 
         # Streams and events belong to the device current at their creation: make it ours.
         with backend.device_scope(self.device):
@@ -138,6 +140,7 @@ class HiSparseCache:
         self._decode = DecodeContext.build(self.config, self.backend, self.device, self.tables,
                                            self._pool, self._traffic, self._lock)
         self._order = self._decode.order
+        self._verify = VerifyContext.build(self.config, self.backend, self._decode)
         # What attention reads, made once: device_kv(layer) is called every layer of a step.
         self._attention_kv = [self.tables.device_kv[layer, : self._padding_row]
                               for layer in range(self.num_layers)]
@@ -241,16 +244,28 @@ class HiSparseCache:
         self._seed_into_new_slot(record, f"completing the transfer of request {request_id!r}")
 
     # --- decode: the open step's verbs, through the cache --------------------------------
-    def begin_decode_step(self, request_ids: Sequence[Hashable]) -> DecodeStep:
-        """Append one token to each request and set the batch buffers the step's kernels read.
+    def begin_decode_step(self, request_ids: Sequence[Hashable], num_tokens: int = 1, *,
+                          dedupe: bool = False) -> DecodeStep:
+        """Append `num_tokens` tokens to each request and set the batch buffers the step's
+        kernels read.
 
-        Returns the open `DecodeStep`: `step.write_newest`, `step.swap_in`, `step.end()` and
-        `step.cancel()` are the calls below, made on the step itself.
+        `num_tokens=S > 1` opens a verify step (speculative decoding, `core.verify`): the
+        last accepted token and S-1 drafts per request, `write_newest(layer, kv [B, S, W])`,
+        `swap_in(layer, top_k [B, S, K])` over the union of the S rows, and
+        `end_decode_step(accepted=[a_b, ...])`. S is 1..max_draft_tokens. `dedupe=True` with
+        S = 1 takes the same path, so that a position repeated in a top-k row is looked up
+        and loaded once (the plain path gives each repeat its own slot unless `validate`
+        refuses it).
+
+        Returns the open `DecodeStep` (a `VerifyStep` for S > 1 or dedupe):
+        `step.write_newest`, `step.swap_in`, `step.end()` and `step.cancel()` are the calls
+        below, made on the step itself.
 
         Raises:
             RequestStateError: a step is open, or a request is not running.
-            InvalidInputError: empty, duplicated or over-capacity batch, or max_seq_len reached;
-                or the calling thread's current device is not the cache's.
+            InvalidInputError: empty, duplicated or over-capacity batch, max_seq_len reached,
+                or num_tokens outside 1..max_draft_tokens; or the calling thread's current
+                device is not the cache's.
             PoolExhaustedError: a request needs a new extent and the pool has too few free.
         """
         # Checked once a step, not per layer: write_newest and swap_in launch on the current
@@ -263,11 +278,20 @@ class HiSparseCache:
                 f"(torch.{self.device.type}.set_device({self.device.index}), or run the step "
                 f"under torch.{self.device.type}.device({self.device.index}))"
             )
-        return self._begin_decode_step(request_ids)
+        return self._begin_decode_step(request_ids, num_tokens, dedupe)
 
     @_bookkeeping
-    def _begin_decode_step(self, request_ids: Sequence[Hashable]) -> DecodeStep:
+    def _begin_decode_step(self, request_ids: Sequence[Hashable], num_tokens: int,
+                           dedupe: bool) -> DecodeStep:
         self._check_open()
+        D = self.max_draft_tokens
+        if type(num_tokens) is not int or not 1 <= num_tokens <= D:
+            raise InvalidInputError(
+                f"num_tokens must be an int in 1..{D} (max_draft_tokens), got {num_tokens!r}; "
+                "build the cache with max_draft_tokens >= the tokens a verify step appends "
+                "(and device_buffer_size >= max_draft_tokens x top_k)")
+        if not isinstance(dedupe, bool):
+            raise InvalidInputError(f"dedupe must be True or False, got {dedupe!r}")
         self._decode.kernels.check_usable("begin a decode step")
         if self._step is not None:
             raise RequestStateError(
@@ -275,24 +299,34 @@ class HiSparseCache:
             )
         ids = as_batch_ids(request_ids)
         records = _batch_records(self._requests, ids, self.batch_capacity)
-        self._last_step = DecodeStep.begin(self._decode, tuple(ids), records)
+        if num_tokens > 1 or dedupe:
+            self._last_step = VerifyStep.begin_verify(self._decode, self._verify, tuple(ids),
+                                                      records, num_tokens)
+        else:
+            self._last_step = DecodeStep.begin(self._decode, tuple(ids), records)
         return self._last_step
 
     def write_newest(self, layer: int, kv: torch.Tensor) -> None:
         """The open step's `write_newest`: the new token's row of `layer` for every request,
-        `kv [B, W]`, B between the step's request count and `max_batch`."""
+        `kv [B, W]` (a verify step: `[B, S, W]`), B between the step's request count and
+        `max_batch`."""
         self._open_step("write_newest").write_newest(layer, kv)
 
     def swap_in(self, layer: int, top_k: torch.Tensor | None = None) -> torch.Tensor:
         """The open step's `swap_in` (`DecodeStep.swap_in`): `[B, K]` int32 device rows of
-        `device_kv(layer)` for `top_k [B, K]`; a follower layer of an index group may leave
-        `top_k` out and gets its anchor's rows."""
+        `device_kv(layer)` for `top_k [B, K]` (a verify step: `[B, S, K]` for `[B, S, K]`,
+        `VerifyStep.swap_in`); a follower layer of an index group may leave `top_k` out and
+        gets its anchor's rows."""
         return self._open_step("swap_in").swap_in(layer, top_k)
 
     @_bookkeeping
-    def end_decode_step(self) -> None:
-        """Back every layer's new row up to its host row (on a side stream where supported)."""
-        self._open_step("end_decode_step").end()
+    def end_decode_step(self, accepted: Sequence[int] | torch.Tensor | None = None) -> None:
+        """Back every layer's new row up to its host row (on a side stream where supported).
+
+        A verify step keeps the first `accepted[b]` (1..S, default S) tokens of request b and
+        rolls the rest back (`VerifyStep.end`); a single-token step takes None or all ones.
+        """
+        self._open_step("end_decode_step").end(accepted)
 
     @_bookkeeping
     def cancel_decode_step(self) -> None:

@@ -53,10 +53,14 @@ class CacheTables:
     # step: 18.3 -> 13.6 us; 512-token extents: no change; benchmarks/NOTES.md fifteenth
     # pass), for R * T entries per group instead of N.
     residency_map: ResidencyMap = "host_row"
+    # D: device slots per request after the H LRU slots that are never LRU victims. Slot H
+    # holds the newest token; a verify step of S <= D tokens writes its drafts to H..H+S-1.
+    reserved_slots: int = 1
 
     @property
     def slots_per_request(self) -> int:
-        return self.hot_slots + 1
+        """The per-request row stride every kernel uses: H LRU slots plus D reserved."""
+        return self.hot_slots + self.reserved_slots
 
     @property
     def row_bytes(self) -> int:

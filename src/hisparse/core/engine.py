@@ -29,7 +29,7 @@ from hisparse.core.requests import (
 from hisparse.core.slot_tables import build_tables, clear_slot, seed_slot
 from hisparse.core.stats import CacheStats, Occupancy, TrafficCounters
 from hisparse.core.step import DecodeContext, DecodeStep
-from hisparse.core.verify import VerifyContext, VerifyStep
+from hisparse.core.verify import VerifyContext, VerifyStep, check_num_tokens
 from hisparse.core.validation import as_batch_ids, check_layer, check_prefill_rows, is_count
 from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
 
@@ -249,17 +249,11 @@ class HiSparseCache:
         """Append `num_tokens` tokens to each request and set the batch buffers the step's
         kernels read.
 
-        `num_tokens=S > 1` opens a verify step (speculative decoding, `core.verify`): the
-        last accepted token and S-1 drafts per request, `write_newest(layer, kv [B, S, W])`,
-        `swap_in(layer, top_k [B, S, K])` over the union of the S rows, and
-        `end_decode_step(accepted=[a_b, ...])`. S is 1..max_draft_tokens. `dedupe=True` with
-        S = 1 takes the same path, so that a position repeated in a top-k row is looked up
-        and loaded once (the plain path gives each repeat its own slot unless `validate`
-        refuses it).
-
-        Returns the open `DecodeStep` (a `VerifyStep` for S > 1 or dedupe):
-        `step.write_newest`, `step.swap_in`, `step.end()` and `step.cancel()` are the calls
-        below, made on the step itself.
+        `num_tokens=S` in 2..max_draft_tokens opens a verify step (`core.verify.VerifyStep`:
+        kv `[B, S, W]`, top-k `[B, S, K]` swapped in as one union, `end(accepted=...)`);
+        `dedupe=True` with S = 1 takes that path so a position repeated in a row is loaded
+        once. Returns the open step: `step.write_newest`, `step.swap_in`, `step.end()` and
+        `step.cancel()` are the calls below, made on the step itself.
 
         Raises:
             RequestStateError: a step is open, or a request is not running.
@@ -284,14 +278,7 @@ class HiSparseCache:
     def _begin_decode_step(self, request_ids: Sequence[Hashable], num_tokens: int,
                            dedupe: bool) -> DecodeStep:
         self._check_open()
-        D = self.max_draft_tokens
-        if type(num_tokens) is not int or not 1 <= num_tokens <= D:
-            raise InvalidInputError(
-                f"num_tokens must be an int in 1..{D} (max_draft_tokens), got {num_tokens!r}; "
-                "build the cache with max_draft_tokens >= the tokens a verify step appends "
-                "(and device_buffer_size >= max_draft_tokens x top_k)")
-        if not isinstance(dedupe, bool):
-            raise InvalidInputError(f"dedupe must be True or False, got {dedupe!r}")
+        check_num_tokens(num_tokens, dedupe, self.max_draft_tokens)
         self._decode.kernels.check_usable("begin a decode step")
         if self._step is not None:
             raise RequestStateError(
@@ -321,11 +308,8 @@ class HiSparseCache:
 
     @_bookkeeping
     def end_decode_step(self, accepted: Sequence[int] | torch.Tensor | None = None) -> None:
-        """Back every layer's new row up to its host row (on a side stream where supported).
-
-        A verify step keeps the first `accepted[b]` (1..S, default S) tokens of request b and
-        rolls the rest back (`VerifyStep.end`); a single-token step takes None or all ones.
-        """
+        """Back every layer's new row up to its host row (on a side stream where supported);
+        a verify step keeps `accepted[b]` (1..S) tokens of request b (`VerifyStep.end`)."""
         self._open_step("end_decode_step").end(accepted)
 
     @_bookkeeping

@@ -366,6 +366,18 @@ class VerifyStep(DecodeStep):
                 0, device_rows, c.pool.layers[layer][host_rows].to(c.device))
 
 
+def check_num_tokens(num_tokens: object, dedupe: object, max_draft_tokens: int) -> None:
+    """`begin_decode_step`'s `num_tokens` and `dedupe`, before anything changes."""
+    D = max_draft_tokens
+    if type(num_tokens) is not int or not 1 <= num_tokens <= D:
+        raise InvalidInputError(
+            f"num_tokens must be an int in 1..{D} (max_draft_tokens), got {num_tokens!r}; "
+            "build the cache with max_draft_tokens >= the tokens a verify step appends (and "
+            "device_buffer_size >= max_draft_tokens x top_k)")
+    if not isinstance(dedupe, bool):
+        raise InvalidInputError(f"dedupe must be True or False, got {dedupe!r}")
+
+
 def _begin_values(records: list[RequestRecord], taken: list[list[int]], tokens: int, H: int,
                   SPR: int, P: int, E: int) -> dict[str, Any]:
     """The begin block's fields and the batch buffers' columns for a verify step."""

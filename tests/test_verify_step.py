@@ -282,3 +282,149 @@ TestVerifyTrace = VerifyTrace.TestCase
 TestVerifyTrace.settings = settings(
     max_examples=FUZZ_EXAMPLES, stateful_step_count=12, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+# --- attention over the returned rows ----------------------------------------------------
+def test_sparse_attention_over_verify_rows_equals_attention_over_the_full_kv() -> None:
+    """Every query token of a verify step, drafts' own KV included, sees exactly the KV it
+    selected: attention over `device_kv` at the returned rows equals attention over the full
+    KV (prompt + the step's drafts) at the positions."""
+    width = LATENT_DIM + ROPE_DIM
+    cache = build_cache(16, 4, 4, 1, 4, True, "host_row", row_bytes=2 * width, num_layers=1)
+    gen = torch.Generator().manual_seed(7)
+
+    def kv(n: int) -> torch.Tensor:
+        return torch.randn(n, width, generator=gen).to(torch.bfloat16)
+
+    prompts = {"a": kv(30), "b": kv(9)}
+    for rid, rows in prompts.items():
+        cache.admit(rid, len(rows))
+        cache.write_prefill(rid, rows.view(torch.uint8), layer=0)
+        cache.commit_prefill(rid)
+    S, K = 4, 4
+    for _ in range(3):
+        step = cache.begin_decode_step(list(prompts), num_tokens=S)
+        drafts = torch.stack([kv(S) for _ in prompts])  # [B, S, width]
+        cache.write_newest(0, drafts.view(torch.uint8))
+        top_k = torch.stack([torch.stack([torch.randint(-1, n0 + s + 1, (K,), generator=gen)
+                                          for s in range(S)])
+                             for n0 in (len(p) for p in prompts.values())]).to(torch.int32)
+        top_k[:, :, 0] = torch.tensor(step.positions)  # each token attends to itself
+        rows = cache.swap_in(0, top_k)
+        q = torch.randn(len(prompts) * S, 8, width, generator=gen).to(torch.bfloat16)
+        got = sparse_mla_decode_reference(q, cache.device_kv(0), rows.view(-1, K), 0.1)
+        full = [torch.cat([p, d]) for p, d in zip(prompts.values(), drafts, strict=True)]
+        offsets = [0, len(full[0])]
+        flat = torch.cat(full).view(torch.uint8)
+        indices = torch.where(top_k >= 0, top_k + torch.tensor(offsets)[:, None, None], -1)
+        want = sparse_mla_decode_reference(q, flat, indices.view(-1, K).to(torch.int32), 0.1)
+        assert torch.equal(got, want)
+        accepted = [int(torch.randint(1, S + 1, (1,), generator=gen)) for _ in prompts]
+        cache.end_decode_step(accepted=accepted)
+        for (rid, p), d, a in zip(list(prompts.items()), drafts, accepted, strict=True):
+            prompts[rid] = torch.cat([p, d[:a]])
+            assert cache.seq_len(rid) == len(prompts[rid])
+
+
+# --- bad input ---------------------------------------------------------------------------
+def _running_cache(drafts: int = 3, validate: bool = True) -> hisparse.HiSparseCache:
+    cache = build_cache(12, 4, 2, 2, drafts, validate, "host_row")
+    for rid, n in ((0, 20), (1, 5)):
+        cache.admit(rid, n)
+        cache.write_prefill(rid, torch.zeros(NUM_LAYERS, n, ROW_BYTES, dtype=torch.uint8))
+        cache.commit_prefill(rid)
+    return cache
+
+
+@pytest.mark.parametrize("num_tokens", [0, 4, -1, "2", 2.0, True])
+def test_num_tokens_out_of_range_is_refused_and_changes_nothing(num_tokens: object) -> None:
+    cache = _running_cache()
+    before = snapshot(cache)
+    with pytest.raises(InvalidInputError, match="max_draft_tokens"):
+        cache.begin_decode_step([0, 1], num_tokens=num_tokens)
+    assert_unchanged(before, cache)
+    cache.begin_decode_step([0, 1], num_tokens=3).cancel()  # still usable
+    assert_unchanged(before, cache)
+
+
+def test_a_cache_without_draft_slots_refuses_verify_steps() -> None:
+    cache = _running_cache(drafts=1)
+    before = snapshot(cache)
+    with pytest.raises(InvalidInputError, match=r"1\.\.1 \(max_draft_tokens\)"):
+        cache.begin_decode_step([0, 1], num_tokens=2)
+    assert_unchanged(before, cache)
+
+
+def test_a_hot_buffer_too_small_for_the_union_is_refused_at_build() -> None:
+    with pytest.raises(ConfigError, match="device_buffer_size.*max_draft_tokens"):
+        _config(12, 4, 2, 2, 4, True, "host_row")
+    # Derived, it makes room: max(2, D) * top_k.
+    config = hisparse.HiSparseConfig.from_preset("tiny", top_k=4, max_draft_tokens=5,
+                                               device_buffer_size=None)
+    assert config.device_buffer_size == 20 and config.slots_per_request == 25
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_bad_shapes_and_accept_counts_are_refused_and_the_step_stays_open(
+        validate: bool) -> None:
+    cache = _running_cache(validate=validate)
+    step = cache.begin_decode_step([0, 1], num_tokens=3)
+    kv = torch.zeros(2, 3, ROW_BYTES, dtype=torch.uint8)
+    with pytest.raises(InvalidInputError, match=r"\[B, 3, W\]"):
+        cache.write_newest(0, kv[:, :2])
+    with pytest.raises(InvalidInputError):
+        cache.write_newest(0, kv[:, 0])
+    for layer in range(NUM_LAYERS):
+        cache.write_newest(layer, kv)
+    top_k = torch.full((2, 3, 4), -1, dtype=torch.int32)
+    with pytest.raises(InvalidInputError, match=r"\[B, 3, 4\]"):
+        cache.swap_in(0, top_k[:, :2].contiguous())
+    with pytest.raises(InvalidInputError, match="int32"):
+        cache.swap_in(0, top_k.long())
+    if validate:
+        bad = top_k.clone()
+        bad[1, 0, 0] = 6  # request 1's first query token is at position 5
+        with pytest.raises(InvalidInputError, match=r"up to its own"):
+            cache.swap_in(0, bad)
+    cache.swap_in(0, top_k)
+    before = snapshot(cache)
+    for accepted in ([0, 1], [1, 4], [1], [1, 1, 1], [1.0, 2], torch.tensor([1.0, 2.0]), "12"):
+        with pytest.raises(InvalidInputError, match="accepted"):
+            cache.end_decode_step(accepted=accepted)
+        assert_unchanged(before, cache)
+    assert step.is_open
+    cache.end_decode_step(accepted=torch.tensor([3, 1], dtype=torch.int32))
+    assert (cache.seq_len(0), cache.seq_len(1)) == (23, 6)
+    with pytest.raises(RequestStateError):
+        step.end(accepted=[1, 1])
+
+
+def test_a_single_token_step_refuses_accept_counts_but_ones() -> None:
+    cache = _running_cache()
+    cache.begin_decode_step([0, 1])
+    with pytest.raises(InvalidInputError, match="single-token"):
+        cache.end_decode_step(accepted=[1, 2])
+
+
+# --- the repeated-position defect (validate off) -----------------------------------------
+@pytest.mark.parametrize("dedupe", [False, True])
+def test_a_repeated_missing_position_takes_one_slot_only_when_deduplicated(
+        dedupe: bool) -> None:
+    """The plain single-token path gives each repeat of a missing position its own slot and
+    counts each as a miss (validate refuses such rows; without it the kernels do not look
+    across a row's entries, by design of their one-pass lookup). `dedupe=True` routes the
+    step through the union: one lookup, one miss, one slot."""
+    cache = _running_cache(validate=False)
+    cache.begin_decode_step([0, 1], dedupe=dedupe)
+    for layer in range(NUM_LAYERS):
+        cache.write_newest(layer, torch.zeros(2, ROW_BYTES, dtype=torch.uint8))
+    top_k = torch.tensor([[2, 2, 3, 2], [-1, -1, -1, -1]], dtype=torch.int32)  # 2, 3: misses
+    rows = cache.swap_in(0, top_k)
+    misses = int(cache.tables.counters[0, 1])
+    held = int((cache.tables.slot_key[0, cache.request_slot(0)] >= 0).sum())
+    cache.end_decode_step()
+    if dedupe:
+        assert misses == 2 and held == 12
+        assert int(rows[0, 0]) == int(rows[0, 1]) == int(rows[0, 3])
+    else:
+        assert misses == 4  # the defect, kept on the plain path

@@ -28,7 +28,7 @@ from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
 from oracle import CacheModel
 from test_engine_trace import assert_unchanged, snapshot
 
-FUZZ_EXAMPLES = int(os.environ.get("HISPARSE_FUZZ_EXAMPLES", "40"))
+FUZZ_EXAMPLES = int(os.environ.get("HISPARSE_FUZZ_EXAMPLES", "60"))
 NUM_LAYERS = 4
 ROW_BYTES = 32
 POISON = -7
@@ -178,6 +178,13 @@ class VerifyTrace(RuleBasedStateMachine):
             self.swap_in(layer, batch, first, top_k[:B], plain, B)
         if cancel_at is not None:
             cache.cancel_decode_step()
+            # The followers of an anchor that swapped in count its lookups (the engine copies
+            # the anchor's counters to them when it plans), called or not.
+            G = cache.index_group_size
+            for layer in range(cancel_at, -(-cancel_at // G) * G):
+                if layer % G:
+                    model.verify_swap_in(layer, batch, first, []) if not plain else \
+                        model.swap_in(layer, batch, [])
             for rid, n0 in zip(batch, first, strict=True):
                 if plain:
                     model.unappend(rid)

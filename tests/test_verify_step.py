@@ -363,7 +363,7 @@ def test_a_cache_without_draft_slots_refuses_verify_steps() -> None:
 
 
 def test_a_hot_buffer_too_small_for_the_union_is_refused_at_build() -> None:
-    with pytest.raises(ConfigError, match="device_buffer_size.*max_draft_tokens"):
+    with pytest.raises(ConfigError, match=r"device_buffer_size.*max_draft_tokens"):
         _config(12, 4, 2, 2, 4, True, "host_row")
     # Derived, it makes room: max(2, D) * top_k.
     config = hisparse.HiSparseConfig.from_preset("tiny", top_k=4, max_draft_tokens=5,

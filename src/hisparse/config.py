@@ -164,7 +164,7 @@ class HiSparseConfig:
         if self.max_draft_tokens > MAX_DRAFT_TOKENS:
             problems.append(f"max_draft_tokens: got {self.max_draft_tokens}, at most "
                             f"{MAX_DRAFT_TOKENS} are supported")
-        elif 1 < self.max_draft_tokens and (
+        elif self.max_draft_tokens > 1 and (
                 self.max_draft_tokens * self.top_k > self.device_buffer_size):
             # Refused here rather than at a step: a union that does not fit would leave
             # misses without a slot, i.e. rows the swap-in cannot return.

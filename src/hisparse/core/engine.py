@@ -29,8 +29,8 @@ from hisparse.core.requests import (
 from hisparse.core.slot_tables import build_tables, clear_slot, seed_slot
 from hisparse.core.stats import CacheStats, Occupancy, TrafficCounters
 from hisparse.core.step import DecodeContext, DecodeStep
-from hisparse.core.verify import VerifyContext, VerifyStep, check_num_tokens
 from hisparse.core.validation import as_batch_ids, check_layer, check_prefill_rows, is_count
+from hisparse.core.verify import VerifyContext, VerifyStep, check_num_tokens
 from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
 
 LIVE = (RequestState.RESERVED, RequestState.PREFILLING, RequestState.RUNNING,

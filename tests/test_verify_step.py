@@ -24,7 +24,12 @@ import hisparse
 from hisparse.attention import LATENT_DIM, ROPE_DIM, sparse_mla_decode_reference
 from hisparse.core.requests import RequestState
 from hisparse.core.union import build_union
-from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
+from hisparse.errors import (
+    ConfigError,
+    InvalidInputError,
+    PoolExhaustedError,
+    RequestStateError,
+)
 from oracle import CacheModel
 from test_engine_trace import assert_unchanged, snapshot
 
@@ -150,7 +155,12 @@ class VerifyTrace(RuleBasedStateMachine):
             return
         tokens = data.draw(st.integers(1, cache.max_draft_tokens), "S")
         plain = tokens == 1 and data.draw(st.booleans(), "plain")
-        step = cache.begin_decode_step(batch, num_tokens=tokens, dedupe=not plain)
+        before = snapshot(cache)
+        try:
+            step = cache.begin_decode_step(batch, num_tokens=tokens, dedupe=not plain)
+        except PoolExhaustedError:  # refused before anything changed
+            assert_unchanged(before, cache)
+            return
         first = [cache.seq_len(r) - tokens for r in batch]
         rows = 1 if plain else tokens
         new = self.rows(NUM_LAYERS, cache.batch_capacity, rows)

@@ -63,6 +63,7 @@ class CacheModel:
         # What each group's anchor produced this step, for its followers to return.
         self._last_delta = [LayerCounts() for _ in range(self.num_groups)]
         self._last_result: list[list[list[int]]] = [[] for _ in range(self.num_groups)]
+        self._last_verify: list[list[list[list[int]]]] = [[] for _ in range(self.num_groups)]
 
     # --- lifecycle ------------------------------------------------------------------------
     def add(self, request_id: Hashable, rows: list[list[bytes]]) -> None:
@@ -182,3 +183,66 @@ class CacheModel:
         delta.misses += len(misses)
         buffer.clock = clock + 1
         return out
+
+    # --- verify steps (speculative decoding) ----------------------------------------------
+    def append_drafts(self, request_id: Hashable, new_rows: Sequence[Sequence[bytes]]) -> None:
+        """A verify step's S tokens, `new_rows[layer][s]`: they sit in the draft slots H+s
+        and take no LRU or short-regime slot until they are accepted."""
+        request = self.requests[request_id]
+        for layer, rows in enumerate(new_rows):
+            request.rows[layer].extend(rows)
+
+    def verify_swap_in(self, layer: int, batch: Sequence[Hashable], first: Sequence[int],
+                       top_k: Sequence[Sequence[Sequence[int]]]) -> list[list[list[int]]]:
+        """Slots (within each request) for `top_k[b][s][k]`: the distinct positions before
+        the step's first token, ascending, go through one ordinary swap-in (one step's use of
+        the LRU); query token s's selections of the step's own tokens (up to its own) are the
+        draft slots H + offset; anything else is -1 and counted invalid."""
+        group, offset = divmod(layer, self.group_size)
+        if offset:
+            delta = self._last_delta[group]
+            self._add_counts(layer, delta)
+            return self._last_verify[group]
+        delta = LayerCounts()
+        result = []
+        for request_id, n0, rows in zip(batch, first, top_k, strict=True):
+            union = sorted({p for row in rows for p in row if 0 <= p < n0})
+            slot_of = dict(zip(union, self._swap_in_row(group, request_id, union, delta),
+                               strict=True))
+            drafts = set()
+            request_rows = []
+            for s, row in enumerate(rows):
+                out = []
+                for p in row:
+                    if 0 <= p < n0:
+                        out.append(slot_of[p])
+                    elif n0 <= p <= n0 + s:
+                        out.append(self.hot + p - n0)
+                        drafts.add(p)
+                    else:
+                        delta.invalid += p != NONE
+                        out.append(NONE)
+                request_rows.append(out)
+            delta.hits += len(drafts)
+            result.append(request_rows)
+        self._add_counts(layer, delta)
+        self._last_delta[group] = delta
+        self._last_verify[group] = result
+        return result
+
+    def accept(self, request_id: Hashable, first: int, accepted: int) -> None:
+        """Keep `accepted` of the step's tokens (0: a cancelled step): the rest leave no
+        trace; kept tokens of a request still short take their own slots."""
+        request = self.requests[request_id]
+        for rows in request.rows:
+            del rows[first + accepted:]
+        if request.length <= self.hot:
+            for buffer in request.buffers:
+                for position in range(first, request.length):
+                    buffer.slot_of[position] = position
+
+    def _add_counts(self, layer: int, delta: LayerCounts) -> None:
+        counts = self.counts[layer]
+        counts.hits += delta.hits
+        counts.misses += delta.misses
+        counts.invalid += delta.invalid

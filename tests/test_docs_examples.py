@@ -93,6 +93,7 @@ def imported_modules(code: str) -> set[str]:
 # --- the framework's side, as small as the examples allow -------------------------------------
 PRESET = "tiny"  # 4 layers in index groups of 2: followers must get their anchor's rows
 PROMPT_TOKENS = 700  # past tiny's 128 hot slots, so a step has misses
+VERIFY_S = 3  # tokens per verify step in the speculative-decoding example
 
 
 @dataclass
@@ -148,6 +149,10 @@ class FrameworkStandIns:
         self.new_kv = torch.randint(0, 256, (config.num_layers, len(self.batch),
                                              config.row_bytes), dtype=torch.uint8,
                                     generator=generator).to(self.device)
+        # A verify step's S tokens per request (speculative decoding): [L, B, S, W].
+        self.draft_kv = torch.randint(0, 256, (config.num_layers, len(self.batch), VERIFY_S,
+                                               config.row_bytes), dtype=torch.uint8,
+                                      generator=generator).to(self.device)
         self.hidden = None  # the model's hidden states: the stand-in indexer needs none
         self.q = [LayerQuery(layer) for layer in range(config.num_layers)]
         self.transfer_engine = TransferEngine(self.prompt_kv)
@@ -170,6 +175,31 @@ class FrameworkStandIns:
         self.indexed_layers.append(layer)
         return self._top_k
 
+    def verify_indexer(self, layer: int, hidden: Any, positions: Any) -> torch.Tensor:
+        """`[B, S, K]`: query token s draws from the positions up to its own (the prompt and
+        the drafts before it), rows overlapping as consecutive drafts' do."""
+        S, K = VERIFY_S, self.config.top_k
+        rows = [torch.randperm(PROMPT_TOKENS + s + 1, generator=self._generator)[:K]
+                for s in range(S)]
+        self._top_k = torch.stack(rows).to(torch.int32)[None].to(self.device)
+        self.indexed_layers.append(layer)
+        return self._top_k
+
+    def verify_attention(self, q: LayerQuery, kv: torch.Tensor,
+                         rows: torch.Tensor) -> torch.Tensor:
+        assert self._top_k is not None and self._top_k.dim() == 3, "verify_indexer first"
+        layer = q.layer
+        every_row = torch.cat([self.prompt_kv[layer], self.draft_kv[layer, 0]])
+        if not torch.equal(kv[rows[0].long()], every_row[self._top_k[0].long()]):
+            raise AssertionError(f"layer {layer}: verify rows differ from their KV")
+        self.attended_layers.append(layer)
+        return kv[rows[0].long()]
+
+    def verify_sampler(self, batch: list[Request]) -> list[int]:
+        """How many of each request's S tokens the target model accepted (1..S)."""
+        return [int(torch.randint(1, VERIFY_S + 1, (1,), generator=self._generator))
+                for _ in batch]
+
     def sparse_mla_attention(self, q: LayerQuery, kv: torch.Tensor,
                              rows: torch.Tensor) -> torch.Tensor:
         assert self._top_k is not None, "attention before any indexer call"
@@ -190,7 +220,7 @@ class FrameworkStandIns:
     def check_after(self, names: set[str]) -> None:
         """What a block that used the stand-ins must have done with them."""
         layers = list(range(self.config.num_layers))
-        if "sparse_mla_attention" in names:
+        if "sparse_mla_attention" in names or "verify_attention" in names:
             assert self.attended_layers == layers
             # One indexer per index group, on its anchor layer.
             assert self.indexed_layers == layers[::self.config.index_group_size]

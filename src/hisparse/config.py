@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 KV_DTYPES = ("fp8", "bf16")
 INT32_LIMIT = 2**31  # rows and slots are int32 on the device
+MAX_DRAFT_TOKENS = 16  # verify steps of up to this many tokens per request (draft slots)
 # Config flags that switch a backend feature; None = use it where supported.
 FEATURE_FLAGS: Mapping[str, Feature] = MappingProxyType({
     "graph_capture": Feature.GRAPH_CAPTURE,
@@ -68,6 +69,9 @@ class HiSparseConfig:
     zero_copy_swap_in: bool | None = None
     skip_io: bool = False
     validate: bool = False
+    # D: the most tokens one verify step appends per request (speculative decoding); the cache
+    # reserves D never-evicted device slots per request for them (docs/ARCHITECTURE.md).
+    max_draft_tokens: int = 1
     _derived: frozenset[str] = dataclasses.field(
         default=frozenset(), init=False, repr=False, compare=False
     )
@@ -83,29 +87,9 @@ class HiSparseConfig:
             problems.append(
                 f"kv_dtype: got {self.kv_dtype!r}; valid choices: {', '.join(KV_DTYPES)}"
             )
-        by_dtype = self.row_bytes_by_dtype
-        if by_dtype is not None:
-            if not isinstance(by_dtype, Mapping) or any(
-                k not in KV_DTYPES or not _is_int(v) or v <= 0 for k, v in by_dtype.items()
-            ):
-                problems.append(
-                    f"row_bytes_by_dtype: got {by_dtype!r}; expected a mapping from "
-                    f"{' / '.join(KV_DTYPES)} to a positive number of bytes"
-                )
-                by_dtype = None
-            else:
-                set_field(self, "row_bytes_by_dtype", MappingProxyType(dict(by_dtype)))
-        if self.row_bytes is None:
-            if by_dtype is not None and self.kv_dtype in KV_DTYPES and self.kv_dtype in by_dtype:
-                set_field(self, "row_bytes", by_dtype[self.kv_dtype])
-                derived.add("row_bytes")
-            elif self.kv_dtype in KV_DTYPES:
-                problems.append(
-                    f"row_bytes: not given and row_bytes_by_dtype has no entry for "
-                    f"kv_dtype {self.kv_dtype!r}; set one of them"
-                )
+        self._derive_row_bytes(problems, derived)
         positive = ("num_layers", "top_k", "index_group_size", "max_requests", "max_seq_len",
-                    "host_pool_tokens", "extent_tokens", "row_bytes")
+                    "host_pool_tokens", "extent_tokens", "row_bytes", "max_draft_tokens")
         bad = set()  # fields already reported: nothing is derived or checked from them
         for name in positive:
             value = getattr(self, name)
@@ -115,8 +99,10 @@ class HiSparseConfig:
                 if value is not None or name != "row_bytes":
                     problems.append(f"{name}: expected a positive int, got {value!r}")
 
-        if self.hot_slots is None and "top_k" not in bad:
-            set_field(self, "hot_slots", 2 * self.top_k)
+        if self.hot_slots is None and not {"top_k", "max_draft_tokens"} & bad:
+            # A verify step of D tokens may select D * top_k distinct positions, all of which
+            # must fit the LRU at once (the union): the default makes room for them.
+            set_field(self, "hot_slots", max(2, self.max_draft_tokens) * self.top_k)
             derived.add("hot_slots")
         if self.max_batch is None and "max_requests" not in bad:
             set_field(self, "max_batch", self.max_requests)
@@ -153,8 +139,47 @@ class HiSparseConfig:
             raise ConfigError(problems)
         set_field(self, "_derived", frozenset(derived))
 
+    def _derive_row_bytes(self, problems: list[str], derived: set[str]) -> None:
+        """`row_bytes` from `row_bytes_by_dtype[kv_dtype]` where it is not given."""
+        set_field = object.__setattr__
+        by_dtype = self.row_bytes_by_dtype
+        if by_dtype is not None:
+            if not isinstance(by_dtype, Mapping) or any(
+                k not in KV_DTYPES or not _is_int(v) or v <= 0 for k, v in by_dtype.items()
+            ):
+                problems.append(
+                    f"row_bytes_by_dtype: got {by_dtype!r}; expected a mapping from "
+                    f"{' / '.join(KV_DTYPES)} to a positive number of bytes"
+                )
+                by_dtype = None
+            else:
+                set_field(self, "row_bytes_by_dtype", MappingProxyType(dict(by_dtype)))
+        if self.row_bytes is None:
+            if by_dtype is not None and self.kv_dtype in KV_DTYPES and self.kv_dtype in by_dtype:
+                set_field(self, "row_bytes", by_dtype[self.kv_dtype])
+                derived.add("row_bytes")
+            elif self.kv_dtype in KV_DTYPES:
+                problems.append(
+                    f"row_bytes: not given and row_bytes_by_dtype has no entry for "
+                    f"kv_dtype {self.kv_dtype!r}; set one of them"
+                )
+
     def _check_limits(self) -> list[str]:
         problems = []
+        if self.max_draft_tokens > MAX_DRAFT_TOKENS:
+            problems.append(f"max_draft_tokens: got {self.max_draft_tokens}, at most "
+                            f"{MAX_DRAFT_TOKENS} are supported")
+        elif self.max_draft_tokens > 1 and (
+                self.max_draft_tokens * self.top_k > self.hot_slots):
+            # Refused here rather than at a step: a union that does not fit would leave
+            # misses without a slot, i.e. rows the swap-in cannot return.
+            problems.append(
+                f"hot_slots: got {self.hot_slots}, a verify step of "
+                f"max_draft_tokens={self.max_draft_tokens} tokens may select "
+                f"{self.max_draft_tokens} x top_k = {self.max_draft_tokens * self.top_k} "
+                "distinct positions, which must all fit the hot buffer; raise "
+                "hot_slots or lower max_draft_tokens"
+            )
         if self.hot_slots >= INT32_LIMIT:
             problems.append(f"hot_slots: got {self.hot_slots}, must be < 2**31")
         if self.index_group_size > self.num_layers:
@@ -185,7 +210,7 @@ class HiSparseConfig:
             )
         if self.max_requests * self.slots_per_request >= INT32_LIMIT:
             problems.append(
-                f"max_requests * (hot_slots + 1) = "
+                f"max_requests * (hot_slots + max_draft_tokens) = "
                 f"{self.max_requests * self.slots_per_request} device rows, must be < 2**31"
             )
         return problems
@@ -193,8 +218,8 @@ class HiSparseConfig:
     # --- derived sizes (docs/ARCHITECTURE.md symbols) ------------------------------------
     @property
     def slots_per_request(self) -> int:
-        """S = H + 1: slot H holds the newest token."""
-        return self.hot_slots + 1
+        """H + D: slot H holds the newest token, slots H..H+D-1 a verify step's drafts."""
+        return self.hot_slots + self.max_draft_tokens
 
     @property
     def batch_capacity(self) -> int:

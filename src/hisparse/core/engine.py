@@ -30,6 +30,7 @@ from hisparse.core.slot_tables import build_tables, clear_slot, seed_slot
 from hisparse.core.stats import CacheStats, Occupancy, RequestStats, TrafficCounters
 from hisparse.core.step import DecodeContext, DecodeStep
 from hisparse.core.validation import as_batch_ids, check_layer, check_prefill_rows, is_count
+from hisparse.core.verify import VerifyContext, VerifyStep, check_num_tokens
 from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
 
 LIVE = (RequestState.RESERVED, RequestState.PREFILLING, RequestState.RUNNING,
@@ -104,7 +105,8 @@ class HiSparseCache:
         self.row_bytes = config.row_bytes
         self.top_k = config.top_k
         self.hot_slots = H = config.hot_slots
-        self.slots_per_request = H + 1
+        self.max_draft_tokens = D = config.max_draft_tokens
+        self.slots_per_request = H + D
         self.max_requests = config.max_requests
         self.batch_capacity = config.max_batch or config.max_requests
         self.extent_tokens = E = config.extent_tokens
@@ -112,7 +114,7 @@ class HiSparseCache:
         self.index_group_size = config.index_group_size
         self.num_groups = -(-L // config.index_group_size)
         # Row R*S of every layer is the sink padded batch rows' newest-token writes go to.
-        self._padding_row = config.max_requests * (H + 1)
+        self._padding_row = config.max_requests * (H + D)
 
         # Streams and events belong to the device current at their creation: make it ours.
         with backend.device_scope(self.device):
@@ -138,6 +140,7 @@ class HiSparseCache:
         self._decode = DecodeContext.build(self.config, self.backend, self.device, self.tables,
                                            self._pool, self._traffic, self._lock)
         self._order = self._decode.order
+        self._verify = VerifyContext.build(self.config, self.backend, self._decode)
         # What attention reads, made once: device_kv(layer) is called every layer of a step.
         self._attention_kv = [self.tables.device_kv[layer, : self._padding_row]
                               for layer in range(self.num_layers)]
@@ -241,16 +244,22 @@ class HiSparseCache:
         self._seed_into_new_slot(record, f"completing the transfer of request {request_id!r}")
 
     # --- decode: the open step's verbs, through the cache --------------------------------
-    def begin_decode_step(self, request_ids: Sequence[Hashable]) -> DecodeStep:
-        """Append one token to each request and set the batch buffers the step's kernels read.
+    def begin_decode_step(self, request_ids: Sequence[Hashable], num_tokens: int = 1, *,
+                          dedupe: bool = False) -> DecodeStep:
+        """Append `num_tokens` tokens to each request and set the batch buffers the step's
+        kernels read.
 
-        Returns the open `DecodeStep`: `step.write_newest`, `step.swap_in`, `step.end()` and
+        `num_tokens=S` in 2..max_draft_tokens opens a verify step (`core.verify.VerifyStep`:
+        kv `[B, S, W]`, top-k `[B, S, K]` swapped in as one union, `end(accepted=...)`);
+        `dedupe=True` with S = 1 takes that path so a position repeated in a row is loaded
+        once. Returns the open step: `step.write_newest`, `step.swap_in`, `step.end()` and
         `step.cancel()` are the calls below, made on the step itself.
 
         Raises:
             RequestStateError: a step is open, or a request is not running.
-            InvalidInputError: empty, duplicated or over-capacity batch, or max_seq_len reached;
-                or the calling thread's current device is not the cache's.
+            InvalidInputError: empty, duplicated or over-capacity batch, max_seq_len reached,
+                or num_tokens outside 1..max_draft_tokens; or the calling thread's current
+                device is not the cache's.
             PoolExhaustedError: a request needs a new extent and the pool has too few free.
         """
         # Checked once a step, not per layer: write_newest and swap_in launch on the current
@@ -263,11 +272,13 @@ class HiSparseCache:
                 f"(torch.{self.device.type}.set_device({self.device.index}), or run the step "
                 f"under torch.{self.device.type}.device({self.device.index}))"
             )
-        return self._begin_decode_step(request_ids)
+        return self._begin_decode_step(request_ids, num_tokens, dedupe)
 
     @_bookkeeping
-    def _begin_decode_step(self, request_ids: Sequence[Hashable]) -> DecodeStep:
+    def _begin_decode_step(self, request_ids: Sequence[Hashable], num_tokens: int,
+                           dedupe: bool) -> DecodeStep:
         self._check_open()
+        check_num_tokens(num_tokens, dedupe, self.max_draft_tokens)
         self._decode.kernels.check_usable("begin a decode step")
         if self._step is not None:
             raise RequestStateError(
@@ -275,24 +286,31 @@ class HiSparseCache:
             )
         ids = as_batch_ids(request_ids)
         records = _batch_records(self._requests, ids, self.batch_capacity)
-        self._last_step = DecodeStep.begin(self._decode, tuple(ids), records)
+        if num_tokens > 1 or dedupe:
+            self._last_step = VerifyStep.begin_verify(self._decode, self._verify, tuple(ids),
+                                                      records, num_tokens)
+        else:
+            self._last_step = DecodeStep.begin(self._decode, tuple(ids), records)
         return self._last_step
 
     def write_newest(self, layer: int, kv: torch.Tensor) -> None:
         """The open step's `write_newest`: the new token's row of `layer` for every request,
-        `kv [B, W]`, B between the step's request count and `max_batch`."""
+        `kv [B, W]` (a verify step: `[B, S, W]`), B between the step's request count and
+        `max_batch`."""
         self._open_step("write_newest").write_newest(layer, kv)
 
     def swap_in(self, layer: int, top_k: torch.Tensor | None = None) -> torch.Tensor:
         """The open step's `swap_in` (`DecodeStep.swap_in`): `[B, K]` int32 device rows of
-        `device_kv(layer)` for `top_k [B, K]`; a follower layer of an index group may leave
-        `top_k` out and gets its anchor's rows."""
+        `device_kv(layer)` for `top_k [B, K]` (a verify step: `[B, S, K]` for `[B, S, K]`,
+        `VerifyStep.swap_in`); a follower layer of an index group may leave `top_k` out and
+        gets its anchor's rows."""
         return self._open_step("swap_in").swap_in(layer, top_k)
 
     @_bookkeeping
-    def end_decode_step(self) -> None:
-        """Back every layer's new row up to its host row (on a side stream where supported)."""
-        self._open_step("end_decode_step").end()
+    def end_decode_step(self, accepted: Sequence[int] | torch.Tensor | None = None) -> None:
+        """Back every layer's new row up to its host row (on a side stream where supported);
+        a verify step keeps `accepted[b]` (1..S) tokens of request b (`VerifyStep.end`)."""
+        self._open_step("end_decode_step").end(accepted)
 
     @_bookkeeping
     def cancel_decode_step(self) -> None:

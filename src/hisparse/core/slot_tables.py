@@ -22,7 +22,7 @@ def build_tables(config: HiSparseConfig, backend: Backend, pool: HostPool, devic
     `device_kv` is a sink for padded batch rows' newest-token writes, so `write_newest`
     stays one `index_copy_` a captured graph can replay with any real count."""
     L, R, E = config.num_layers, config.max_requests, config.extent_tokens
-    S, H, G = hot_slots + 1, hot_slots, num_groups
+    S, H, G = hot_slots + config.max_draft_tokens, hot_slots, num_groups
     pages = -(-config.max_seq_len // E)
     i32 = {"dtype": torch.int32, "device": device}
     by_position = config.residency_map == "position"
@@ -42,6 +42,7 @@ def build_tables(config: HiSparseConfig, backend: Backend, pool: HostPool, devic
         hot_slots=H,
         extent_tokens=E,
         residency_map=config.residency_map,
+        reserved_slots=config.max_draft_tokens,
         # What the fused backup kernel writes through (device-side on ROCm).
         host_kv_addresses=torch.tensor(
             [backend.device_address(layer) for layer in pool.layers],

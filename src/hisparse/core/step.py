@@ -266,10 +266,13 @@ class DecodeStep:
         return rows
 
     # --- closing --------------------------------------------------------------------------
-    def end(self) -> None:
-        """Back every layer's new row up to its host row (on a side stream where supported)."""
+    def end(self, accepted: Any = None) -> None:
+        """Back every layer's new row up to its host row (on a side stream where supported).
+        `accepted`: None, or one 1 per request (a single-token step keeps its token)."""
         with self._lock:
             c = self._usable("end_decode_step")
+            if accepted is not None:
+                _check_single_accepted(accepted, self.batch_size)
             if c.validate and len(self._written) != c.num_layers:
                 missing = sorted(set(range(c.num_layers)) - self._written)
                 raise RequestStateError(
@@ -404,6 +407,15 @@ def _install_table_updates(c: DecodeContext, batch: int, updates: dict[str, Any]
         slot, hot = b.field("short_slot", count), b.field("short_hot", count)
         t.slot_key[:, slot, hot] = b.field("short_key_i32", count)
         t.resident[:, b.field("short_key", count)] = b.field("short_hot_resident", count)
+
+
+def _check_single_accepted(accepted: Any, batch_size: int) -> None:
+    values = accepted.tolist() if isinstance(accepted, torch.Tensor) else accepted
+    if not isinstance(values, (list, tuple)) or list(values) != [1] * batch_size:
+        raise InvalidInputError(
+            f"accepted={accepted!r:.200}: a single-token step keeps its one token per request; "
+            f"pass None or {batch_size} ones (a verify step takes begin_decode_step(ids, "
+            "num_tokens=S))")
 
 
 def _slot(record: RequestRecord) -> int:

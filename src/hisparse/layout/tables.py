@@ -56,10 +56,14 @@ class CacheTables:
     # [R, 2] int64: hits and misses of each request slot's swap-ins since it was last seeded
     # (stats() reports them per request). None: not counted.
     request_counters: torch.Tensor | None = None
+    # D: device slots per request after the H LRU slots that are never LRU victims. Slot H
+    # holds the newest token; a verify step of S <= D tokens writes its drafts to H..H+S-1.
+    reserved_slots: int = 1
 
     @property
     def slots_per_request(self) -> int:
-        return self.hot_slots + 1
+        """The per-request row stride every kernel uses: H LRU slots plus D reserved."""
+        return self.hot_slots + self.reserved_slots
 
     @property
     def row_bytes(self) -> int:

@@ -1,0 +1,452 @@
+"""A verify step (speculative decoding): S tokens per request, union swap-in, accept/rollback.
+
+`begin_decode_step(ids, num_tokens=S)` appends S tokens to each request: the step's first
+token (the last accepted one) and S-1 drafts. They sit in the request's draft slots H..H+S-1,
+which are never LRU victims; `write_newest(layer, kv [B, S, W])` writes them and
+`swap_in(layer, top_k [B, S, K])` returns `[B, S, K]` rows through the union of the S rows
+(`core.union`). `end(accepted=[a_b, ...])` keeps the first a_b tokens of each request: all of
+them are backed up to host, the last one moves into the newest-token slot H (or, while the
+request is short, each into its own slot), and the rejected drafts are rolled back: length,
+host extents taken for them and page-table entries. They never entered the LRU or the
+residency map, so nothing else holds a trace of them. `cancel()` rolls back all S.
+
+During the step the device `seq_lens` count all S tokens, so that the kernels accept every
+older position as valid; the union hands them only positions before the step's first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hisparse.backends.base import Backend
+from hisparse.core.replay import GroupReplay
+from hisparse.core.requests import RequestRecord
+from hisparse.core.step import DecodeContext, DecodeStep, StepState
+from hisparse.core.union import (
+    DeviceBlock,
+    UnionWidth,
+    build_union,
+    build_width,
+    count_extras,
+    scatter_rows,
+)
+from hisparse.core.validation import as_rows, check_batch_rows, check_layer, check_tensor
+from hisparse.errors import InvalidInputError, RequestStateError
+
+
+@dataclass(eq=False)
+class VerifyContext:
+    """What every verify step of one cache shares: the per-S union launchers (built at the
+    first step of each S) and the two upload blocks (the step's begin, and its end)."""
+
+    backend: Backend
+    max_draft_tokens: int  # D
+    top_k: int
+    group_size: int
+    skip_io: bool
+    zero_copy: bool
+    begin_block: DeviceBlock
+    end_block: DeviceBlock
+    widths: dict[int, UnionWidth] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, config: Any, backend: Backend, c: DecodeContext) -> VerifyContext:
+        D, cap = config.max_draft_tokens, c.batch_capacity
+        sink = int(c.tables.device_kv.shape[1]) - 1
+        i64, i32 = torch.int64, torch.int32
+        begin = DeviceBlock([
+            ("draft_rows_long", i64, cap * D, sink), ("first", i64, cap, 0),
+            ("draft_base", i64, cap, 0), ("page_index", i64, cap * D, 0),
+            ("draft_rows", i32, cap * D, sink), ("page_extent", i32, cap * D, 0),
+        ], c.device)
+        end = DeviceBlock([
+            ("commit_src", i64, cap * D, 0), ("commit_dst", i64, cap * D, 0),
+            ("seq_slot", i64, cap, 0), ("page_reset", i64, cap * (D + 1), 0),
+            ("short_slot", i64, cap * D, 0), ("short_hot", i64, cap * D, 0),
+            ("short_key", i64, cap * D, 0), ("backup_rows", i32, cap * D, sink),
+            ("backup_host", i32, cap * D, -1), ("backup_count", i32, 1, 0),
+            ("seq_len", i32, cap, 0), ("short_key_i32", i32, cap * D, 0),
+            ("short_hot_resident", c.tables.resident.dtype, cap * D, 0),
+        ], c.device)
+        return cls(backend=backend, max_draft_tokens=D, top_k=config.top_k,
+                   group_size=config.index_group_size, skip_io=config.skip_io,
+                   zero_copy=bool(config.zero_copy_swap_in), begin_block=begin, end_block=end)
+
+    def width(self, c: DecodeContext, tokens: int) -> UnionWidth:
+        width = self.widths.get(tokens)
+        if width is None:
+            width = self.widths[tokens] = build_width(
+                tokens, self.backend, c.kernels, c.tables, c.buffers.req_slots,
+                c.buffers.num_real, self.top_k, c.num_layers, self.group_size, self.skip_io,
+                self.zero_copy, c.prefetch_stream)
+        return width
+
+
+class VerifyStep(DecodeStep):
+    """A decode step of S tokens per request (S = 1: a single-token step whose top-k is
+    de-duplicated, taking the same path).
+
+    Public beyond `DecodeStep`'s: `num_tokens` (S); `positions` is `[B][S]` (a tuple per
+    request) when S > 1 and `newest_rows` the `[Bcap, S]` int32 device rows of the S tokens.
+    """
+
+    def __init__(self, context: DecodeContext, verify: VerifyContext,
+                 request_ids: tuple[Hashable, ...], records: list[RequestRecord],
+                 first: list[int], extents_before: list[int], tokens: int) -> None:
+        positions: tuple[Any, ...] = tuple(
+            tuple(range(n, n + tokens)) if tokens > 1 else n for n in first)
+        super().__init__(context, request_ids, positions, records, [])
+        self.num_tokens = tokens
+        self._verify = verify
+        self._width = verify.width(context, tokens)
+        self._first = first
+        self._extents_before = extents_before
+        block = verify.begin_block
+        cap = context.batch_capacity
+        rows = block.field("draft_rows", cap * tokens)
+        self.newest_rows = rows.view(cap, tokens) if tokens > 1 else rows
+        self._draft_rows_long = block.field("draft_rows_long", cap * tokens)
+        self._first_device = block.field("first")
+        self._draft_base = block.field("draft_base")
+
+    # --- opening --------------------------------------------------------------------------
+    @classmethod
+    def begin_verify(cls, c: DecodeContext, v: VerifyContext,
+                     request_ids: tuple[Hashable, ...], records: list[RequestRecord],
+                     tokens: int) -> VerifyStep:
+        """Append `tokens` tokens to each record: extents first, then one upload of the batch
+        and table updates; a failure before the records change leaves nothing taken."""
+        t, E = c.tables, c.tables.extent_tokens
+        H, SPR, P = t.hot_slots, t.slots_per_request, t.page_table.shape[1]
+        full = [r.request_id for r in records if r.num_tokens + tokens > c.max_seq_len]
+        if full:
+            raise InvalidInputError(
+                f"requests {full!r} have fewer than num_tokens={tokens} tokens left before "
+                f"max_seq_len={c.max_seq_len}; verify fewer tokens, finish them or raise "
+                "max_seq_len")
+        need = [max(0, -(-(r.num_tokens + tokens) // E) - len(r.extents)) for r in records]
+        c.pool.check_free(sum(need))
+        taken: list[list[int]] = []
+        try:
+            for record, count in zip(records, need, strict=True):
+                after = taken[-1][-1] if taken and taken[-1] else record.extents[-1]
+                taken.append(c.pool.allocate(count, after=after) if count else [])
+            values = _begin_values(records, taken, tokens, H, SPR, P, E)
+            c.order.backup.wait()
+            c.order.tables_changed.wait()
+            c.buffers.upload(values.pop("columns"))
+            v.begin_block.upload(values)
+        except BaseException:
+            c.pool.release([e for extents in taken for e in extents])
+            raise
+        first = [r.num_tokens for r in records]
+        before = [len(r.extents) for r in records]
+        for record, extents in zip(records, taken, strict=True):
+            record.extents.extend(extents)
+            record.num_tokens += tokens
+        views = c.buffers.views(len(records))
+        t.seq_lens.index_copy_(0, views.batch_slots, views.seq_lens)
+        pages = sum(map(len, taken))
+        if pages:
+            c.page_entries.index_copy_(0, v.begin_block.field("page_index", pages),
+                                       v.begin_block.field("page_extent", pages))
+        return cls(c, v, request_ids, records, first, before, tokens)
+
+    # --- per layer ------------------------------------------------------------------------
+    def write_newest(self, layer: int, kv: torch.Tensor) -> None:
+        """Write the step's S tokens of `layer`: `kv [B, S, W]` (`[B, W]` when S = 1), B
+        between the step's request count and `max_batch` (padding rows go to the sink)."""
+        c = self._usable("write_newest")
+        check_layer(layer, c.num_layers)
+        S = self.num_tokens
+        rows = as_rows("kv", kv, c.row_bytes, 3 if S > 1 else 2, device=c.device)
+        count = rows.shape[0]
+        check_batch_rows("kv", count, self.batch_size, c.batch_capacity)
+        if S > 1 and rows.shape[1] != S:
+            raise InvalidInputError(
+                f"kv has {rows.shape[1]} tokens per request, the verify step appends "
+                f"num_tokens={S}; pass kv as [B, {S}, W]")
+        c.layer_kv[layer].index_copy_(0, self._draft_rows_long[: count * S],
+                                      rows.reshape(count * S, -1))
+        self._written.add(layer)
+
+    def swap_in(self, layer: int, top_k: torch.Tensor | None = None) -> torch.Tensor:
+        """`[B, S, K]` int32 device rows for `top_k [B, S, K]` (`[B, K]` when S = 1): query
+        token s of request b may select any position up to its own, `positions[b][s]`; a
+        position listed several times, in one row or several, is looked up and loaded once.
+        The step's own tokens come from their draft slots. -1 for none, invalid (below -1 or
+        after the query token) and padding. A follower of an index group gets its anchor's.
+        """
+        c = self._usable("swap_in")
+        check_layer(layer, c.num_layers)
+        width = self._width
+        group = c.layer_group[layer]
+        replay = width.replays[group]
+        if replay is not None and layer != replay.anchor:
+            return self._follow_union(c, layer, replay, top_k)
+        if top_k is None:
+            raise InvalidInputError(
+                f"swap_in({layer}) needs its top_k ([B, S, K] int32 positions): layer {layer} "
+                "plans its own swap-in (it is no follower of an index group)")
+        rows, shaped = self._check_verify_top_k(c, top_k)
+        if c.validate:
+            self._validate_positions(shaped)
+        if replay is not None:
+            replay.begin_plan()
+        out = width.rows[group][:rows]
+        self._union_swap_in(c, layer, group, rows, shaped, out)
+        result = out if self.num_tokens > 1 else out[:, 0]
+        if replay is not None:
+            if replay.step is not self:
+                self._anchored.append(replay)
+            replay.finish_plan(self, top_k, result)
+        return result
+
+    def _union_swap_in(self, c: DecodeContext, layer: int, group: int, rows: int,
+                       top_k: torch.Tensor, out: torch.Tensor) -> None:
+        width = self._width
+        real = torch.arange(rows, device=c.device) < c.buffers.num_real.long()
+        first = self._first_device[:rows]
+        union = build_union(top_k, first, real)
+        union_top_k = width.union_top_k[:rows]
+        union_top_k.copy_(union.positions)
+        width.kernels.launch_swap_in(layer, group, rows, union_top_k)
+        union_rows = width.union_out[group][:rows]
+        scatter_rows(union, union_rows, self._draft_base[:rows], first, top_k, out)
+        count_extras(c.tables.counters[layer], union, top_k, first)
+
+    def _follow_union(self, c: DecodeContext, layer: int, replay: GroupReplay,
+                      top_k: torch.Tensor | None) -> torch.Tensor:
+        if replay.step is not self:
+            raise replay.not_anchored(layer)
+        if top_k is not None:
+            if not replay.is_anchor_top_k(top_k):
+                self._check_verify_top_k(c, top_k)
+                raise replay.other_top_k(layer, top_k)
+            if c.validate and not torch.equal(top_k, replay.top_k):
+                raise replay.changed_top_k(layer)
+        return replay.ready_rows(layer)
+
+    def _check_verify_top_k(self, c: DecodeContext, top_k: object) -> tuple[int, torch.Tensor]:
+        S, K = self.num_tokens, self._verify.top_k
+        ndim = 3 if S > 1 else 2
+        top_k = check_tensor("top_k", top_k, dtype=torch.int32, device=c.device, ndim=ndim)
+        rows = top_k.shape[0]
+        check_batch_rows("top_k", rows, self.batch_size, c.batch_capacity)
+        if tuple(top_k.shape[1:]) != ((S, K) if S > 1 else (K,)):
+            want = f"[B, {S}, {K}]" if S > 1 else f"[B, {K}]"
+            raise InvalidInputError(
+                f"top_k has shape {tuple(top_k.shape)}; this verify step of num_tokens={S} on "
+                f"a cache built for top_k={K} takes {want} (pad rows with -1)")
+        return rows, top_k if S > 1 else top_k[:, None]
+
+    def _validate_positions(self, top_k: torch.Tensor) -> None:
+        """Every real entry is -1 or a position up to its query token's own (host sync)."""
+        real = top_k[: self.batch_size].cpu().long()
+        first = torch.tensor(self._first, dtype=torch.long)[:, None, None]
+        own = first + torch.arange(self.num_tokens)[None, :, None]
+        bad = (real < -1) | (real > own)
+        if bool(bad.any()):
+            b, s, k = (int(i) for i in bad.nonzero()[0])
+            raise InvalidInputError(
+                f"top_k[{b}, {s}, {k}] = {int(real[b, s, k])} is outside [-1, "
+                f"{int(own[b, s, 0])}] for query token {s} of request {self.request_ids[b]!r} "
+                f"(at position {int(own[b, s, 0])}); a query token attends to positions up "
+                "to its own, -1 for an empty entry")
+
+    # --- closing --------------------------------------------------------------------------
+    def end(self, accepted: Sequence[int] | torch.Tensor | None = None) -> None:
+        """Keep the first `accepted[b]` tokens of request b (1..S; None: all S), back them up
+        and roll the rejected drafts back. A device tensor is read once (a host sync)."""
+        with self._lock:
+            c = self._usable("end_decode_step")
+            counts = self._check_accepted(accepted)
+            if c.validate and len(self._written) != c.num_layers:
+                missing = sorted(set(range(c.num_layers)) - self._written)
+                raise RequestStateError(
+                    f"end_decode_step: layers {missing} got no write_newest in this step, so "
+                    "their host backup would store a stale row; call write_newest(layer, kv) "
+                    "for every layer first")
+            for replay in self._anchored:
+                replay.replay_owed()
+            backups, commits = self._settle(c, counts)
+            c.order.backup.issue(lambda: self._launch_commit(c, backups, commits))
+            c.traffic.backed_up_tokens += backups
+            self._close(c, StepState.ENDED)
+
+    def cancel(self) -> None:
+        """Roll back all S tokens of every request; the newest slot gets its token back."""
+        with self._lock:
+            c = self._context
+            if c is None:
+                raise self._refusal("cancel_decode_step")
+            for replay in self._anchored:
+                replay.replay_owed()
+            for replay in self._anchored:
+                replay.wait_unwaited()
+            self._restore_newest_slot(c)
+            self._settle(c, [0] * self.batch_size)
+            self._close(c, StepState.CANCELLED)
+
+    def _check_accepted(self, accepted: Sequence[int] | torch.Tensor | None) -> list[int]:
+        S, B = self.num_tokens, self.batch_size
+        if accepted is None:
+            return [S] * B
+        if isinstance(accepted, torch.Tensor):
+            if accepted.dim() != 1 or accepted.is_floating_point() or accepted.is_complex():
+                raise InvalidInputError(
+                    f"accepted must be a 1-D integer tensor or a list of ints, got a "
+                    f"{accepted.dtype} tensor of shape {tuple(accepted.shape)}")
+            accepted = accepted.tolist()
+        values = list(accepted)
+        if len(values) != B or any(type(a) is not int or not 1 <= a <= S for a in values):
+            raise InvalidInputError(
+                f"accepted must list one int in 1..{S} (num_tokens) per request of the step "
+                f"({B} requests), got {values!r:.200}; the first token of a verify step is "
+                "always accepted")
+        return values
+
+    def _settle(self, c: DecodeContext, accepted: list[int]) -> tuple[int, int]:
+        """Table and record updates for `accepted` tokens per request (0: a cancel). Returns
+        how many rows to back up and to move, uploaded to the end block."""
+        values, released = _end_values(c, self._records, self._first, self._extents_before,
+                                       accepted)
+        block = self._verify.end_block
+        block.upload(values)
+        t = c.tables
+        count = len(self._records)
+        t.seq_lens.index_copy_(0, block.field("seq_slot", count), block.field("seq_len", count))
+        resets = len(values["page_reset"])
+        if resets:
+            c.page_entries[block.field("page_reset", resets)] = -1
+        short = len(values["short_slot"])
+        if short:
+            slot, hot = block.field("short_slot", short), block.field("short_hot", short)
+            t.slot_key[:, slot, hot] = block.field("short_key_i32", short)
+            t.resident[:, block.field("short_key", short)] = block.field(
+                "short_hot_resident", short)
+        for record, first, extents, kept in zip(self._records, self._first, released, accepted,
+                                                strict=True):
+            record.num_tokens = first + kept
+            if extents:
+                del record.extents[-len(extents):]
+        freed = [e for extents in released for e in extents]
+        if freed:
+            c.pool.release(freed)
+            c.order.host_rows.note_rows_recycled()
+        return len(values["backup_rows"]), len(values["commit_src"])
+
+    def _launch_commit(self, c: DecodeContext, backups: int, commits: int) -> None:
+        """Back the accepted tokens up from their draft slots, then move the rows that must
+        live elsewhere: after the backup, since the newest slot H is draft slot 0."""
+        block = self._verify.end_block
+        c.kernels.launch_backup(c.tables, block.field("backup_rows"),
+                                block.field("backup_host"), block.field("backup_count"))
+        if commits:
+            kv = c.tables.device_kv
+            kv[:, block.field("commit_dst", commits)] = kv[:, block.field("commit_src", commits)]
+
+    def _restore_newest_slot(self, c: DecodeContext) -> None:
+        """Give slot H of each request that was long before the step its newest token back
+        from the host in the layers `write_newest` overwrote (draft slot 0 is slot H)."""
+        H, SPR, E = c.tables.hot_slots, c.tables.slots_per_request, c.tables.extent_tokens
+        pairs = [(_slot(r) * SPR + H, _host_row(r, n - 1, E))
+                 for r, n in zip(self._records, self._first, strict=True) if n > H]
+        if not pairs or not self._written:
+            return
+        c.order.host_rows.drain()
+        device_rows = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=c.device)
+        host_rows = torch.tensor([h for _, h in pairs], dtype=torch.long)
+        for layer in sorted(self._written):
+            c.layer_kv[layer].index_copy_(
+                0, device_rows, c.pool.layers[layer][host_rows].to(c.device))
+
+
+def check_num_tokens(num_tokens: object, dedupe: object, max_draft_tokens: int) -> None:
+    """`begin_decode_step`'s `num_tokens` and `dedupe`, before anything changes."""
+    D = max_draft_tokens
+    if type(num_tokens) is not int or not 1 <= num_tokens <= D:
+        raise InvalidInputError(
+            f"num_tokens must be an int in 1..{D} (max_draft_tokens), got {num_tokens!r}; "
+            "build the cache with max_draft_tokens >= the tokens a verify step appends (and "
+            "hot_slots >= max_draft_tokens x top_k)")
+    if not isinstance(dedupe, bool):
+        raise InvalidInputError(f"dedupe must be True or False, got {dedupe!r}")
+
+
+def _begin_values(records: list[RequestRecord], taken: list[list[int]], tokens: int, H: int,
+                  SPR: int, P: int, E: int) -> dict[str, Any]:
+    """The begin block's fields and the batch buffers' columns for a verify step."""
+    slots = [_slot(r) for r in records]
+    first = [r.num_tokens for r in records]
+    base = [s * SPR + H for s in slots]
+    draft = [b + i for b in base for i in range(tokens)]
+    page_index, page_extent = [], []
+    for record, slot, extents in zip(records, slots, taken, strict=True):
+        for i, extent in enumerate(extents):
+            page_index.append(slot * P + len(record.extents) + i)
+            page_extent.append(extent)
+    host = []
+    for record, extents, n in zip(records, taken, first, strict=True):
+        pages = record.extents + extents
+        host.append(pages[(n) // E] * E + n % E)
+    columns = {"req_slots": slots, "batch_slots": slots, "num_real": [len(records)],
+               "newest_rows": base, "newest_rows_long": base, "newest_host_rows": host,
+               "new_seq_lens": [n + tokens for n in first]}
+    return {"columns": columns, "draft_rows_long": draft, "draft_rows": draft, "first": first,
+            "draft_base": base, "page_index": page_index, "page_extent": page_extent}
+
+
+def _end_values(c: DecodeContext, records: list[RequestRecord], first: list[int],
+                extents_before: list[int], accepted: list[int]
+                ) -> tuple[dict[str, list[int]], list[list[int]]]:
+    """The end block's fields for `accepted` tokens per request, and the extents each record
+    gives back (those taken by the step that hold no accepted token)."""
+    t = c.tables
+    H, SPR, E = t.hot_slots, t.slots_per_request, t.extent_tokens
+    P = int(t.page_table.shape[1])
+    v: dict[str, list[int]] = {name: [] for name in (
+        "seq_slot", "seq_len", "page_reset", "backup_rows", "backup_host", "commit_src",
+        "commit_dst", "short_slot", "short_hot", "short_key")}
+    released = []
+    for record, n0, before, a in zip(records, first, extents_before, accepted, strict=True):
+        slot, n1 = _slot(record), n0 + a
+        draft = slot * SPR + H
+        keep = max(before, -(-n1 // E))
+        released.append(record.extents[keep:])
+        v["page_reset"] += [slot * P + page for page in range(keep, len(record.extents))]
+        v["seq_slot"].append(slot)
+        v["seq_len"].append(n1)
+        for s in range(a):
+            v["backup_rows"].append(draft + s)
+            v["backup_host"].append(_host_row(record, n0 + s, E))
+        if n1 <= H:  # short: every token in its own slot, tracked for the switch to long
+            for s in range(a):
+                position = n0 + s
+                v["commit_src"].append(draft + s)
+                v["commit_dst"].append(slot * SPR + position)
+                v["short_slot"].append(slot)
+                v["short_hot"].append(position)
+                v["short_key"].append(int(t.residency_keys(
+                    slot, position, _host_row(record, position, E))))
+        elif a > 1:  # the last accepted token is the next step's newest, in slot H
+            v["commit_src"].append(draft + a - 1)
+            v["commit_dst"].append(draft)
+    v["backup_count"] = [len(v["backup_rows"])]
+    v["short_key_i32"] = v["short_key"]
+    v["short_hot_resident"] = v["short_hot"]
+    return v, released
+
+
+def _slot(record: RequestRecord) -> int:
+    assert record.slot is not None
+    return record.slot
+
+
+def _host_row(record: RequestRecord, position: int, extent_tokens: int) -> int:
+    page, offset = divmod(position, extent_tokens)
+    return record.extents[page] * extent_tokens + offset

@@ -191,3 +191,14 @@ def test_resident_entry_bytes_match_the_engines_table_dtype() -> None:
 
     for hot in (1, 4096, 32766, 32767, 32768, 65536):
         assert planning.resident_entry_bytes(hot) == residency_dtype(hot).itemsize, hot
+
+
+def test_draft_slots_count_in_the_device_budget() -> None:
+    """A cache built for verify steps of D tokens keeps D reserved slots per request beside
+    the LRU's H: the plan's hot rows per request are H + D, not H + 1."""
+    (one,) = planning.plan(DSV32_FP8, ONE_H200, [32768])
+    (four,) = planning.plan(DSV32_FP8,
+                            PlanSettings(**{**ONE_H200.__dict__, "reserved_slots": 4}), [32768])
+    row_bytes = DSV32_FP8.num_layers * DSV32_FP8.row_bytes
+    assert four.hisparse_footprint.hot_rows - one.hisparse_footprint.hot_rows == 3 * row_bytes
+    assert four.hisparse_max_requests <= one.hisparse_max_requests

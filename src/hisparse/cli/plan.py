@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         miss_rate=args.miss_rate,
         link_bytes_per_s=args.link_gbps * 1e9,
         host_mem_bytes=None if args.host_mem_gib is None else round(args.host_mem_gib * GIB),
+        reserved_slots=config.max_draft_tokens,
     )
     if settings.available_bytes <= 0:
         parser.error(

@@ -71,6 +71,8 @@ class PlanSettings:
     miss_rate: float  # fraction of a long request's top-k entries that miss, per layer
     link_bytes_per_s: float  # host-to-device bandwidth
     host_mem_bytes: int | None = None  # cap on the host pool; None = unlimited
+    # D: slots per request besides the LRU's (the newest token, a verify step's drafts)
+    reserved_slots: int = 1
 
     @property
     def available_bytes(self) -> int:
@@ -143,7 +145,8 @@ def hisparse_footprint(
 ) -> HiSparseFootprint:
     groups = shape.num_groups
     return HiSparseFootprint(
-        hot_rows=(settings.hot_slots + 1) * shape.num_layers * shape.row_bytes,
+        hot_rows=(settings.hot_slots + settings.reserved_slots) * shape.num_layers
+        * shape.row_bytes,
         indexer_keys=context_tokens * groups * shape.indexer_key_bytes,
         lru_tables=groups * (2 * settings.hot_slots + 1) * INT32_BYTES,
         page_table=(math.ceil(context_tokens / settings.extent_tokens) + 1) * INT32_BYTES,

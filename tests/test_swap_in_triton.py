@@ -38,7 +38,7 @@ class Sizes:
     extent: int
     batch_cap: int
     num_requests: int
-    # The engine's choice (core.tables.residency_dtype) is int16; int32 is what hot buffers of
+    # The engine's choice (layout.tables.residency_dtype) is int16; int32 is what hot buffers of
     # more than 32767 slots get, exercised here on small ones.
     resident_dtype: torch.dtype = torch.int16
 

@@ -298,15 +298,19 @@ class DecodeStep:
             c = self._context
             if c is None:
                 raise self._refusal("cancel_decode_step")
-            # Followers must hold the rows their anchor's plan put in the group's tables.
-            for replay in self._anchored:
-                replay.replay_owed()
-            for replay in self._anchored:
-                replay.wait_unwaited()
+            self._settle_replays()
             # The device first: a failure leaves the step open and the call retryable.
             self._restore_newest_slots(c)
             self._undo_append(c)
             self._close(c, StepState.CANCELLED)
+
+    def _settle_replays(self) -> None:
+        """Before a cancel: every follower holds the rows its anchor's plan put in the group's
+        tables, and the compute stream waits for side-stream replays nobody waited for."""
+        for replay in self._anchored:
+            replay.replay_owed()
+        for replay in self._anchored:
+            replay.wait_unwaited()
 
     def abandon(self) -> None:
         """The cache is closing under an open step: refuse every verb from now on."""

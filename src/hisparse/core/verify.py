@@ -284,10 +284,7 @@ class VerifyStep(DecodeStep):
             c = self._context
             if c is None:
                 raise self._refusal("cancel_decode_step")
-            for replay in self._anchored:
-                replay.replay_owed()
-            for replay in self._anchored:
-                replay.wait_unwaited()
+            self._settle_replays()
             self._restore_newest_slot(c)
             self._settle(c, [0] * self.batch_size)
             self._close(c, StepState.CANCELLED)

@@ -9,12 +9,12 @@ import torch
 
 from hisparse.layout.widths import resident_entry_bytes
 
-# What `CacheTables.resident` is indexed by (core.widths.RESIDENCY_MAPS, for the config).
+# What `CacheTables.resident` is indexed by (layout.widths.RESIDENCY_MAPS, for the config).
 ResidencyMap = Literal["host_row", "position"]
 
 
 def residency_dtype(hot_slots: int) -> torch.dtype:
-    """dtype of `CacheTables.resident` (`core.widths.resident_entry_bytes`)."""
+    """dtype of `CacheTables.resident` (`layout.widths.resident_entry_bytes`)."""
     return torch.int16 if resident_entry_bytes(hot_slots) == 2 else torch.int32
 
 

@@ -1,9 +1,9 @@
 """Element widths of the engine's tables, without torch: `hisparse plan` sizes a deployment
-before any cache exists, and `core.tables` allocates by the same rule."""
+before any cache exists, and `layout.tables` allocates by the same rule."""
 
 from __future__ import annotations
 
-# What the residency map is indexed by (config `residency_map`; core.tables.ResidencyMap).
+# What the residency map is indexed by (config `residency_map`; layout.tables.ResidencyMap).
 RESIDENCY_MAPS = ("host_row", "position")
 
 # Hot-slot ids and -1 fit in int16 while the hot buffer holds at most this many slots.

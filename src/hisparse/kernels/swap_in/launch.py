@@ -321,7 +321,7 @@ def _check_shape(tables: CacheTables, top_k: int) -> None:
     if tables.resident.dtype not in (residency_dtype(hot_slots), torch.int32):
         raise fail(f"tables.resident must be int16 (while H <= {INT16_MAX_HOT_SLOTS}) or int32",
                    f"{tables.resident.dtype} with H={hot_slots}",
-                   "allocate it with core.tables.residency_dtype(hot_slots)")
+                   "allocate it with layout.tables.residency_dtype(hot_slots)")
 
 
 def swap_in_triton(

@@ -20,6 +20,7 @@ import torch
 
 from hisparse.backends.base import Backend
 from hisparse.core.host_pool import HostPool, HostReservation, token_rows, token_runs
+from hisparse.core.prefixes import PrefixHandle, PrefixRegistry, PrefixRows
 from hisparse.core.requests import (
     PromptCoverage,
     RequestRecord,
@@ -207,6 +208,7 @@ class HiSparseCache:
                 self._rows_recycled = False
 
                 self._requests = RequestTable()
+                self._prefixes = PrefixRegistry(self._pool, config.residency_map)
                 self._slots = SlotAllocator(R)
                 self._traffic = TrafficCounters(L)
                 self._step: DecodeStep | None = None
@@ -230,51 +232,109 @@ class HiSparseCache:
 
     # --- admission and prefill ------------------------------------------------------------
     @_bookkeeping
-    def admit(self, request_id: Hashable, num_tokens: int) -> None:
+    def admit(self, request_id: Hashable, num_tokens: int,
+              prefix: PrefixHandle | tuple[Hashable, int] | None = None) -> None:
         """Take host extents for a `num_tokens` prompt and a device request slot.
 
+        `prefix`: the prompt's first tokens are already in the host pool, as a `PrefixHandle`
+        from `retain_prefix` or `(request_id, num_tokens)` of a running or preempted request.
+        Their whole extents are shared, the boundary extent's rows are copied, and
+        `write_prefill` writes only the rows after the prefix (needs `residency_map:
+        position`; docs/integration.md, "Shared prefixes").
+
         Raises:
-            RequestStateError: the id is live. InvalidInputError: bad `num_tokens`.
+            RequestStateError: the id is live, or the prefix's request cannot share now.
+            InvalidInputError: bad `num_tokens` or `prefix`.
             PoolExhaustedError: no slot or too few extents (nothing is taken).
         """
         self._check_open()
         self._requests.check_new(request_id, "admit")
         self._check_length(num_tokens, "admit")
         self._slots.check_free(f"admitting request {request_id!r}")
-        extents = self._pool.allocate(self._pool.extents_for(num_tokens))
+        shared = self._shared_prefix(prefix, f"admit request {request_id!r}")
+        extents = self._prefixes.extents_for_new(shared, num_tokens, self._drain_host_io,
+                                                 f"admit request {request_id!r}")
+        prefix_tokens = shared.num_tokens if shared else 0
         record = RequestRecord(request_id, RequestState.PREFILLING, num_tokens, num_tokens,
                                extents, self._slots.take(),
-                               PromptCoverage(self.num_layers, num_tokens))
+                               PromptCoverage(self.num_layers, num_tokens, prefix_tokens),
+                               prefix_tokens)
         self._requests.add(record)
 
     @_bookkeeping
-    def reserve_host_slots(self, request_id: Hashable, num_tokens: int) -> HostReservation:
+    def reserve_host_slots(self, request_id: Hashable, num_tokens: int,
+                           prefix: PrefixHandle | tuple[Hashable, int] | None = None,
+                           ) -> HostReservation:
         """PD decode side: reserve host rows a transfer engine will write; no device slot yet.
 
-        Write token `p` of layer `l` to `res.host_tensors[l][res.rows[p]]` (or at
-        `res.layers[l].base_address + res.rows[p] * res.row_bytes`), then `complete_transfer`.
+        Write token `res.prefix_tokens + i` of layer `l` to `res.host_tensors[l][res.rows[i]]`
+        (or at `res.layers[l].base_address + res.rows[i] * res.row_bytes`), then
+        `complete_transfer`. `prefix` as for `admit`: those tokens are not transferred.
         """
         self._check_open()
         self._requests.check_new(request_id, "reserve host slots for")
         self._check_length(num_tokens, "reserve host slots for")
-        self._pool.check_free(self._pool.extents_for(num_tokens))
+        action = f"reserve host slots for request {request_id!r}"
+        shared = self._shared_prefix(prefix, action)
+        self._prefixes.check_room(shared, num_tokens, action)
         # The transfer engine writes the rows once this returns: a backup or a swap-in of
         # their previous owner may still be touching them. Drained before anything is taken,
         # so that a drain that fails leaves no reservation behind.
         self._drain_host_io()
-        extents = self._pool.allocate(self._pool.extents_for(num_tokens))
-        record = RequestRecord(request_id, RequestState.RESERVED, num_tokens, num_tokens, extents)
+        extents = self._prefixes.extents_for_new(shared, num_tokens, self._drain_host_io, action)
+        first = shared.num_tokens if shared else 0
+        record = RequestRecord(request_id, RequestState.RESERVED, num_tokens, num_tokens, extents,
+                               prefix_tokens=first)
         self._requests.add(record)
         E = self.extent_tokens
         return HostReservation(
             request_id=request_id,
             num_tokens=num_tokens,
             row_bytes=self.row_bytes,
-            extents=[(row, n) for _, row, n in token_runs(extents, E, 0, num_tokens)],
-            rows=token_rows(extents, E, 0, num_tokens),
+            extents=[(row, n) for _, row, n in token_runs(extents, E, first, num_tokens)],
+            rows=token_rows(extents, E, first, num_tokens),
             layers=[self._pool.region(layer) for layer in range(self.num_layers)],
             host_tensors=list(self._pool.layers),
+            prefix_tokens=first,
         )
+
+    @_bookkeeping
+    def retain_prefix(self, source: Hashable | PrefixHandle, num_tokens: int) -> PrefixHandle:
+        """Keep the host rows of the first `num_tokens` tokens of `source` (a running or
+        preempted request's id, or a `PrefixHandle` to cut a shorter prefix from) for
+        requests admitted later with `prefix=handle`, until `release_prefix(handle)`.
+
+        Nothing is copied: the rows are shared by reference, and the request goes on
+        decoding (its next token lands in an extent of its own). A prefix cache's node maps
+        onto one handle (docs/integration.md). Needs `residency_map: position`.
+
+        Raises:
+            UnknownRequestError, RequestStateError: no such live request, or it is
+                prefilling, reserved, or part of the open decode step.
+            InvalidInputError: `num_tokens` not in 1..its length; another cache's handle.
+        """
+        self._check_open()
+        return self._prefixes.retain(source, num_tokens, self._requests, self._in_step)
+
+    @_bookkeeping
+    def release_prefix(self, handle: PrefixHandle) -> None:
+        """Give back a retained prefix. Requests admitted on it keep their rows (they hold
+        them too); extents no request or other prefix holds are freed.
+
+        Raises InvalidInputError for anything but a handle this cache retains (a second
+        release raises RequestStateError); nothing changes then.
+        """
+        self._check_open()
+        if self._prefixes.release(handle):
+            self._rows_recycled = True  # a step in flight may still read the freed rows
+
+    def _shared_prefix(self, prefix: object, action: str) -> PrefixRows | None:
+        if prefix is None:
+            return None
+        return self._prefixes.resolve(prefix, self._requests, self._in_step, action)
+
+    def _in_step(self, record: RequestRecord) -> bool:
+        return self._step is not None and any(r is record for r in self._step_records)
 
     @_bookkeeping
     def write_prefill(
@@ -310,6 +370,14 @@ class HiSparseCache:
                 f"prefill rows {start}..{start + count - 1} of request {request_id!r} fall "
                 f"outside the {record.admitted_tokens} tokens it was admitted with; admit the "
                 "full prompt length"
+            )
+        if start < record.prefix_tokens and count:
+            # Those rows are shared with other holders, or copied from them: already written.
+            raise InvalidInputError(
+                f"prefill rows {start}..{start + count - 1} of request {request_id!r} start "
+                f"inside its shared prefix of {record.prefix_tokens} tokens, which is on the "
+                f"host already and never written; write from start={record.prefix_tokens} "
+                f"(kv[..., {record.prefix_tokens}:, :] of a whole prompt's KV)"
             )
         self._drain_host_io()
         layers = [layer] if layer is not None else range(self.num_layers)
@@ -413,17 +481,26 @@ class HiSparseCache:
                 f"requests {full!r} already hold max_seq_len={self.max_seq_len} tokens; "
                 "finish them or raise max_seq_len"
             )
-        self._pool.check_free(len(grow))
+        # Requests whose new token would land in an extent a retained prefix holds too: each
+        # moves to a private copy of that extent first (core/prefixes.py).
+        unshare = self._prefixes.writers_in(records)
+        self._pool.check_free(len(grow) + len(unshare))
+        if unshare:
+            self._drain_host_io()  # the copied rows' last backup may still be landing
 
         H, S, E = self.hot_slots, self.slots_per_request, self.extent_tokens
         # The records change only once the step's updates are on their way to the device: a
         # failed upload (a device out of memory) leaves the step unopened and retryable.
-        grown: dict[int, list[int]] = {}  # id(record) -> its extents with the new one
+        grown: dict[int, list[int]] = {}  # id(record) -> its extents with a new last one
         try:
             page_updates: list[tuple[int, int, int]] = []
             for record in grow:
                 extents = grown[id(record)] = record.extents + self._pool.allocate(
                     1, after=record.extents[-1])
+                page_updates.append((record.slot, len(extents) - 1, extents[-1]))
+            for record in unshare:
+                extents = grown[id(record)] = [*record.extents[:-1],
+                                               self._prefixes.private_copy(record)]
                 page_updates.append((record.slot, len(extents) - 1, extents[-1]))
             short_updates: list[tuple[int, int, int]] = []  # (slot, hot slot, host row)
             newest_rows, host_rows, positions = [], [], []
@@ -447,13 +524,14 @@ class HiSparseCache:
                  *zip(*page_updates, strict=True), *zip(*short_updates, strict=True)]
             )
         except BaseException:
-            for record in grow:
-                if id(record) in grown:
-                    self._pool.release(grown[id(record)][-1:])
+            for extents in grown.values():
+                self._pool.release(extents[-1:])
             raise
+        for record in grow:
+            record.extents.append(grown[id(record)][-1])
+        for record in unshare:  # kept by cancel_decode_step too: the same rows, now private
+            self._prefixes.moved(record, grown[id(record)][-1])
         for record in records:
-            if id(record) in grown:
-                record.extents.append(grown[id(record)][-1])
             record.num_tokens += 1
         self._step_grew = {id(record) for record in grow}
         t = self.tables
@@ -712,7 +790,8 @@ class HiSparseCache:
     def stats(self) -> CacheStats:
         """Traffic per layer and occupancy. Reads the device counters (one host sync)."""
         self._check_open()
-        used_rows = sum(r.num_tokens for r in self._requests)
+        usage = self._prefixes.usage(self._requests)  # shared rows counted once
+        used_rows = usage.rows_used
         extents = self._pool.allocator
         by_state: dict[str, int] = {}
         for record in self._requests:
@@ -726,6 +805,11 @@ class HiSparseCache:
             request_slots_used=self.max_requests - self._slots.free_slots,
             request_slots_total=self.max_requests,
             requests_by_state=by_state,
+            shared_extents=usage.shared_extents,
+            shared_rows=usage.shared_rows,
+            host_bytes_saved=(usage.extents_saved * self.extent_tokens * self.row_bytes
+                              * self.num_layers),
+            retained_prefixes=len(self._prefixes),
         )
         layers = self._traffic.layer_stats(self.tables.counters, self.row_bytes,
                                            misses_copied=not self.config.skip_io)
@@ -843,7 +927,9 @@ class HiSparseCache:
         record = self._requests.expect(request_id, action, allowed)
         self._check_not_in_step(record, action)
         self._release_slot(record)
+        # Shared extents only lose a holder: other requests and retained prefixes keep them.
         self._pool.release(record.extents)
+        self._prefixes.forget(record)
         record.extents = []
         self._requests.remove(record, final)
         self._rows_recycled = True

@@ -27,12 +27,15 @@ class PromptCoverage:
     """The prompt rows `write_prefill` has written, per layer, as merged `[start, end)` runs.
 
     A commit with a gap would seed, and later serve, whatever the row's previous owner (another
-    request) left in it: silent corruption, and another request's data.
+    request) left in it: silent corruption, and another request's data. The first
+    `prefix_tokens` rows came with a shared prefix: written before the request was admitted.
     """
 
-    def __init__(self, num_layers: int, num_tokens: int) -> None:
+    def __init__(self, num_layers: int, num_tokens: int, prefix_tokens: int = 0) -> None:
         self.num_tokens = num_tokens
-        self._runs: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]
+        self._runs: list[list[tuple[int, int]]] = [
+            [(0, prefix_tokens)] if prefix_tokens else [] for _ in range(num_layers)
+        ]
 
     def add(self, layer: int, start: int, end: int) -> None:
         merged = []
@@ -65,6 +68,8 @@ class RequestRecord:
     slot: int | None = None
     # Tracked from admit to commit_prefill (a PD transfer writes its rows outside hisparse).
     prompt_written: PromptCoverage | None = None
+    # Tokens admitted on a shared prefix: on the host already, never written by this request.
+    prefix_tokens: int = 0
 
 
 class SlotAllocator:

@@ -38,6 +38,13 @@ class Occupancy:
     request_slots_used: int
     request_slots_total: int
     requests_by_state: dict[str, int] = field(default_factory=dict)
+    # Shared prefixes (docs/integration.md): extents and rows (per layer) that two or more
+    # holders, requests or retained prefixes, hold; and the host bytes (all layers) the
+    # holders would allocate on top if each held its own extents.
+    shared_extents: int = 0
+    shared_rows: int = 0
+    host_bytes_saved: int = 0
+    retained_prefixes: int = 0
 
 
 @dataclass(frozen=True)

@@ -80,12 +80,18 @@ def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
             if plan is not None:
                 state[f"plans.{group}"] = [_cpu(plan.src), _cpu(plan.dst), _cpu(plan.count)]
     state["requests"] = [
-        (r.request_id, r.state, r.admitted_tokens, r.num_tokens, list(r.extents), r.slot)
+        (r.request_id, r.state, r.admitted_tokens, r.num_tokens, list(r.extents), r.slot,
+         r.prefix_tokens)
         for r in cache._requests
     ]
     state["ended"] = list(cache._requests._ended.items())
     state["pool.free_runs"] = cache._pool.allocator.free_runs()
     state["pool.free_extents"] = cache._pool.allocator.free_extents
+    state["pool.holders"] = list(cache._pool._holders)
+    prefixes = cache._prefixes
+    state["prefixes"] = sorted((h, r) for h, r in prefixes._retained.values())
+    state["prefixes.released"] = list(prefixes._released)
+    state["prefixes.writers"] = sorted(r.request_id for r in prefixes.writers.values())
     state["pool.layers"] = [h.data_ptr() for h in cache._pool.layers]
     state["slots.free"] = sorted(cache._slots._free)
     traffic = cache._traffic
@@ -138,7 +144,10 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
         pages = page_table[r].tolist()
         assert pages[: len(record.extents)] == record.extents
         assert all(p == -1 for p in pages[len(record.extents):])
-        own_rows = set(cache.host_rows(record.request_id).tolist())
+        # The residency keys of its tokens: host rows, or r*T + position (position map).
+        own_rows = (set(cache.host_rows(record.request_id).tolist())
+                    if t.residency_map == "host_row" else
+                    {r * t.positions_per_request + p for p in range(record.num_tokens)})
         for group in range(cache.num_groups):
             # Every slot was last used before the clock's current step (seeding: -1 and 0).
             assert bool((last_use[group, r] < lru_clock[group, r]).all()), "stamps < clock"
@@ -154,7 +163,9 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
         assert int(seq_lens[r]) == 0 and (page_table[r] == -1).all()
         assert (slot_key[:, r] == -1).all()
         assert (last_use[:, r] == -1).all() and (lru_clock[:, r] == 0).all()
-    assert cache._pool.allocator.used_extents == sum(len(r.extents) for r in cache._requests)
+    held = [e for r in cache._requests for e in r.extents]
+    held += [e for rows in cache._prefixes.retained() for e in rows.extents]
+    assert cache._pool.allocator.used_extents == len(set(held))
 
 
 # --- the helpers catch what they must ---------------------------------------------------
@@ -162,6 +173,7 @@ def _small_cache() -> hisparse.HiSparseCache:
     config = hisparse.HiSparseConfig.from_preset(
         "tiny", num_layers=2, row_bytes=16, top_k=2, device_buffer_size=4, extent_tokens=2,
         max_requests=2, max_batch=2, host_pool_tokens=32, max_seq_len=32, validate=True,
+        residency_map="position",  # so that a prefix can be retained
     )
     cache = hisparse.HiSparseCache(config, device="cpu")
     cache.admit("a", 7)
@@ -183,6 +195,8 @@ MUTATIONS: dict[str, Callable[[hisparse.HiSparseCache], None]] = {
     "the freed-id memory": lambda c: c._requests._ended.update({"x": RequestState.FINISHED}),
     "the pool's free runs": lambda c: c._pool.allocator.allocate(1),
     "a free slot": lambda c: c._slots.take(),
+    "a holder count": lambda c: c._pool.share([c._requests.get("a", "test").extents[0]]),
+    "a retained prefix": lambda c: c.retain_prefix("a", 3),
     "a traffic counter": lambda c: c._traffic.offloaded_tokens.__setitem__(0, 99),
     "a recycled-rows flag": lambda c: setattr(c, "_rows_recycled", True),
     "the written layers": lambda c: c._written_layers.add(1),

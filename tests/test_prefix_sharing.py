@@ -23,6 +23,7 @@ from hisparse.errors import (
 from test_engine_trace import build_cache
 from test_reliability_state import (
     assert_same_state,
+    check_holders,
     check_table_invariants,
     full_snapshot,
     row_pattern,
@@ -110,21 +111,6 @@ class Sharing:
     def end(self, request_id: Hashable, how: str = "finish") -> None:
         getattr(self.cache, how)(request_id)
         del self.rows[request_id]
-
-
-def check_holders(cache: hisparse.HiSparseCache) -> None:
-    """The pool's holder counts are the holders' extents, and free means no holder."""
-    pool = cache._pool
-    counts = [0] * pool.num_extents
-    for record in cache._requests:
-        for extent in record.extents:
-            counts[extent] += 1
-    for rows in cache._prefixes.retained():
-        for extent in rows.extents:
-            counts[extent] += 1
-    assert pool._holders == counts
-    assert [pool.allocator.is_free(e) for e in range(pool.num_extents)] == [c == 0 for c in counts]
-    assert pool.shared_extents == sum(c > 1 for c in counts)
 
 
 def extents_of(cache: hisparse.HiSparseCache, request_id: Hashable) -> list[int]:

@@ -8,6 +8,8 @@ full_snapshot(cache)       everything a rejected call must leave as it was: ever
 assert_same_state(a, b)    names the first part that differs
 check_table_invariants(c)  the ARCHITECTURE.md invariants between the engine's records and
                            its device tables, without an oracle (for threaded tests)
+check_holders(c)           the host pool's holder count of every extent is the number of
+                           requests and retained prefixes listing it; free means none
 row_pattern(...)           deterministic row bytes of (request uid, layer, position), so a
                            test or script can verify any returned row without storing the KV
 """
@@ -89,7 +91,7 @@ def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
     state["pool.free_extents"] = cache._pool.allocator.free_extents
     state["pool.holders"] = list(cache._pool._holders)
     prefixes = cache._prefixes
-    state["prefixes"] = sorted((h, r) for h, r in prefixes._retained.values())
+    state["prefixes"] = sorted(prefixes._retained.items())
     state["prefixes.released"] = list(prefixes._released)
     state["prefixes.writers"] = sorted(r.request_id for r in prefixes.writers.values())
     state["pool.layers"] = [h.data_ptr() for h in cache._pool.layers]
@@ -166,6 +168,21 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
     held = [e for r in cache._requests for e in r.extents]
     held += [e for rows in cache._prefixes.retained() for e in rows.extents]
     assert cache._pool.allocator.used_extents == len(set(held))
+
+
+def check_holders(cache: hisparse.HiSparseCache) -> None:
+    """The pool's holder counts are the holders' extents, and free means no holder."""
+    pool = cache._pool
+    counts = [0] * pool.num_extents
+    for record in cache._requests:
+        for extent in record.extents:
+            counts[extent] += 1
+    for rows in cache._prefixes.retained():
+        for extent in rows.extents:
+            counts[extent] += 1
+    assert pool._holders == counts
+    assert [pool.allocator.is_free(e) for e in range(pool.num_extents)] == [c == 0 for c in counts]
+    assert pool.shared_extents == sum(c > 1 for c in counts)
 
 
 # --- the helpers catch what they must ---------------------------------------------------

@@ -250,8 +250,8 @@ class HiSparseCache:
         self._check_open()
         self._requests.check_new(request_id, "admit")
         self._check_length(num_tokens, "admit")
-        self._slots.check_free(f"admitting request {request_id!r}")
         shared = self._shared_prefix(prefix, f"admit request {request_id!r}")
+        self._slots.check_free(f"admitting request {request_id!r}")
         extents = self._prefixes.extents_for_new(shared, num_tokens, self._drain_host_io,
                                                  f"admit request {request_id!r}")
         prefix_tokens = shared.num_tokens if shared else 0

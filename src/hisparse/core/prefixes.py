@@ -289,10 +289,10 @@ class PrefixRegistry:
         if not self.pool.shared_extents:  # disjoint holders: plain sums
             return HostUsage(sum(n for _, n in holders), 0, 0, 0)
         E = self.extent_tokens
-        extents = np.fromiter((e for held, _ in holders for e in held), dtype=np.int64)
-        counts = np.fromiter(
-            (max(0, min(E, n - i * E)) for held, n in holders for i in range(len(held))),
-            dtype=np.int64, count=extents.size)
+        extents = np.concatenate([np.asarray(held, dtype=np.int64) for held, _ in holders])
+        # Rows each holder uses of each of its extents: E, and what its last one holds.
+        counts = np.concatenate([
+            np.clip(n - E * np.arange(len(held), dtype=np.int64), 0, E) for held, n in holders])
         # By extent, most rows first: each holder holds the first rows of an extent, so the
         # first count of an extent is its rows used, the second the rows shared.
         order = np.lexsort((-counts, extents))

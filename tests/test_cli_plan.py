@@ -157,6 +157,10 @@ def test_plan_table_names_the_columns(capsys: pytest.CaptureFixture[str]) -> Non
         (["--weights-gib", "500"], "--weights-gib"),
         (["--hot-buffer", "100"], "--hot-buffer"),
         (["--preset", "no-such-model"], "--preset"),
+        (["--shared-prefix", "-1"], "--shared-prefix"),
+        (["--sharing-requests", "0", "--shared-prefix", "8"], "--sharing-requests"),
+        (["--sharing-requests", "4"], "--sharing-requests"),
+        (["--shared-prefix", "40000", "--context", "32768"], "longer than context"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(
@@ -248,21 +252,3 @@ def test_plan_shows_the_host_memory_a_shared_prefix_saves(
     text = capsys.readouterr().out
     assert "shared prefix: 16384 tokens, held once by every request" in text
     assert "host saved" in text
-
-
-@pytest.mark.parametrize(
-    ("argv", "named"),
-    [
-        (["--shared-prefix", "-1"], "--shared-prefix"),
-        (["--sharing-requests", "0", "--shared-prefix", "8"], "--sharing-requests"),
-        (["--sharing-requests", "4"], "--sharing-requests"),
-        (["--shared-prefix", "40000", "--context", "32768"], "longer than context"),
-    ],
-)
-def test_bad_sharing_arguments_exit_2(
-    capsys: pytest.CaptureFixture[str], argv: list[str], named: str
-) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["plan", *argv])
-    assert exit_info.value.code == 2
-    assert named in capsys.readouterr().err

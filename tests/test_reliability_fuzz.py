@@ -177,30 +177,46 @@ class LockstepRun:
             self.expect_rejection(PoolExhaustedError, lambda: start(request_id, tokens))
             return
         rows = self.rows(tokens)
+        if self._fill(request_id, tokens, rows, pd, no_slot):
+            self.model.add(request_id, [[bytes(r) for r in layer] for layer in rows])
+            self.model.seed(request_id)
+
+    def _fill(self, request_id: int, tokens: int, own: np.ndarray, pd: bool, no_slot: bool,
+              prefix: object = None, shared: int = 0) -> bool:
+        """Admit (or PD reserve) and write the rows after a prefix of `shared` tokens: whole,
+        or layer by layer in two chunks; False when the transfer found no slot (aborted)."""
+        cache, rng = self.cache, self.rng
         if pd:
-            reservation = cache.reserve_host_slots(request_id, tokens)
+            reservation = cache.reserve_host_slots(request_id, tokens, prefix=prefix)
+            assert reservation.prefix_tokens == shared
+            assert len(reservation.rows) == tokens - shared
             for layer, host in enumerate(reservation.host_tensors):
-                host[torch.from_numpy(reservation.rows)] = torch.from_numpy(rows[layer])
+                host[torch.from_numpy(reservation.rows)] = torch.from_numpy(own[layer])
             if no_slot:
                 self.expect_rejection(PoolExhaustedError,
                                       lambda: cache.complete_transfer(request_id))
                 cache.abort(request_id)
-                return
+                return False
             cache.complete_transfer(request_id)
-        else:
-            cache.admit(request_id, tokens)
-            if self.rng.random() < 0.5:
-                cache.write_prefill(request_id, torch.from_numpy(rows).to(cache.device))
-            else:  # layer by layer, in two chunks
-                cut = int(self.rng.integers(tokens + 1))
-                for layer in range(NUM_LAYERS):
-                    for start, stop in ((0, cut), (cut, tokens)):
-                        if stop > start:
-                            chunk = torch.from_numpy(rows[layer, start:stop]).to(cache.device)
-                            cache.write_prefill(request_id, chunk, layer=layer, start=start)
-            cache.commit_prefill(request_id)
-        self.model.add(request_id, [[bytes(r) for r in layer] for layer in rows])
-        self.model.seed(request_id)
+            return True
+        cache.admit(request_id, tokens, prefix=prefix)
+        if shared and rng.random() < 0.2:  # the shared rows are never written
+            into = int(rng.integers(shared))
+            kv = torch.zeros(NUM_LAYERS, tokens - into, ROW_BYTES, dtype=torch.uint8)
+            self.expect_rejection(InvalidInputError, lambda: cache.write_prefill(
+                request_id, kv, start=into))
+        if tokens > shared and rng.random() < 0.5:
+            cache.write_prefill(request_id, torch.from_numpy(own).to(cache.device), start=shared)
+        else:  # layer by layer, in two chunks
+            cut = int(rng.integers(shared, tokens + 1))
+            for layer in range(NUM_LAYERS):
+                for first, stop in ((shared, cut), (cut, tokens)):
+                    if stop > first:
+                        chunk = torch.from_numpy(own[layer, first - shared : stop - shared])
+                        cache.write_prefill(request_id, chunk.to(cache.device), layer=layer,
+                                            start=first)
+        cache.commit_prefill(request_id)
+        return True
 
     def reserve(self) -> None:
         self.admit(pd=True)
@@ -404,37 +420,8 @@ class LockstepRun:
                                   lambda: start(request_id, tokens, prefix=prefix))
             return
         own = self.rows(tokens - shared)
-        if pd:
-            reservation = cache.reserve_host_slots(request_id, tokens, prefix=prefix)
-            assert reservation.prefix_tokens == shared
-            assert len(reservation.rows) == tokens - shared
-            for layer, host in enumerate(reservation.host_tensors):
-                host[torch.from_numpy(reservation.rows)] = torch.from_numpy(own[layer])
-            if no_slot:
-                self.expect_rejection(PoolExhaustedError,
-                                      lambda: cache.complete_transfer(request_id))
-                cache.abort(request_id)
-                return
-            cache.complete_transfer(request_id)
-        else:
-            cache.admit(request_id, tokens, prefix=prefix)
-            if rng.random() < 0.2:  # the shared rows are never written
-                into = int(rng.integers(shared))
-                kv = torch.zeros(NUM_LAYERS, tokens - into, ROW_BYTES, dtype=torch.uint8)
-                self.expect_rejection(InvalidInputError, lambda: cache.write_prefill(
-                    request_id, kv, start=into))
-            if tokens > shared and rng.random() < 0.5:
-                cache.write_prefill(request_id, torch.from_numpy(own).to(cache.device),
-                                    start=shared)
-            else:  # layer by layer, in two chunks
-                cut = int(rng.integers(shared, tokens + 1))
-                for layer in range(NUM_LAYERS):
-                    for first, stop in ((shared, cut), (cut, tokens)):
-                        if stop > first:
-                            chunk = torch.from_numpy(own[layer, first - shared : stop - shared])
-                            cache.write_prefill(request_id, chunk.to(cache.device),
-                                                layer=layer, start=first)
-            cache.commit_prefill(request_id)
+        if not self._fill(request_id, tokens, own, pd, no_slot, prefix, shared):
+            return
         self.model.add(request_id, [rows[layer][:shared] + [bytes(r) for r in own[layer]]
                                     for layer in range(NUM_LAYERS)])
         self.model.seed(request_id)

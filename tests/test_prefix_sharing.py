@@ -6,6 +6,7 @@ preempt, finish in any order) run in tests/test_reliability_fuzz.py against the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Hashable
 
 import numpy as np
@@ -28,6 +29,7 @@ from test_reliability_state import (
     full_snapshot,
     row_pattern,
 )
+from test_validation import says_what_to_do
 
 L, W, E, H, K = 4, 32, 4, 8, 4
 
@@ -380,7 +382,7 @@ REFUSED: dict[str, tuple[type[Exception], Callable | None, Callable, str]] = {
                                        lambda c, h: c.admit("n", 9, prefix=h),
                                        "already released"),
     "releasing a non-handle": (InvalidInputError, None, lambda c: c.release_prefix(("a", 3)),
-                               "PrefixHandle"),
+                               "not a PrefixHandle"),
     "another cache's handle": (InvalidInputError, _other_cache_handle,
                                lambda c, h: c.admit("n", 9, prefix=h), "another HiSparseCache"),
     "a prefix longer than the request": (
@@ -443,10 +445,10 @@ def test_bad_sharing_calls_are_refused_and_change_nothing(name: str) -> None:
     error, setup, call, words = REFUSED[name]
     made = setup(cache) if setup else None
     before = full_snapshot(cache)
-    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")
-                       .replace(".", r"\.")):
+    with pytest.raises(error, match=re.escape(words)) as caught:
         call(cache, made) if setup else call(cache)
     assert_same_state(before, full_snapshot(cache))
+    assert says_what_to_do(str(caught.value)), str(caught.value)
 
 
 @pytest.mark.parametrize("call", ["retain", "admit", "reserve"])

@@ -376,8 +376,9 @@ class HiSparseCache:
             raise InvalidInputError(
                 f"prefill rows {start}..{start + count - 1} of request {request_id!r} start "
                 f"inside its shared prefix of {record.prefix_tokens} tokens, which is on the "
-                f"host already and never written; write from start={record.prefix_tokens} "
-                f"(kv[..., {record.prefix_tokens}:, :] of a whole prompt's KV)"
+                f"host already and never written; pass the rows from "
+                f"start={record.prefix_tokens} (kv[..., {record.prefix_tokens}:, :] of a whole "
+                "prompt's KV)"
             )
         self._drain_host_io()
         layers = [layer] if layer is not None else range(self.num_layers)

@@ -106,9 +106,9 @@ class PrefixRegistry:
             return self._handle_rows(prefix, prefix.num_tokens, action)[1]
         if not (isinstance(prefix, tuple) and len(prefix) == 2):
             raise InvalidInputError(
-                f"cannot {action}: prefix must be a PrefixHandle from retain_prefix or a "
-                f"(request_id, num_tokens) pair naming the first tokens of a live request, got "
-                f"{type(prefix).__name__} {prefix!r:.80}"
+                f"cannot {action}: prefix {prefix!r:.80} is a {type(prefix).__name__}; pass a "
+                "PrefixHandle from retain_prefix or a (request_id, num_tokens) pair naming the "
+                "first tokens of a live request"
             )
         source, num_tokens = prefix
         return self._request_rows(source, num_tokens, requests, in_step, action,
@@ -142,8 +142,8 @@ class PrefixRegistry:
         if handle.cache_id != self.cache_id:
             raise InvalidInputError(
                 f"cannot {action}: prefix handle #{handle.handle_id} was retained by another "
-                "HiSparseCache; a handle works only with the cache whose retain_prefix "
-                "returned it"
+                "HiSparseCache, and a handle works only with the cache that returned it; pass "
+                "it to that cache, or call retain_prefix on this one"
             )
         held = self._retained.get(handle.handle_id)
         if held is not None and held[0] == handle:
@@ -152,7 +152,7 @@ class PrefixRegistry:
             raise RequestStateError(
                 f"cannot {action}: prefix handle #{handle.handle_id} ({handle.num_tokens} "
                 f"tokens of request {handle.source!r}) was already released; release each "
-                "handle once, and retain_prefix again to share those rows"
+                "handle once, and call retain_prefix again to share those rows"
             )
         raise InvalidInputError(
             f"cannot {action}: {handle!r} is not a prefix this cache retains; pass a handle "
@@ -166,7 +166,7 @@ class PrefixRegistry:
                 f"cache keys its residency map by host row (residency_map: "
                 f"{self.residency_map}), where two running requests holding one shared host "
                 "row in their hot buffers would claim one `resident` entry and read each "
-                "other's slots. Build the cache with residency_map: position "
+                "other's slots; create the cache with residency_map: position "
                 "(HiSparseConfig.from_preset(..., residency_map='position'))"
             )
 
@@ -196,8 +196,8 @@ class PrefixRegistry:
         """Let go of a retained prefix; returns the extents freed (no other holder left)."""
         if not isinstance(handle, PrefixHandle):
             raise InvalidInputError(
-                f"release_prefix takes a PrefixHandle that retain_prefix returned, got "
-                f"{type(handle).__name__} {handle!r:.80}"
+                f"cannot release a prefix: {handle!r:.80} is a {type(handle).__name__}, not a "
+                "PrefixHandle; pass the handle that retain_prefix returned"
             )
         self._lookup(handle, "release a prefix")
         _, rows = self._retained.pop(handle.handle_id)
@@ -224,8 +224,8 @@ class PrefixRegistry:
         if prefix.num_tokens > num_tokens:
             raise InvalidInputError(
                 f"cannot {action}: its prefix has {prefix.num_tokens} tokens, more than the "
-                f"{num_tokens} tokens of the request; share at most the request's length "
-                "(retain_prefix(handle, n) cuts a shorter prefix from a handle)"
+                f"{num_tokens} tokens of the request; pass a prefix of at most {num_tokens} "
+                "tokens (retain_prefix(handle, n) cuts a shorter one from a handle)"
             )
         pool.check_free(pool.extents_for(num_tokens) - prefix.num_tokens // self.extent_tokens)
 
@@ -324,7 +324,7 @@ def _prefix_length(value: object, limit: int, what: str, action: str) -> int:
         longer = isinstance(value, int) and not isinstance(value, bool) and value > limit
         raise InvalidInputError(
             f"cannot {action}: a prefix of {value!r} tokens of {what}, which has {limit}"
-            + ("; a prefix cannot be longer than what it is taken from" if longer else
-               f"; pass a plain int in 1..{limit}")
+            + (f"; pass at most {limit}: a prefix cannot be longer than what it is taken from"
+               if longer else f"; pass a plain int in 1..{limit}")
         )
     return value

@@ -476,3 +476,21 @@ def test_a_closed_cache_refuses_retain_and_release() -> None:
         s.cache.retain_prefix("a", 3)
     with pytest.raises(RequestStateError, match="closed"):
         s.cache.release_prefix(handle)
+
+
+def test_why_a_host_row_map_must_refuse_sharing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the refusal taken out, two running requests that hold one shared host row claim
+    one `resident` entry: the ARCHITECTURE.md invariant breaks and a lookup of one request
+    returns the other's slot id, a slot of its own buffer that holds another token."""
+    from hisparse.core import prefixes
+
+    monkeypatch.setattr(prefixes.PrefixRegistry, "_check_residency_map", lambda self, a: None)
+    s = Sharing(residency_map="host_row")
+    s.prefill("a", 20)
+    check_table_invariants(s.cache)
+    s.prefill("b", 20, prefix=("a", 16), prefix_rows=s.rows["a"][:, :16])
+    with pytest.raises(AssertionError, match="held twice"):  # b's seeding took a's entries
+        check_table_invariants(s.cache)
+    with pytest.raises(AssertionError, match="'b', 0"):  # then a swap-in serves wrong bytes
+        for _ in range(20):
+            s.step(["a", "b"])

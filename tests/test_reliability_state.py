@@ -157,6 +157,9 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
             for slot, row in enumerate(slot_key[group, r].tolist()):
                 if row >= 0:
                     assert row in own_rows, (record.request_id, group, slot, row)
+                    # One key, one hot slot: a key two slots hold has one entry for both.
+                    assert expected_resident[group, row] < 0, (
+                        f"residency key {row} of group {group} is held twice")
                     expected_resident[group, row] = slot
     assert torch.equal(resident, expected_resident)
     free = set(range(cache.max_requests)) - used_slots

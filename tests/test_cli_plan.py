@@ -157,6 +157,10 @@ def test_plan_table_names_the_columns(capsys: pytest.CaptureFixture[str]) -> Non
         (["--weights-gib", "500"], "--weights-gib"),
         (["--hot-slots", "100"], "--hot-slots"),
         (["--preset", "no-such-model"], "--preset"),
+        (["--shared-prefix", "-1"], "--shared-prefix"),
+        (["--sharing-requests", "0", "--shared-prefix", "8"], "--sharing-requests"),
+        (["--sharing-requests", "4"], "--sharing-requests"),
+        (["--shared-prefix", "40000", "--context", "32768"], "longer than context"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(
@@ -202,3 +206,60 @@ def test_draft_slots_count_in_the_device_budget() -> None:
     row_bytes = DSV32_FP8.num_layers * DSV32_FP8.row_bytes
     assert four.hisparse_footprint.hot_rows - one.hisparse_footprint.hot_rows == 3 * row_bytes
     assert four.hisparse_max_requests <= one.hisparse_max_requests
+
+
+# --- shared prefixes ---------------------------------------------------------------------------
+def test_a_shared_prefix_saves_its_whole_extents_once_per_extra_sharer() -> None:
+    sharing = PlanSettings(**{**ONE_H200.__dict__, "shared_prefix_tokens": 16000,
+                              "sharing_requests": 32})
+    [p] = planning.plan(DSV32_FP8, sharing, [32768])
+    # 16000 tokens = 31 whole 512-token extents (15872 tokens) + 128 in a boundary extent,
+    # which each request copies. 31 of the 32 sharers hold the 15872 rows by reference.
+    assert p.sharing_requests == 32
+    assert p.host_bytes_saved == 31 * 15872 * 61 * 656
+    assert p.host_pool_bytes == 123 * 1_311_244_288 - p.host_bytes_saved
+    assert p.hisparse_max_requests == 123  # device memory is per request, shared or not
+    # N requests sharing a P-token prefix: P_E + N x their own rows, in whole extents.
+    own = 32768 - 15872
+    assert p.host_pool_bytes == ((123 - 32) * 32768 + 15872 + 32 * own) * 61 * 656
+
+
+def test_with_a_host_cap_sharing_fits_more_requests(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(40):
+        extent = rng.choice([16, 64, 512])
+        context = rng.randint(1, 40000)
+        prefix = rng.randint(0, context)
+        sharers = rng.choice([None, rng.randint(1, 200)])
+        cap = rng.randint(1, 200) * GIB
+        settings = PlanSettings(**{**ONE_H200.__dict__, "extent_tokens": extent,
+                                   "host_mem_bytes": cap, "shared_prefix_tokens": prefix,
+                                   "sharing_requests": sharers})
+        [p] = planning.plan(DSV32_FP8, settings, [context])
+        device_limit = settings.available_bytes // p.hisparse_request_bytes
+
+        # The pool's bytes for 0, 1, 2, ... requests, counted request by request: a sharer
+        # after the first holds the prefix's whole extents by reference.
+        whole, pool = prefix // extent * extent, [0]
+        for index in range(device_limit):
+            shares = prefix and index and (sharers is None or index < sharers)
+            rows = planning.round_up(context, extent) - (whole if shares else 0)
+            pool.append(pool[-1] + rows * 61 * 656)
+        fits = max(r for r, size in enumerate(pool) if size <= cap)
+        assert p.hisparse_max_requests == fits, (extent, context, prefix, sharers, cap)
+        assert p.host_pool_bytes == pool[fits]
+        assert p.limited_by == ("host" if fits < device_limit else "device")
+
+
+def test_plan_shows_the_host_memory_a_shared_prefix_saves(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    doc = run_json(capsys, "--context", "32768", "--shared-prefix", "16384",
+                   "--sharing-requests", "32")
+    assert doc["settings"]["shared_prefix_tokens"] == 16384
+    [p] = doc["contexts"]
+    assert p["host_bytes_saved"] == 31 * 16384 * 61 * 656 and p["sharing_requests"] == 32
+    assert main(["plan", "--context", "32768", "--shared-prefix", "16384"]) == 0
+    text = capsys.readouterr().out
+    assert "shared prefix: 16384 tokens, held once by every request" in text
+    assert "host saved" in text

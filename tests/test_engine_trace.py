@@ -1,8 +1,10 @@
 """Random traces of the whole engine, compared step by step with the plain-Python oracle.
 
 Hypothesis drives the lifecycle (admit or PD reserve, prefill, decode with churn, preempt,
-resume, finish, abort); after every rule the device tables, the hot rows' bytes and the host
-rows are checked against `oracle.CacheModel`. Scale up with HISPARSE_FUZZ_EXAMPLES.
+resume, finish, abort, and with `residency_map: position` shared prefixes: retain, release,
+admit or reserve on a prefix); after every rule the device tables, the hot rows' bytes, the
+host rows and the pool's holder counts are checked against `oracle.CacheModel`. Scale up
+with HISPARSE_FUZZ_EXAMPLES.
 Every example starts with a long request decoded past its hot buffer, and the test fails
 unless most examples swapped in misses and evicted rows that misses had brought in.
 """
@@ -26,16 +28,19 @@ from hypothesis.stateful import (
 )
 
 import hisparse
+from hisparse.core.host_pool import token_rows
 from hisparse.core.requests import RequestState
 from hisparse.errors import InvalidInputError, PoolExhaustedError
 from oracle import CacheModel
+from test_reliability_state import check_holders
 
 FUZZ_EXAMPLES = int(os.environ.get("HISPARSE_FUZZ_EXAMPLES", "100"))
 # Prompt lengths, half of the draws above every shape's hot buffer (max H is 16).
 PROMPTS = st.integers(1, 40) | st.integers(17, 40)
 # Per run: examples, those that swapped in a miss, those that evicted a row a miss had
-# brought in. `runTest` asserts that most examples reach both (see `check_coverage`).
-COVERAGE = {"examples": 0, "misses": 0, "evictions": 0, "cancels": 0}
+# brought in, cancelled steps, shared admits. `runTest` asserts that most examples reach the
+# first two (see `check_coverage`).
+COVERAGE = {"examples": 0, "misses": 0, "evictions": 0, "cancels": 0, "shared_admits": 0}
 NUM_LAYERS = 4
 ROW_BYTES = 32
 POISON = -7
@@ -128,6 +133,7 @@ class EngineTrace(RuleBasedStateMachine):
         # Positions that a miss brought into (request, group)'s hot buffer and that are
         # still there; `evicted_swapped` turns true when a later miss evicts one of them.
         self.swapped: dict[tuple[int, int], set[int]] = {}
+        self.handles: list = []  # retained prefixes, with the bytes of their rows per layer
         self.evicted_swapped = False
         # Start with a long request (seq_len > hot buffer, so decode misses) that fits the
         # smallest pool twice over, and decode it alone for a few steps here (cheap, one
@@ -384,12 +390,65 @@ class EngineTrace(RuleBasedStateMachine):
         for group in range(self.model.num_groups):
             self.swapped.pop((request_id, group), None)
 
+    @rule(data=st.data(), pd=st.booleans(), retain=st.booleans())
+    def admit_shared(self, data, pd: bool, retain: bool) -> None:
+        """Admit (or reserve) a request on a prefix of a live request or a retained one."""
+        cache = self.cache
+        sources = [r.request_id for r in cache._requests
+                   if r.state in (RequestState.RUNNING, RequestState.PREEMPTED)]
+        if cache.config.residency_map != "position" or not sources:
+            return  # refusal under host_row: tests/test_prefix_sharing.py
+        source = data.draw(st.sampled_from(sources))
+        rows = self.model.requests[source].rows
+        shared = data.draw(st.integers(1, len(rows[0])))
+        prefix: object = (source, shared)
+        if retain:
+            prefix = cache.retain_prefix(source, shared)
+            self.handles.append((prefix, [layer[:shared] for layer in rows]))
+        tokens = min(shared + data.draw(st.integers(0, 24)), cache.max_seq_len)
+        free = cache._pool.allocator.free_extents
+        if -(-tokens // cache.extent_tokens) - shared // cache.extent_tokens > free or (
+                not pd and cache._slots.free_slots == 0):
+            return
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        own = self.random_rows(NUM_LAYERS, tokens - shared)
+        if pd:
+            res = cache.reserve_host_slots(request_id, tokens, prefix=prefix)
+            for layer, host in enumerate(res.host_tensors):
+                host[torch.from_numpy(res.rows)] = own[layer]
+            if cache._slots.free_slots == 0:
+                cache.abort(request_id)
+                return
+            cache.complete_transfer(request_id)
+        else:
+            cache.admit(request_id, tokens, prefix=prefix)
+            if tokens > shared:
+                cache.write_prefill(request_id, own, start=shared)
+            cache.commit_prefill(request_id)
+        self.model.add(request_id, [rows[layer][:shared] + [bytes(r.numpy()) for r in own[layer]]
+                                    for layer in range(NUM_LAYERS)])
+        self.seed(request_id)
+        COVERAGE["shared_admits"] += 1
+
+    @rule(data=st.data())
+    def release_prefix(self, data) -> None:
+        if self.handles:
+            handle, _ = self.handles.pop(data.draw(st.integers(0, len(self.handles) - 1)))
+            self.cache.release_prefix(handle)
+
     # --- invariants -----------------------------------------------------------------------
     @invariant()
     def tables_match_model(self) -> None:
         if self.cache is None:
             return
         check_against_model(self.cache, self.model)
+        check_holders(self.cache)
+        for handle, rows in self.handles:  # a retained prefix's rows never change
+            held = self.cache._prefixes._retained[handle.handle_id][1]
+            host_rows = torch.from_numpy(
+                token_rows(held.extents, self.cache.extent_tokens, 0, held.num_tokens))
+            for layer, host in enumerate(self.cache.host_tensors()):
+                assert [bytes(r.numpy()) for r in host[host_rows]] == rows[layer]
 
     def teardown(self) -> None:
         if self.cache is None:
@@ -405,6 +464,8 @@ class EngineTrace(RuleBasedStateMachine):
             got = stats.layers[layer]
             assert (got.hits, got.misses, got.invalid) == (
                 counts.hits, counts.misses, counts.invalid)
+        for handle, _ in self.handles:
+            self.cache.release_prefix(handle)
         for request_id in [r.request_id for r in self.cache._requests]:
             self.cache.abort(request_id)
         check_empty(self.cache)
@@ -478,6 +539,7 @@ def check_coverage(coverage: dict[str, int]) -> None:
     assert coverage["misses"] >= 0.6 * total, coverage
     assert coverage["evictions"] >= 0.3 * total, coverage
     assert coverage["cancels"] > 0, coverage  # about one decode step in eight is cancelled
+    assert coverage["shared_admits"] > 0, coverage  # position-map examples only
 
 
 def _test_case_for(backend: str, name: str, tuning: dict[str, object] | None = None) -> type:

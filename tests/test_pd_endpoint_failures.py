@@ -182,3 +182,47 @@ def test_a_closed_endpoint_reserves_nothing(fake_nixl: None, cache: Any) -> None
         endpoint.prepare_request("B", 16)
     occupancy = cache.stats().occupancy
     assert occupancy.host_extents_used == 0 and occupancy.requests_by_state == {}
+
+
+def test_a_prefix_is_not_transferred_and_a_failed_transfer_keeps_its_holders(
+    fake_nixl: None,
+) -> None:
+    """With a shared prefix the ticket covers only the tokens after it; a transfer that
+    times out releases the request's own rows and its hold on the prefix, nothing more."""
+    import numpy as np
+    import torch
+
+    from hisparse.errors import InvalidInputError
+    from hisparse.pd import NixlDecodeEndpoint
+
+    cache = pd_workers.make_cache(**CONFIG, residency_map="position")
+    cache.admit("A", 40)  # extents of 16: two whole, 8 tokens in a third
+    cache.write_prefill("A", torch.zeros(CONFIG["num_layers"], 40, CONFIG["row_bytes"],
+                                         dtype=torch.uint8))
+    cache.commit_prefill("A")
+    handle = cache.retain_prefix("A", 40)
+    holders = list(cache._pool._holders)
+    now = [0.0]
+    endpoint = NixlDecodeEndpoint(cache, "decode", timeout_s=5.0, clock=lambda: now[0])
+    ticket = endpoint.prepare_request("B", 50, prefix=handle)
+    assert ticket.num_tokens == 10
+    assert np.array_equal(ticket.rows(), cache.host_rows("B")[40:])
+    late = endpoint.prepare_request("C", 45, prefix=("A", 33))
+    assert late.num_tokens == 12
+    endpoint._agent.done(ticket.transfer_id)
+    [outcome] = endpoint.poll()
+    assert outcome.request_id == "B" and outcome.ready
+    assert cache.host_rows("B")[:32].tolist() == cache.host_rows("A")[:32].tolist()
+    now[0] = 5.0
+    [outcome] = endpoint.poll()  # C timed out: its rows released, the prefix's holders kept
+    assert outcome.request_id == "C" and isinstance(outcome.error, TransferError)
+    cache.finish("B")
+    assert cache._pool._holders == holders
+    with pytest.raises(InvalidInputError, match="nothing to transfer"):
+        endpoint.prepare_request("D", 40, prefix=handle)
+    assert endpoint.pending == [] and cache._pool._holders == holders
+    cache.release_prefix(handle)
+    cache.finish("A")
+    assert cache._pool.allocator.free_extents == cache._pool.num_extents
+    endpoint.close()
+    cache.close()

@@ -2,11 +2,16 @@
 
 `LockstepRun` drives one cache and one `oracle.CacheModel` with the same random operations
 (admit with whole or per-layer prefill, PD reserve + complete, decode steps with churned,
-padded and partly invalid top-k, preempt, resume, finish, abort) plus calls that must be
-rejected (checked against a full state snapshot). Every swap-in result is compared with the
-model's, and the bytes of every returned row with the model's bytes; every few operations the
-whole device state is compared too. A mismatch is counted and recorded, and the run starts
-over with a fresh cache so a long run reports every independent failure.
+padded and partly invalid top-k, cancelled steps, preempt, resume, finish, abort; shared
+prefixes: retain, release, admit and PD reserve on a retained prefix or on a live request's
+first tokens) plus calls that must be rejected (checked against a full state snapshot). Every
+swap-in result is compared with the model's, and the bytes of every returned row with the
+model's bytes; every few operations the whole device state is compared too, with the host
+pool's holder counts, the bytes of every retained prefix, and a checksum of every held host
+row, which must not change while a holder (request or retained prefix) holds it. A run ends by
+releasing everything: the pool must be whole again. A mismatch is counted and recorded, and
+the run starts over with a fresh cache so a long run reports every independent failure.
+With `residency_map: host_row` every sharing call must be refused, unchanged.
 
 CI: hypothesis picks the shape, seed, validate mode, pool size and operation mix, bounded to
 a few seconds. Long mode: `scripts/fuzz-long` (HISPARSE_FUZZ_STEPS=100000) runs the same
@@ -18,6 +23,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,19 +34,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hisparse
+from hisparse.core.host_pool import token_rows
+from hisparse.core.prefixes import PrefixHandle
 from hisparse.core.requests import RequestState
-from hisparse.errors import HisparseError, InvalidInputError, PoolExhaustedError
+from hisparse.errors import (
+    HisparseError,
+    InvalidInputError,
+    PoolExhaustedError,
+    RequestStateError,
+)
 from oracle import CacheModel
 from test_engine_trace import build_cache, check_against_model, rejected_top_k
-from test_reliability_state import assert_same_state, full_snapshot
+from test_reliability_state import assert_same_state, check_holders, full_snapshot
 
 NUM_LAYERS, ROW_BYTES = 4, 32
 POISON = -7
 # (hot slots H, top_k K, extent tokens E, index group size): small, so CI stays fast, yet
 # every regime shows up: short/long switch, K == H, extents of 2 and 8, groups of 1, 2 and 4.
 SHAPES = [(8, 4, 4, 1), (8, 8, 2, 2), (16, 8, 8, 2), (12, 6, 4, 4), (6, 6, 3, 1)]
-OPERATIONS = ("decode", "admit", "reserve", "preempt", "resume", "finish", "abort", "bad_call")
-DEFAULT_WEIGHTS = (8, 2, 1, 1, 1, 1, 1, 1)
+OPERATIONS = ("decode", "admit", "reserve", "preempt", "resume", "finish", "abort", "bad_call",
+              "retain", "release", "admit_shared", "reserve_shared", "cancel")
+DEFAULT_WEIGHTS = (8, 2, 1, 1, 1, 1, 1, 1, 1, 1, 2, 1, 1)
 CI_EXAMPLES = int(os.environ.get("HISPARSE_FUZZ_CI_EXAMPLES", "40"))
 
 
@@ -52,12 +66,17 @@ class FuzzCounts:
     rows_verified: int = 0
     bytes_verified: int = 0
     full_checks: int = 0
+    shared_admits: int = 0  # requests admitted or reserved on a shared prefix
+    private_copies: int = 0  # decode steps' moves off an extent a retained prefix holds
+    cancelled_steps: int = 0
+    shared_rows_watched: int = 0  # host-row checksums compared after the row was shared
     mismatches: int = 0
     failures: list[str] = field(default_factory=list)  # the first few, with their replay
 
     def add(self, other: FuzzCounts) -> None:
         for name in ("decode_steps", "operations", "rejected_calls", "rows_verified",
-                     "bytes_verified", "full_checks", "mismatches"):
+                     "bytes_verified", "full_checks", "shared_admits", "shared_rows_watched",
+                     "private_copies", "cancelled_steps", "mismatches"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.failures += other.failures[: max(0, 5 - len(self.failures))]
 
@@ -67,6 +86,10 @@ class FuzzCounts:
 
 class LockstepRun:
     """One cache and its oracle, driven by one seeded random stream."""
+
+    # Assert at every step that each new token lands in an extent its request holds alone
+    # (off to show that the checksums alone catch a write into a shared row).
+    check_newest_extent = True
 
     def __init__(self, backend: Any, shape: tuple[int, int, int, int], validate: bool,
                  pool_extents: int, seed: int, weights: tuple[int, ...] = DEFAULT_WEIGHTS,
@@ -84,6 +107,12 @@ class LockstepRun:
         self.counts = FuzzCounts()
         self.next_id = 0
         self.previous_top_k: dict[int, set[int]] = {}
+        self.sharing = residency_map == "position"  # refused with host_row keys
+        # handle id -> (handle, the bytes of its rows per layer); released handles
+        self.handles: dict[int, tuple[PrefixHandle, list[list[bytes]]]] = {}
+        self.released: list[PrefixHandle] = []
+        # host row -> (checksum over layers, its holders at the last check)
+        self.watched: dict[int, tuple[int, frozenset[object]]] = {}
 
     # --- driving ------------------------------------------------------------------------
     def run(self, decode_steps: int, max_operations: int | None = None) -> FuzzCounts:
@@ -96,9 +125,11 @@ class LockstepRun:
                 self.counts.operations += 1
                 if self.counts.operations % self.full_check_every == 0:
                     self.cache.backend.synchronize()  # host rows: backups land asynchronously
+                    self._check_sharing()  # first: a shared row that changed shows as such
                     check_against_model(self.cache, self.model)
                     self.counts.full_checks += 1
             self._check_counters()
+            self._release_everything()
         except (AssertionError, HisparseError) as exc:  # an engine error here is a mismatch
             self.counts.mismatches += 1
             where = traceback.extract_tb(exc.__traceback__)[-1]
@@ -146,30 +177,46 @@ class LockstepRun:
             self.expect_rejection(PoolExhaustedError, lambda: start(request_id, tokens))
             return
         rows = self.rows(tokens)
+        if self._fill(request_id, tokens, rows, pd, no_slot):
+            self.model.add(request_id, [[bytes(r) for r in layer] for layer in rows])
+            self.model.seed(request_id)
+
+    def _fill(self, request_id: int, tokens: int, own: np.ndarray, pd: bool, no_slot: bool,
+              prefix: object = None, shared: int = 0) -> bool:
+        """Admit (or PD reserve) and write the rows after a prefix of `shared` tokens: whole,
+        or layer by layer in two chunks; False when the transfer found no slot (aborted)."""
+        cache, rng = self.cache, self.rng
         if pd:
-            reservation = cache.reserve_host_slots(request_id, tokens)
+            reservation = cache.reserve_host_slots(request_id, tokens, prefix=prefix)
+            assert reservation.prefix_tokens == shared
+            assert len(reservation.rows) == tokens - shared
             for layer, host in enumerate(reservation.host_tensors):
-                host[torch.from_numpy(reservation.rows)] = torch.from_numpy(rows[layer])
+                host[torch.from_numpy(reservation.rows)] = torch.from_numpy(own[layer])
             if no_slot:
                 self.expect_rejection(PoolExhaustedError,
                                       lambda: cache.complete_transfer(request_id))
                 cache.abort(request_id)
-                return
+                return False
             cache.complete_transfer(request_id)
-        else:
-            cache.admit(request_id, tokens)
-            if self.rng.random() < 0.5:
-                cache.write_prefill(request_id, torch.from_numpy(rows).to(cache.device))
-            else:  # layer by layer, in two chunks
-                cut = int(self.rng.integers(tokens + 1))
-                for layer in range(NUM_LAYERS):
-                    for start, stop in ((0, cut), (cut, tokens)):
-                        if stop > start:
-                            chunk = torch.from_numpy(rows[layer, start:stop]).to(cache.device)
-                            cache.write_prefill(request_id, chunk, layer=layer, start=start)
-            cache.commit_prefill(request_id)
-        self.model.add(request_id, [[bytes(r) for r in layer] for layer in rows])
-        self.model.seed(request_id)
+            return True
+        cache.admit(request_id, tokens, prefix=prefix)
+        if shared and rng.random() < 0.2:  # the shared rows are never written
+            into = int(rng.integers(shared))
+            kv = torch.zeros(NUM_LAYERS, tokens - into, ROW_BYTES, dtype=torch.uint8)
+            self.expect_rejection(InvalidInputError, lambda: cache.write_prefill(
+                request_id, kv, start=into))
+        if tokens > shared and rng.random() < 0.5:
+            cache.write_prefill(request_id, torch.from_numpy(own).to(cache.device), start=shared)
+        else:  # layer by layer, in two chunks
+            cut = int(rng.integers(shared, tokens + 1))
+            for layer in range(NUM_LAYERS):
+                for first, stop in ((shared, cut), (cut, tokens)):
+                    if stop > first:
+                        chunk = torch.from_numpy(own[layer, first - shared : stop - shared])
+                        cache.write_prefill(request_id, chunk.to(cache.device), layer=layer,
+                                            start=first)
+        cache.commit_prefill(request_id)
+        return True
 
     def reserve(self) -> None:
         self.admit(pd=True)
@@ -225,10 +272,15 @@ class LockstepRun:
         if preempted:
             parked = self.pick(preempted)
             calls.append((InvalidInputError, lambda: cache.begin_decode_step([parked])))
+        calls.append((InvalidInputError, lambda: cache.release_prefix((self.next_id, 1))))
+        if self.sharing and running:
+            longer = self.pick(running)
+            calls.append((InvalidInputError, lambda: cache.admit(
+                self.next_id, 1, prefix=(longer, cache.seq_len(longer) + 1))))
         error, call = calls[int(self.rng.integers(len(calls)))]
         self.expect_rejection(error, call)
 
-    def decode(self) -> None:
+    def decode(self, cancel: bool = False) -> None:
         cache, model, rng = self.cache, self.model, self.rng
         running = self.ids(RequestState.RUNNING)
         if not running:
@@ -236,7 +288,11 @@ class LockstepRun:
         count = int(rng.integers(1, min(len(running), cache.batch_capacity) + 1))
         batch = [running[i] for i in rng.permutation(len(running))[:count]]
         padded = int(rng.integers(count, cache.batch_capacity + 1))
+        records = [cache._requests.get(i, "fuzz") for i in batch]
+        # A new extent for a full last one, or a private copy of one a retained prefix holds.
         grow = sum(cache.seq_len(i) % cache.extent_tokens == 0 for i in batch)
+        writers = len(cache._prefixes.writers_in(records))
+        grow += writers
         if any(cache.seq_len(i) == cache.max_seq_len for i in batch):
             self.expect_rejection(InvalidInputError, lambda: cache.begin_decode_step(batch))
             return
@@ -244,14 +300,27 @@ class LockstepRun:
             self.expect_rejection(PoolExhaustedError, lambda: cache.begin_decode_step(batch))
             return
         step = cache.begin_decode_step(batch)
+        self.counts.private_copies += writers
         assert list(step.positions) == [model.requests[i].length for i in batch]
+        for record, position in zip(records, step.positions if self.check_newest_extent
+                                    else (), strict=False):
+            extent = record.extents[position // cache.extent_tokens]
+            assert cache._pool.holders(extent) == 1, (
+                f"request {record.request_id}'s newest token lands in extent {extent}, which "
+                f"{cache._pool.holders(extent)} holders hold")
         new_rows = rng.integers(0, 256, (NUM_LAYERS, padded, ROW_BYTES), dtype=np.uint8)
         for b, request_id in enumerate(batch):
             model.append(request_id, [bytes(new_rows[layer, b]) for layer in range(NUM_LAYERS)])
+        # A cancelled step stops at an index-group boundary (tests/test_engine_trace.py: a
+        # group left half done replays into its skipped followers, which the model does not).
+        groups = cache.num_groups
+        stop = int(rng.integers(0, groups + 1)) * cache.index_group_size if cancel else None
         # Per group: the top-k on the host (for the model), and on the device the one tensor
         # its layers pass (a follower must pass its anchor's own tensor).
         top_k_of_group: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(NUM_LAYERS):
+            if layer == stop:
+                break
             cache.write_newest(layer, torch.from_numpy(new_rows[layer]).to(cache.device))
             group = layer // cache.index_group_size
             if group not in top_k_of_group:
@@ -266,8 +335,154 @@ class LockstepRun:
             got = cache.swap_in(layer, device_top_k).cpu()
             expected = model.swap_in(layer, batch, top_k[:count].tolist())
             self._verify(layer, batch, top_k, got, expected)
-        cache.end_decode_step()
         self.counts.decode_steps += 1
+        if not cancel:
+            cache.end_decode_step()
+            return
+        cache.cancel_decode_step()
+        for request_id in batch:
+            model.unappend(request_id)
+        self.counts.cancelled_steps += 1
+
+    def cancel(self) -> None:
+        """A decode step whose forward pass fails part way: cancel_decode_step."""
+        self.decode(cancel=True)
+
+    # --- shared prefixes ----------------------------------------------------------------
+    def _prefix_source(self) -> tuple[object, list[list[bytes]]] | None:
+        """A retained handle, or a running or preempted request with its bytes per layer."""
+        sources: list[tuple[object, list[list[bytes]]]] = [
+            (handle, rows) for handle, rows in self.handles.values()]
+        sources += [(r.request_id, self.model.requests[r.request_id].rows)
+                    for r in self.cache._requests
+                    if r.state in (RequestState.RUNNING, RequestState.PREEMPTED)]
+        return sources[int(self.rng.integers(len(sources)))] if sources else None
+
+    def retain(self) -> None:
+        cache, rng = self.cache, self.rng
+        picked = self._prefix_source()
+        if picked is None:
+            return
+        source, rows = picked
+        length = len(rows[0])
+        if not self.sharing:
+            self.expect_rejection(InvalidInputError, lambda: cache.retain_prefix(source, 1))
+            return
+        if rng.random() < 0.1:
+            self.expect_rejection(InvalidInputError,
+                                  lambda: cache.retain_prefix(source, length + 1))
+            return
+        # Half the time all of it, as a prefix cache inserting a request's tokens does: the
+        # request then decodes into the extent holding the prefix's tail (a private copy).
+        tokens = length if rng.random() < 0.5 else int(rng.integers(1, length + 1))
+        handle = cache.retain_prefix(source, tokens)
+        assert handle.num_tokens == tokens
+        self.handles[handle.handle_id] = (handle, [layer[:tokens] for layer in rows])
+
+    def release(self) -> None:
+        cache, rng = self.cache, self.rng
+        if self.released and rng.random() < 0.2:
+            stale = self.released[int(rng.integers(len(self.released)))]
+            self.expect_rejection(RequestStateError, lambda: cache.release_prefix(stale))
+            return
+        if not self.handles:
+            return
+        handle_id = list(self.handles)[int(rng.integers(len(self.handles)))]
+        handle, _ = self.handles.pop(handle_id)
+        cache.release_prefix(handle)
+        self.released.append(handle)
+
+    def reserve_shared(self) -> None:
+        self.admit_shared(pd=True)
+
+    def admit_shared(self, pd: bool = False) -> None:
+        cache, rng, E = self.cache, self.rng, self.cache.extent_tokens
+        picked = self._prefix_source()
+        if picked is None:
+            return
+        source, rows = picked
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        start = cache.reserve_host_slots if pd else cache.admit
+        if isinstance(source, PrefixHandle):
+            prefix, shared = source, len(rows[0])
+        else:
+            shared = int(rng.integers(1, len(rows[0]) + 1))
+            prefix = (source, shared)
+        if not self.sharing:
+            self.expect_rejection(InvalidInputError,
+                                  lambda: start(request_id, shared + 1, prefix=prefix))
+            return
+        tokens = shared + int(rng.integers(0, 2 * cache.hot_slots))
+        if tokens > cache.max_seq_len:
+            self.expect_rejection(InvalidInputError,
+                                  lambda: start(request_id, tokens, prefix=prefix))
+            return
+        no_slot = cache._slots.free_slots == 0
+        needed = -(-tokens // E) - shared // E
+        if needed > cache._pool.allocator.free_extents or (no_slot and not pd):
+            self.expect_rejection(PoolExhaustedError,
+                                  lambda: start(request_id, tokens, prefix=prefix))
+            return
+        own = self.rows(tokens - shared)
+        if not self._fill(request_id, tokens, own, pd, no_slot, prefix, shared):
+            return
+        self.model.add(request_id, [rows[layer][:shared] + [bytes(r) for r in own[layer]]
+                                    for layer in range(NUM_LAYERS)])
+        self.model.seed(request_id)
+        self.counts.shared_admits += 1
+
+    def _holder_rows(self) -> dict[object, np.ndarray]:
+        """Host rows of every holder's tokens: live requests, and retained prefixes."""
+        cache, E = self.cache, self.cache.extent_tokens
+        held: dict[object, np.ndarray] = {
+            ("request", r.request_id): token_rows(r.extents, E, 0, r.num_tokens)
+            for r in cache._requests}
+        for handle_id, (_, rows) in cache._prefixes._retained.items():
+            held[("prefix", handle_id)] = token_rows(rows.extents, E, 0, rows.num_tokens)
+        return held
+
+    def _check_sharing(self) -> None:
+        """Holder counts, retained prefixes' bytes, and shared rows unchanged while shared."""
+        cache = self.cache
+        check_holders(cache)
+        held = self._holder_rows()
+        host = [h.numpy() for h in cache.host_tensors()]
+        for handle_id, (_, rows) in self.handles.items():
+            got = [host[layer][held[("prefix", handle_id)]] for layer in range(NUM_LAYERS)]
+            assert [[bytes(r) for r in layer] for layer in got] == rows, (
+                f"retained prefix #{handle_id}'s rows changed")
+        holders_of: dict[int, set[object]] = {}
+        for holder, rows in held.items():
+            for row in rows.tolist():
+                holders_of.setdefault(row, set()).add(holder)
+
+        def checksum(row: int) -> int:
+            return zlib.crc32(b"".join(host[layer][row].tobytes() for layer in range(NUM_LAYERS)))
+
+        # Every row a holder holds keeps its bytes until that holder lets go (a request's rows
+        # below its length are written for good: prefill, transfer and backups land within the
+        # operation that made the row its). So no row changes while another holder holds it,
+        # shared or about to be (a boundary extent shared instead of copied shows here).
+        for row, (before, holders) in self.watched.items():
+            still = holders & holders_of.get(row, set())
+            if still:
+                assert checksum(row) == before, (
+                    f"host row {row} changed while {sorted(map(str, still))} held it")
+                self.counts.shared_rows_watched += len(holders) > 1
+        self.watched = {row: (checksum(row), frozenset(holders))
+                        for row, holders in holders_of.items()}
+
+    def _release_everything(self) -> None:
+        """Every handle released and request aborted, the pool is whole: nothing leaked."""
+        cache = self.cache
+        for handle, _ in self.handles.values():
+            cache.release_prefix(handle)
+        self.handles.clear()
+        for request_id in [r.request_id for r in cache._requests]:
+            cache.abort(request_id)
+        pool = cache._pool
+        assert pool.allocator.free_runs() == [(0, pool.num_extents)], "extents leaked"
+        assert not any(pool._holders) and not cache._prefixes.writers
 
     # --- pieces of a step ---------------------------------------------------------------
     def _top_k(self, batch: list[int], padded: int) -> torch.Tensor:
@@ -357,6 +572,26 @@ def test_random_lifecycles_match_the_oracle(backend: Any, shape: tuple[int, int,
     assert counts.bytes_verified == counts.rows_verified * ROW_BYTES
 
 
+# Sharing-heavy: decode, admit, reserve, preempt, resume, finish, abort, bad_call, retain,
+# release, admit_shared, reserve_shared, cancel.
+SHARING_WEIGHTS = (6, 1, 1, 2, 2, 2, 1, 1, 3, 1, 4, 2, 2)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[str(s) for s in SHAPES])
+def test_sharing_lifecycles_match_the_oracle_and_leave_the_pool_whole(
+    shape: tuple[int, int, int, int], seed: int,
+) -> None:
+    """Retain, release, shared admits and reserves, private copies, cancels, in any order."""
+    total = FuzzCounts()
+    for run in range(4):
+        total.add(LockstepRun("cpu", shape, bool(run % 2), 24, seed + run, SHARING_WEIGHTS,
+                              residency_map="position").run(decode_steps=30,
+                                                            max_operations=150))
+    assert total.mismatches == 0, total.failures
+    assert total.shared_admits > 0 and total.shared_rows_watched > 0, total
+    assert total.cancelled_steps > 0, total
+
+
 def test_the_fuzzer_finds_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None:
     """An LRU that forgets to evict shows up as a counted, replayable mismatch."""
     from hisparse.kernels.swap_in import reference as swap_in_reference
@@ -371,6 +606,51 @@ def test_the_fuzzer_finds_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None
     counts = fuzz("cpu", decode_steps=20, seed=5, run_steps=20)
     assert counts.mismatches >= 1
     assert "replay: shape=" in counts.failures[0]
+
+
+BROKEN_SHARES = ("shares the boundary extent", "skips the private copy", "frees a shared extent")
+
+
+@pytest.mark.parametrize("bug", BROKEN_SHARES)
+def test_the_fuzzer_catches_a_broken_share(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each a counted mismatch: the extent at a prefix's boundary shared instead of copied
+    (the new request's prefill then writes rows its source holds: the checksums see it, with
+    the new-token check off), a writer that decodes into the extent of a retained prefix's
+    tail without its private copy, a release that frees extents another holder still has."""
+    from hisparse.core import host_pool, prefixes
+
+    if bug == "shares the boundary extent":
+        def share_all(self, prefix, num_tokens, drain, action):
+            if prefix is None:
+                return self.pool.allocate(self.pool.extents_for(num_tokens))
+            shared = list(prefix.extents)
+            own = self.pool.extents_for(num_tokens) - len(shared)
+            self.pool.share(shared)
+            return shared + (self.pool.allocate(own) if own else [])
+
+        monkeypatch.setattr(prefixes.PrefixRegistry, "extents_for_new", share_all)
+        monkeypatch.setattr(LockstepRun, "check_newest_extent", False)
+    elif bug == "skips the private copy":
+        monkeypatch.setattr(prefixes.PrefixRegistry, "writers_in", lambda self, records: [])
+    else:
+        real = host_pool.HostPool.release
+
+        def release_all(self, extents):
+            extents = list(extents)
+            for extent in extents:  # as if this holder were the last one
+                self._holders[extent] = min(self._holders[extent], 1)
+            return real(self, extents)
+
+        monkeypatch.setattr(host_pool.HostPool, "release", release_all)
+    total = FuzzCounts()
+    for seed in range(12):
+        shape = SHAPES[seed % len(SHAPES)]
+        total.add(LockstepRun("cpu", shape, False, 24, seed, SHARING_WEIGHTS,
+                              residency_map="position").run(decode_steps=30,
+                                                            max_operations=150))
+    assert total.mismatches >= 1
+    if bug == "shares the boundary extent":
+        assert any("changed while" in failure for failure in total.failures), total.failures
 
 
 def test_long_mode_counts_add_up(seed: int) -> None:

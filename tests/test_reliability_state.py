@@ -8,6 +8,8 @@ full_snapshot(cache)       everything a rejected call must leave as it was: ever
 assert_same_state(a, b)    names the first part that differs
 check_table_invariants(c)  the ARCHITECTURE.md invariants between the engine's records and
                            its device tables, without an oracle (for threaded tests)
+check_holders(c)           the host pool's holder count of every extent is the number of
+                           requests and retained prefixes listing it; free means none
 row_pattern(...)           deterministic row bytes of (request uid, layer, position), so a
                            test or script can verify any returned row without storing the KV
 """
@@ -83,12 +85,18 @@ def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
         host_rows = cache._order.host_rows
         state["flags"] = (host_rows.copies_in_flight, host_rows.rows_recycled)
     state["requests"] = [
-        (r.request_id, r.state, r.admitted_tokens, r.num_tokens, list(r.extents), r.slot)
+        (r.request_id, r.state, r.admitted_tokens, r.num_tokens, list(r.extents), r.slot,
+         r.prefix_tokens)
         for r in cache._requests
     ]
     state["ended"] = list(cache._requests._ended.items())
     state["pool.free_runs"] = cache._pool.allocator.free_runs()
     state["pool.free_extents"] = cache._pool.allocator.free_extents
+    state["pool.holders"] = list(cache._pool._holders)
+    prefixes = cache._prefixes
+    state["prefixes"] = sorted(prefixes._retained.items())
+    state["prefixes.released"] = list(prefixes._released)
+    state["prefixes.writers"] = sorted(r.request_id for r in prefixes.writers.values())
     state["pool.layers"] = [h.data_ptr() for h in cache._pool.layers]
     state["slots.free"] = sorted(cache._slots._free)
     traffic = cache._traffic
@@ -141,7 +149,10 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
         pages = page_table[r].tolist()
         assert pages[: len(record.extents)] == record.extents
         assert all(p == -1 for p in pages[len(record.extents):])
-        own_rows = set(cache.host_rows(record.request_id).tolist())
+        # The residency keys of its tokens: host rows, or r*T + position (position map).
+        own_rows = (set(cache.host_rows(record.request_id).tolist())
+                    if t.residency_map == "host_row" else
+                    {r * t.positions_per_request + p for p in range(record.num_tokens)})
         for group in range(cache.num_groups):
             # Every slot was last used before the clock's current step (seeding: -1 and 0).
             assert bool((last_use[group, r] < lru_clock[group, r]).all()), "stamps < clock"
@@ -149,6 +160,9 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
             for slot, row in enumerate(slot_key[group, r].tolist()):
                 if row >= 0:
                     assert row in own_rows, (record.request_id, group, slot, row)
+                    # One key, one hot slot: a key two slots hold has one entry for both.
+                    assert expected_resident[group, row] < 0, (
+                        f"residency key {row} of group {group} is held twice")
                     expected_resident[group, row] = slot
     assert torch.equal(resident, expected_resident)
     free = set(range(cache.max_requests)) - used_slots
@@ -157,7 +171,24 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
         assert int(seq_lens[r]) == 0 and (page_table[r] == -1).all()
         assert (slot_key[:, r] == -1).all()
         assert (last_use[:, r] == -1).all() and (lru_clock[:, r] == 0).all()
-    assert cache._pool.allocator.used_extents == sum(len(r.extents) for r in cache._requests)
+    held = [e for r in cache._requests for e in r.extents]
+    held += [e for rows in cache._prefixes.retained() for e in rows.extents]
+    assert cache._pool.allocator.used_extents == len(set(held))
+
+
+def check_holders(cache: hisparse.HiSparseCache) -> None:
+    """The pool's holder counts are the holders' extents, and free means no holder."""
+    pool = cache._pool
+    counts = [0] * pool.num_extents
+    for record in cache._requests:
+        for extent in record.extents:
+            counts[extent] += 1
+    for rows in cache._prefixes.retained():
+        for extent in rows.extents:
+            counts[extent] += 1
+    assert pool._holders == counts
+    assert [pool.allocator.is_free(e) for e in range(pool.num_extents)] == [c == 0 for c in counts]
+    assert pool.shared_extents == sum(c > 1 for c in counts)
 
 
 # --- the helpers catch what they must ---------------------------------------------------
@@ -165,6 +196,7 @@ def _small_cache() -> hisparse.HiSparseCache:
     config = hisparse.HiSparseConfig.from_preset(
         "tiny", num_layers=2, row_bytes=16, top_k=2, hot_slots=4, extent_tokens=2,
         max_requests=2, max_batch=2, host_pool_tokens=32, max_seq_len=32, validate=True,
+        residency_map="position",  # so that a prefix can be retained
     )
     cache = hisparse.HiSparseCache(config, device="cpu")
     cache.admit("a", 7)
@@ -186,6 +218,8 @@ MUTATIONS: dict[str, Callable[[hisparse.HiSparseCache], None]] = {
     "the freed-id memory": lambda c: c._requests._ended.update({"x": RequestState.FINISHED}),
     "the pool's free runs": lambda c: c._pool.allocator.allocate(1),
     "a free slot": lambda c: c._slots.take(),
+    "a holder count": lambda c: c._pool.share([c._requests.get("a", "test").extents[0]]),
+    "a retained prefix": lambda c: c.retain_prefix("a", 3),
     "a traffic counter": lambda c: c._traffic.offloaded_tokens.__setitem__(0, 99),
     "a recycled-rows flag": lambda c: setattr(c._order.host_rows, "rows_recycled", True),
     "the written layers": lambda c: c._step._written.add(1),

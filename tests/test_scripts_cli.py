@@ -387,3 +387,26 @@ def test_copy_limits_json_says_what_produced_it(tmp_path: Path,
     assert document["card"] == "Stub GPU" and document["torch"] == torch.__version__
     assert document["command"].startswith("python ") and "triton" in document
     assert document["bulk_h2d_GBps"] == 1.0
+
+
+def test_prefix_sharing_benchmark_writes_less_and_holds_p_plus_n_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import prefix_sharing
+
+    out = tmp_path / "sharing.json"
+    argv = ["--preset", "tiny", "--prefix-tokens", "300", "--own-tokens", "40",
+            "--requests", "3", "--rounds", "1", "--output", str(out)]
+    assert prefix_sharing.main(argv) == 0
+    document = json.loads(out.read_text())
+    assert document["command"] == "python benchmarks/prefix_sharing.py " + " ".join(argv)
+    assert document["torch"] == torch.__version__ and "triton" in document
+    unshared, shared = document["modes"]
+    W, L = document["row_bytes"], document["num_layers"]
+    assert unshared["prefill_bytes_offloaded_per_request"] == 340 * L * W
+    assert shared["prefill_bytes_offloaded_per_request"] == 40 * L * W
+    # tiny: 64-token extents. Unshared 3 x ceil(341/64); shared: the 300-token prefix's 5
+    # extents once (4 whole, the handle's boundary one), each request ceil((341-256)/64).
+    assert unshared["host_extents_used"] == 3 * 6
+    assert shared["host_extents_used"] == 5 + 3 * 2

@@ -336,6 +336,18 @@ BAD_CALLS: dict[str, BadCall] = {
                                           lambda c, w: c.host_rows("gone")),
     "device_kv layer 4": BadCall("idle", InvalidInputError, "got 4",
                                  lambda c, w: c.device_kv(4)),
+    # shared prefixes: a host-row map refuses them (tests/test_prefix_sharing.py: the rest)
+    "retain a prefix, host-row map": BadCall(
+        "idle", InvalidInputError, "residency_map: position",
+        lambda c, w: c.retain_prefix("long", 8)),
+    "admit on a prefix, host-row map": BadCall(
+        "idle", InvalidInputError, "residency_map: position",
+        lambda c, w: c.admit("x", 9, prefix=("long", 8))),
+    "reserve on a prefix, host-row map": BadCall(
+        "idle", InvalidInputError, "residency_map: position",
+        lambda c, w: c.reserve_host_slots("x", 9, prefix=("long", 8))),
+    "release a non-handle": BadCall("idle", InvalidInputError, "'long' is a str",
+                                    lambda c, w: c.release_prefix("long")),
 }
 
 CLOSED_CALLS: dict[str, Callable[[hisparse.HiSparseCache, World], object]] = {
@@ -356,6 +368,8 @@ CLOSED_CALLS: dict[str, Callable[[hisparse.HiSparseCache, World], object]] = {
     "finish": lambda c, w: c.finish("long"),
     "abort": lambda c, w: c.abort("res"),
     "stats": lambda c, w: c.stats(),
+    "retain_prefix": lambda c, w: c.retain_prefix("long", 3),
+    "release_prefix": lambda c, w: c.release_prefix(None),
 }
 for _name, _call in CLOSED_CALLS.items():
     BAD_CALLS[f"{_name} after close"] = BadCall("closed", RequestStateError, "is closed", _call)
@@ -411,10 +425,18 @@ def test_the_table_covers_every_public_call() -> None:
     assert not missing, f"no bad call for {missing}"
 
 
+ADVICE = ("first", "call", "use", "pass", "raise", "finish", "admit", "move", "convert",
+          "wrap", "list", "split", "create", "pad", "set")
+
+
+def says_what_to_do(message: str) -> bool:
+    """The message ends in advice: its last clause names something to do."""
+    tail = message.rsplit(";", 1)[-1] if ";" in message else message.rsplit(":", 1)[-1]
+    return any(word in tail.lower() for word in ADVICE)
+
+
 def test_every_message_says_what_to_do(backend: Any, rng: torch.Generator) -> None:
     """Message shape: what was wrong, the value seen (the row's regex), then what to do."""
-    advice = ("first", "call", "use", "pass", "raise", "finish", "admit", "move", "convert",
-              "wrap", "list", "split", "create", "pad", "set")
     vague = []
     for name, bad in BAD_CALLS.items():
         world = build_world(backend, rng)
@@ -422,8 +444,7 @@ def test_every_message_says_what_to_do(backend: Any, rng: torch.Generator) -> No
         with pytest.raises(bad.error) as caught:
             bad.call(world.cache, world)
         message = str(caught.value)
-        tail = message.rsplit(";", 1)[-1] if ";" in message else message.rsplit(":", 1)[-1]
-        if not any(word in tail.lower() for word in advice):
+        if not says_what_to_do(message):
             vague.append(f"{name}: {message}")
         world.cache.close()
     assert not vague, "\n".join(vague)

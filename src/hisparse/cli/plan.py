@@ -73,6 +73,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     budget.add_argument("--host-mem-gib", type=out.positive_float, default=None,
                         help="host memory the pool may use per GPU; caps the HiSparse "
                         "concurrency (default: unlimited)")
+    budget.add_argument("--shared-prefix", type=out.non_negative_int, default=0,
+                        metavar="TOKENS",
+                        help="a prompt prefix (system prompt, chat history) that requests "
+                        "share in the host pool: its whole extents are held once "
+                        "(default: %(default)s, none)")
+    budget.add_argument("--sharing-requests", type=out.positive_int, default=None,
+                        metavar="N", help="how many of the requests share --shared-prefix "
+                        "(default: all of them)")
 
     cache = parser.add_argument_group("cache geometry and traffic")
     cache.add_argument("--context", type=out.positive_int, nargs="+", default=None,
@@ -124,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
             return out.fail("plan", pyplot)
         out.check_writable(parser, "--plot", args.plot)
     config = load_config(parser, args)
+    if args.sharing_requests is not None and not args.shared_prefix:
+        parser.error("argument --sharing-requests: needs --shared-prefix TOKENS, the prefix "
+                     "the requests share")
     shape = model_shape(config, args)
     hot_slots = config.hot_slots
     settings = PlanSettings(
@@ -137,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         link_bytes_per_s=args.link_gbps * 1e9,
         host_mem_bytes=None if args.host_mem_gib is None else round(args.host_mem_gib * GIB),
         reserved_slots=config.max_draft_tokens,
+        shared_prefix_tokens=args.shared_prefix,
+        sharing_requests=args.sharing_requests,
     )
     if settings.available_bytes <= 0:
         parser.error(
@@ -205,6 +218,8 @@ def to_document(
             "extent_tokens": settings.extent_tokens,
             "miss_rate": settings.miss_rate,
             "link_bytes_per_s": settings.link_bytes_per_s,
+            "shared_prefix_tokens": settings.shared_prefix_tokens,
+            "sharing_requests": settings.sharing_requests,
         },
         "contexts": [p.to_dict() for p in plans],
     }
@@ -223,6 +238,13 @@ def render(
         f"device budget {out.format_bytes(settings.available_bytes)} for KV; miss rate "
         f"{settings.miss_rate:g}; link {out.format_rate(settings.link_bytes_per_s)}"
     )
+    sharing = settings.shared_prefix_tokens > 0
+    if sharing:
+        who = ("every request" if settings.sharing_requests is None
+               else f"{settings.sharing_requests} requests")
+        header += (f"\nshared prefix: {settings.shared_prefix_tokens} tokens, held once by "
+                   f"{who} (whole {settings.extent_tokens}-token extents shared, the boundary "
+                   "extent copied)")
     rows = []
     for p in plans:
         gain = "-" if p.gain is None else f"{p.gain:.1f}x"
@@ -235,12 +257,13 @@ def render(
             out.format_bytes(p.baseline_request_bytes),
             out.format_bytes(p.hisparse_request_bytes),
             out.format_bytes(p.host_pool_bytes),
+            *([out.format_bytes(p.host_bytes_saved)] if sharing else []),
             out.format_bytes(p.h2d_bytes_per_step),
             out.format_seconds(p.h2d_seconds_per_step),
         ))
     table = out.render_table(
         ("context", "requests", "HiSparse", "gain", "device/req", "HiSparse/req",
-         "host pool", "H2D/step", "H2D time/step"),
+         "host pool", *(["host saved"] if sharing else []), "H2D/step", "H2D time/step"),
         rows,
     )
     return f"{header}\n\n{table}"

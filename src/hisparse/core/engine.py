@@ -14,22 +14,30 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-import numpy as np
 import torch
 
 from hisparse.backends.base import Backend
-from hisparse.core.host_pool import HostPool, HostReservation, token_rows, token_runs
+from hisparse.core.host_pool import HostPool, HostReservation
+from hisparse.core.prefixes import PrefixRegistry
 from hisparse.core.requests import (
     PromptCoverage,
+    RequestQueries,
     RequestRecord,
     RequestState,
     RequestTable,
     SlotAllocator,
 )
+from hisparse.core.sharing import Prefix, PrefixSharing
 from hisparse.core.slot_tables import build_tables, clear_slot, seed_slot
-from hisparse.core.stats import CacheStats, Occupancy, RequestStats, TrafficCounters
+from hisparse.core.stats import CacheStats, TrafficCounters, occupancy_of, request_stats
 from hisparse.core.step import DecodeContext, DecodeStep
-from hisparse.core.validation import as_batch_ids, check_layer, check_prefill_rows, is_count
+from hisparse.core.validation import (
+    as_batch_ids,
+    check_current_device,
+    check_layer,
+    check_prefill_rows,
+    is_count,
+)
 from hisparse.core.verify import VerifyContext, VerifyStep, check_num_tokens
 from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
 
@@ -60,7 +68,7 @@ def _bookkeeping(
     return locked
 
 
-class HiSparseCache:
+class HiSparseCache(PrefixSharing, RequestQueries):
     """A hierarchical sparse KV cache on one device.
 
     Args:
@@ -126,6 +134,7 @@ class HiSparseCache:
             self._closed = False
             self._pool = HostPool(backend, L, -(-config.host_pool_tokens // E), E,
                                   config.row_bytes)
+            self._prefixes = PrefixRegistry(self._pool, config.residency_map)
             try:
                 self._build_device_state()
             except BaseException:
@@ -148,42 +157,56 @@ class HiSparseCache:
 
     # --- admission and prefill ------------------------------------------------------------
     @_bookkeeping
-    def admit(self, request_id: Hashable, num_tokens: int) -> None:
-        """Take host extents for a `num_tokens` prompt and a device request slot.
+    def admit(self, request_id: Hashable, num_tokens: int, prefix: Prefix = None) -> None:
+        """Take host extents for a `num_tokens` prompt and a device request slot. `prefix` (a
+        `PrefixHandle`, or `(request_id, n)` of a running or preempted request): its tokens
+        are in the host pool already, their whole extents shared and the boundary rows copied;
+        `write_prefill` writes the rest (docs/integration.md, "Shared prefixes").
 
         Raises:
-            RequestStateError: the id is live. InvalidInputError: bad `num_tokens`.
+            RequestStateError: the id is live. InvalidInputError: bad `num_tokens`/`prefix`.
             PoolExhaustedError: no slot or too few extents (nothing is taken).
         """
         self._check_open()
         self._requests.check_new(request_id, "admit")
         self._check_length(num_tokens, "admit")
+        action = f"admit request {request_id!r}"
+        shared = self._shared_prefix(prefix, action)
         self._slots.check_free(f"admitting request {request_id!r}")
-        extents = self._pool.allocate(self._pool.extents_for(num_tokens))
+        extents = self._prefixes.extents_for_new(shared, num_tokens, self._order.host_rows.drain,
+                                                 action)
+        first = shared.num_tokens if shared else 0
         record = RequestRecord(request_id, RequestState.PREFILLING, num_tokens, num_tokens,
                                extents, self._slots.take(),
-                               PromptCoverage(self.num_layers, num_tokens))
+                               PromptCoverage(self.num_layers, num_tokens, first), first)
         self._requests.add(record)
 
     @_bookkeeping
-    def reserve_host_slots(self, request_id: Hashable, num_tokens: int) -> HostReservation:
+    def reserve_host_slots(self, request_id: Hashable, num_tokens: int,
+                           prefix: Prefix = None) -> HostReservation:
         """PD decode side: reserve host rows a transfer engine will write; no device slot yet.
 
-        Write token `p` of layer `l` to `res.host_tensors[l][res.rows[p]]` (or at
-        `res.layers[l].base_address + res.rows[p] * res.row_bytes`), then `complete_transfer`.
+        Write token `res.prefix_tokens + i` of layer `l` to `res.host_tensors[l][res.rows[i]]`
+        (or at `res.layers[l].base_address + res.rows[i] * res.row_bytes`), then
+        `complete_transfer`. `prefix` as for `admit`: those tokens are not transferred.
         """
         self._check_open()
         self._requests.check_new(request_id, "reserve host slots for")
         self._check_length(num_tokens, "reserve host slots for")
-        self._pool.check_free(self._pool.extents_for(num_tokens))
+        action = f"reserve host slots for request {request_id!r}"
+        shared = self._shared_prefix(prefix, action)
+        self._prefixes.check_room(shared, num_tokens, action)
         # The transfer engine writes the rows once this returns: a backup or a swap-in of
         # their previous owner may still be touching them. Drained before anything is taken,
         # so that a drain that fails leaves no reservation behind.
         self._order.host_rows.drain()
-        extents = self._pool.allocate(self._pool.extents_for(num_tokens))
-        record = RequestRecord(request_id, RequestState.RESERVED, num_tokens, num_tokens, extents)
+        extents = self._prefixes.extents_for_new(shared, num_tokens, self._order.host_rows.drain,
+                                                 action)
+        first = shared.num_tokens if shared else 0
+        record = RequestRecord(request_id, RequestState.RESERVED, num_tokens, num_tokens, extents,
+                               prefix_tokens=first)
         self._requests.add(record)
-        return self._pool.reservation(request_id, extents, num_tokens)
+        return self._pool.reservation(request_id, extents, num_tokens, first)
 
     @_bookkeeping
     def write_prefill(
@@ -197,17 +220,14 @@ class HiSparseCache:
         )
         rows = check_prefill_rows(
             kv, layer, start, num_layers=self.num_layers, row_bytes=self.row_bytes,
-            device=self.device, admitted_tokens=record.admitted_tokens, request_id=request_id)
+            device=self.device, admitted_tokens=record.admitted_tokens, request_id=request_id,
+            prefix_tokens=record.prefix_tokens)
         count = rows.shape[-2]
         self._order.host_rows.drain()
         layers = [layer] if layer is not None else range(self.num_layers)
-        runs = token_runs(record.extents, self.extent_tokens, start, start + count)
         for index, target in enumerate(layers):
-            source = rows if layer is not None else rows[index]
-            host = self._pool.layers[target]
-            for token, row, length in runs:
-                part = source[token - start : token - start + length]
-                host[row : row + length].copy_(part, non_blocking=True)
+            self._pool.write_rows(target, record.extents, start,
+                                  rows if layer is not None else rows[index])
             self._traffic.offloaded_tokens[target] += count
             if record.prompt_written is not None:
                 record.prompt_written.add(target, start, start + count)
@@ -262,16 +282,7 @@ class HiSparseCache:
                 device is not the cache's.
             PoolExhaustedError: a request needs a new extent and the pool has too few free.
         """
-        # Checked once a step, not per layer: write_newest and swap_in launch on the current
-        # device and stay cheap, so the thread that drives the step must have ours current.
-        current = self.backend.current_device()
-        if current is not None and current != self.device:
-            raise InvalidInputError(
-                f"this cache lives on {self.device} but the current device of the thread "
-                f"driving the decode step is {current}; make {self.device} current first "
-                f"(torch.{self.device.type}.set_device({self.device.index}), or run the step "
-                f"under torch.{self.device.type}.device({self.device.index}))"
-            )
+        check_current_device(self.backend.current_device(), self.device)  # once a step
         return self._begin_decode_step(request_ids, num_tokens, dedupe)
 
     @_bookkeeping
@@ -286,6 +297,7 @@ class HiSparseCache:
             )
         ids = as_batch_ids(request_ids)
         records = _batch_records(self._requests, ids, self.batch_capacity)
+        self._unshare_writers(records, num_tokens)
         if num_tokens > 1 or dedupe:
             self._last_step = VerifyStep.begin_verify(self._decode, self._verify, tuple(ids),
                                                       records, num_tokens)
@@ -365,33 +377,14 @@ class HiSparseCache:
         self._end(request_id, "abort", LIVE, RequestState.ABORTED)
 
     @_bookkeeping
-    def request_state(self, request_id: Hashable) -> RequestState:
-        return self._requests.get(request_id, "look up").state
-
-    @_bookkeeping
-    def seq_len(self, request_id: Hashable) -> int:
-        return self._requests.get(request_id, "look up").num_tokens
-
-    @_bookkeeping
-    def request_slot(self, request_id: Hashable) -> int | None:
-        """The device request slot `r` (rows `r*S .. r*S+H`), None while it holds none."""
-        return self._requests.get(request_id, "look up").slot
-
-    @_bookkeeping
-    def host_rows(self, request_id: Hashable) -> np.ndarray:
-        """Host row (int64) of each of the request's tokens, the same in every layer."""
-        record = self._requests.get(request_id, "look up")
-        return token_rows(record.extents, self.extent_tokens, 0, record.num_tokens)
-
-    @_bookkeeping
     def stats(self) -> CacheStats:
         """Traffic per layer and occupancy. Reads the device counters (one host sync)."""
         self._check_open()
-        occupancy = _occupancy(self._requests, self._pool, self._slots)
+        occupancy = occupancy_of(self._requests, self._pool, self._slots, self._prefixes)
         layers = self._traffic.layer_stats(self.tables.counters, self.row_bytes,
                                            misses_copied=not self.config.skip_io)
         return CacheStats(layers, occupancy, list(self.disabled_features),
-                          _request_stats(self._requests, self.tables.request_counters))
+                          request_stats(self._requests, self.tables.request_counters))
 
     @_bookkeeping
     def close(self) -> None:
@@ -474,7 +467,9 @@ class HiSparseCache:
         record = self._requests.expect(request_id, action, allowed)
         self._check_not_in_step(record, action)
         self._release_slot(record)
+        # Shared extents only lose a holder: other requests and retained prefixes keep them.
         self._pool.release(record.extents)
+        self._prefixes.forget(record)
         record.extents = []
         self._requests.remove(record, final)
         self._order.host_rows.note_rows_recycled()
@@ -531,24 +526,6 @@ def _batch_records(requests: RequestTable, ids: list[Hashable],
     return records
 
 
-def _occupancy(requests: RequestTable, pool: HostPool, slots: SlotAllocator) -> Occupancy:
-    used_rows = sum(r.num_tokens for r in requests)
-    extents = pool.allocator
-    by_state: dict[str, int] = {}
-    for record in requests:
-        by_state[str(record.state)] = by_state.get(str(record.state), 0) + 1
-    return Occupancy(
-        host_extents_used=extents.used_extents,
-        host_extents_total=extents.num_extents,
-        host_rows_used=used_rows,
-        host_rows_total=pool.num_rows,
-        internal_fragmentation_rows=extents.used_extents * pool.extent_tokens - used_rows,
-        request_slots_used=slots.num_slots - slots.free_slots,
-        request_slots_total=slots.num_slots,
-        requests_by_state=by_state,
-    )
-
-
 def _device_of(backend: Backend, device: str | torch.device | Backend | None) -> torch.device:
     """The device `device` names; an index the backend does not see is refused here, before
     anything is allocated (torch would fail later with a less helpful message)."""
@@ -565,12 +542,3 @@ def _concrete(device: torch.device) -> torch.device:
     """
     return torch.empty(0, device=device).device
 
-
-def _request_stats(requests: RequestTable, counters: torch.Tensor | None) -> list[RequestStats]:
-    """Per request holding a device slot, its slot's counters (read back in one copy)."""
-    holding = [r for r in requests if r.slot is not None]
-    if counters is None or not holding:
-        return []
-    values = counters.cpu().tolist()
-    return [RequestStats(r.request_id, str(r.state), r.num_tokens, *values[r.slot])
-            for r in holding]

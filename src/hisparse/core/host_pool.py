@@ -5,11 +5,15 @@ at row `extents[p // E] * E + p % E` in every layer. Keeping a request's rows ph
 adjacent is what makes the zero-copy gather fast (DESIGN.md section 7: 46 GB/s from 512-token
 extents against 18 GB/s from scattered rows on an H200), so the allocator extends a request's
 last extent when the next one is free and otherwise takes the lowest run that fits whole.
+
+An extent can have several holders (requests that share a prefix, retained prefixes:
+core/prefixes.py): the pool counts them and frees an extent when its last holder lets go.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -170,9 +174,11 @@ class LayerRegion:
 class HostReservation:
     """Host rows reserved for a request whose KV another node will write (PD decode side).
 
-    `rows[p]` is the host row of token `p` in every layer; `extents` lists the same rows as
-    `(first_row, num_rows)` runs, for transfer engines that take contiguous regions.
-    `host_tensors[l]` is layer `l`'s whole `[N, W]` uint8 pool tensor.
+    `rows[i]` is the host row of token `prefix_tokens + i` in every layer: the rows the
+    transfer engine writes. `extents` lists the same rows as `(first_row, num_rows)` runs,
+    for transfer engines that take contiguous regions. `host_tensors[l]` is layer `l`'s
+    whole `[N, W]` uint8 pool tensor. `prefix_tokens` (0 unless reserved with a shared
+    prefix) tokens are already on the host: their rows are shared, and must not be written.
     """
 
     request_id: object
@@ -182,6 +188,7 @@ class HostReservation:
     rows: np.ndarray
     layers: list[LayerRegion]
     host_tensors: list[torch.Tensor]
+    prefix_tokens: int = 0
 
 
 class HostPool:
@@ -200,6 +207,9 @@ class HostPool:
         self.row_bytes = row_bytes
         self.num_rows = num_extents * extent_tokens
         self.allocator = ExtentAllocator(num_extents)
+        # Holders of each extent (0 = free): a request, or a retained prefix, each counts once.
+        self._holders = [0] * num_extents
+        self._shared = 0  # extents with two or more holders: stats() is cheap while none are
         self._raw: list[torch.Tensor] = []
         self.layers: list[torch.Tensor] = []
         layer_bytes = self.num_rows * row_bytes
@@ -237,10 +247,31 @@ class HostPool:
     def extents_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.extent_tokens)
 
+    @property
+    def shared_extents(self) -> int:
+        """Extents that two or more holders hold."""
+        return self._shared
+
+    def holders(self, extent: int) -> int:
+        return self._holders[extent]
+
     def allocate(self, num_extents: int, after: int | None = None) -> list[int]:
-        """Take extents for one request; raises PoolExhaustedError, allocating nothing."""
+        """Take extents for one holder; raises PoolExhaustedError, allocating nothing."""
         self.check_free(num_extents)
-        return self.allocator.allocate(num_extents, after)
+        taken = self.allocator.allocate(num_extents, after)
+        for extent in taken:
+            self._holders[extent] = 1
+        return taken
+
+    def share(self, extents: Iterable[int]) -> None:
+        """One more holder for each extent, all of them already held."""
+        extents = list(extents)
+        idle = [e for e in extents if not 0 <= e < self.num_extents or not self._holders[e]]
+        if idle:  # a bug in the engine, not a caller's input: sharing a free extent
+            raise AssertionError(f"share of extents {idle[:8]} that nobody holds")
+        for extent in extents:
+            self._holders[extent] += 1
+            self._shared += self._holders[extent] == 2
 
     def check_free(self, num_extents: int) -> None:
         free = self.allocator.free_extents
@@ -252,25 +283,60 @@ class HostPool:
                 "layer); finish, abort or preempt requests, or raise host_pool_tokens"
             )
 
-    def release(self, extents: Iterable[int]) -> None:
-        self.allocator.release(extents)
+    def release(self, extents: Iterable[int]) -> list[int]:
+        """One holder lets go of each extent; returns those it was the last holder of, freed.
+
+        Checked whole before anything changes: an extent nobody holds, or listed twice (one
+        holder never holds an extent twice), is a double free and changes nothing.
+        """
+        extents = list(extents)
+        listed = Counter(extents)
+        bad = sorted(
+            e for e, n in listed.items()
+            if n > 1 or not 0 <= e < self.num_extents or self._holders[e] < 1
+        )
+        if bad:
+            raise InvalidInputError(
+                f"cannot release extents {bad[:8]}: out of range, already free or listed twice; "
+                "this is a double free in the caller"
+            )
+        freed = []
+        for extent in extents:
+            self._holders[extent] -= 1
+            self._shared -= self._holders[extent] == 1
+            if not self._holders[extent]:
+                freed.append(extent)
+        self.allocator.release(freed)
+        return freed
 
     def region(self, layer: int) -> LayerRegion:
         tensor = self.layers[layer]
         return LayerRegion(layer, int(tensor.data_ptr()), tensor.numel())
 
-    def reservation(self, request_id: object, extents: Sequence[int],
-                    num_tokens: int) -> HostReservation:
-        """Where a transfer engine writes the `num_tokens` rows of `extents`."""
+    def write_rows(self, layer: int, extents: Sequence[int], start: int,
+                   rows: torch.Tensor) -> None:
+        """Copy `rows` `[T, W]` to tokens `start .. start+T-1` of a request holding `extents`,
+        in `layer` (asynchronously from device memory)."""
+        host, count = self.layers[layer], rows.shape[0]
+        for token, row, length in token_runs(extents, self.extent_tokens, start, start + count):
+            host[row : row + length].copy_(rows[token - start : token - start + length],
+                                           non_blocking=True)
+
+    def reservation(self, request_id: object, extents: Sequence[int], num_tokens: int,
+                    prefix_tokens: int = 0) -> HostReservation:
+        """Where a transfer engine writes rows `prefix_tokens .. num_tokens - 1` of
+        `extents` (the rows before are a shared prefix's, already in the pool)."""
         E = self.extent_tokens
         return HostReservation(
             request_id=request_id,
             num_tokens=num_tokens,
             row_bytes=self.row_bytes,
-            extents=[(row, n) for _, row, n in token_runs(extents, E, 0, num_tokens)],
-            rows=token_rows(extents, E, 0, num_tokens),
+            extents=[(row, n) for _, row, n in token_runs(extents, E, prefix_tokens,
+                                                          num_tokens)],
+            rows=token_rows(extents, E, prefix_tokens, num_tokens),
             layers=[self.region(layer) for layer in range(len(self.layers))],
             host_tensors=list(self.layers),
+            prefix_tokens=prefix_tokens,
         )
 
     def close(self) -> None:

@@ -8,6 +8,9 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from hisparse.core.host_pool import token_rows
 from hisparse.errors import PoolExhaustedError, RequestStateError, UnknownRequestError
 
 
@@ -27,12 +30,15 @@ class PromptCoverage:
     """The prompt rows `write_prefill` has written, per layer, as merged `[start, end)` runs.
 
     A commit with a gap would seed, and later serve, whatever the row's previous owner (another
-    request) left in it: silent corruption, and another request's data.
+    request) left in it: silent corruption, and another request's data. The first
+    `prefix_tokens` rows came with a shared prefix: written before the request was admitted.
     """
 
-    def __init__(self, num_layers: int, num_tokens: int) -> None:
+    def __init__(self, num_layers: int, num_tokens: int, prefix_tokens: int = 0) -> None:
         self.num_tokens = num_tokens
-        self._runs: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]
+        self._runs: list[list[tuple[int, int]]] = [
+            [(0, prefix_tokens)] if prefix_tokens else [] for _ in range(num_layers)
+        ]
 
     def add(self, layer: int, start: int, end: int) -> None:
         merged = []
@@ -65,6 +71,8 @@ class RequestRecord:
     slot: int | None = None
     # Tracked from admit to commit_prefill (a PD transfer writes its rows outside hisparse).
     prompt_written: PromptCoverage | None = None
+    # Tokens admitted on a shared prefix: on the host already, never written by this request.
+    prefix_tokens: int = 0
 
 
 class SlotAllocator:
@@ -189,3 +197,27 @@ def _hashable(value: object) -> bool:
     except TypeError:
         return False
     return True
+
+
+class RequestQueries:
+    """`HiSparseCache`'s read-only request lookups, as a mixin of it: what a scheduler may ask
+    about a request at any time (under the cache's bookkeeping lock)."""
+
+    def request_state(self, request_id: Hashable) -> RequestState:
+        with self._lock:
+            return self._requests.get(request_id, "look up").state
+
+    def seq_len(self, request_id: Hashable) -> int:
+        with self._lock:
+            return self._requests.get(request_id, "look up").num_tokens
+
+    def request_slot(self, request_id: Hashable) -> int | None:
+        """The device request slot `r` (rows `r*S .. r*S+H`), None while it holds none."""
+        with self._lock:
+            return self._requests.get(request_id, "look up").slot
+
+    def host_rows(self, request_id: Hashable) -> np.ndarray:
+        """Host row (int64) of each of the request's tokens, the same in every layer."""
+        with self._lock:
+            record = self._requests.get(request_id, "look up")
+            return token_rows(record.extents, self.extent_tokens, 0, record.num_tokens)

@@ -7,6 +7,13 @@ prefill offload, newest-row backups) are kept in plain integer arrays.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hisparse.core.host_pool import HostPool
+    from hisparse.core.prefixes import PrefixRegistry
+    from hisparse.core.requests import RequestTable, SlotAllocator
+
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -38,6 +45,13 @@ class Occupancy:
     request_slots_used: int
     request_slots_total: int
     requests_by_state: dict[str, int] = field(default_factory=dict)
+    # Shared prefixes (docs/integration.md): extents and rows (per layer) that two or more
+    # holders, requests or retained prefixes, hold; and the host bytes (all layers) the
+    # holders would allocate on top if each held its own extents.
+    shared_extents: int = 0
+    shared_rows: int = 0
+    host_bytes_saved: int = 0
+    retained_prefixes: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,3 +148,37 @@ class TrafficCounters:
             )
             for layer, (hits, misses, invalid) in enumerate(counts)
         ]
+
+
+def occupancy_of(requests: RequestTable, pool: HostPool, slots: SlotAllocator,
+               prefixes: PrefixRegistry) -> Occupancy:
+    usage = prefixes.usage(requests)  # shared rows counted once
+    used_rows = usage.rows_used
+    extents = pool.allocator
+    by_state: dict[str, int] = {}
+    for record in requests:
+        by_state[str(record.state)] = by_state.get(str(record.state), 0) + 1
+    return Occupancy(
+        host_extents_used=extents.used_extents,
+        host_extents_total=extents.num_extents,
+        host_rows_used=used_rows,
+        host_rows_total=pool.num_rows,
+        internal_fragmentation_rows=extents.used_extents * pool.extent_tokens - used_rows,
+        request_slots_used=slots.num_slots - slots.free_slots,
+        request_slots_total=slots.num_slots,
+        requests_by_state=by_state,
+        shared_extents=usage.shared_extents,
+        shared_rows=usage.shared_rows,
+        host_bytes_saved=(usage.extents_saved * pool.extent_tokens * pool.row_bytes
+                          * len(pool.layers)),
+        retained_prefixes=len(prefixes),
+    )
+
+def request_stats(requests: RequestTable, counters: torch.Tensor | None) -> list[RequestStats]:
+    """Per request holding a device slot, its slot's counters (read back in one copy)."""
+    holding = [r for r in requests if r.slot is not None]
+    if counters is None or not holding:
+        return []
+    values = counters.cpu().tolist()
+    return [RequestStats(r.request_id, str(r.state), r.num_tokens, *values[r.slot])
+            for r in holding]

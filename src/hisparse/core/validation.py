@@ -127,9 +127,10 @@ def check_positions_against_lengths(
 
 def check_prefill_rows(kv: torch.Tensor, layer: int | None, start: int, *, num_layers: int,
                        row_bytes: int, device: torch.device, admitted_tokens: int,
-                       request_id: object) -> torch.Tensor:
+                       request_id: object, prefix_tokens: int = 0) -> torch.Tensor:
     """`write_prefill`'s `kv` as uint8 rows, checked: `[T, W]` for `layer` or `[L, T, W]`,
-    on the host or the cache's device, inside the `admitted_tokens` from `start`."""
+    on the host or the cache's device, inside the `admitted_tokens` from `start`, and not
+    into a shared prefix's first `prefix_tokens` rows (already on the host)."""
     if layer is not None:
         check_layer(layer, num_layers)
     rows = as_rows("kv", kv, row_bytes, 2 if layer is not None else 3)
@@ -154,7 +155,25 @@ def check_prefill_rows(kv: torch.Tensor, layer: int | None, start: int, *, num_l
             f"outside the {admitted_tokens} tokens it was admitted with; admit the "
             "full prompt length"
         )
+    if start < prefix_tokens and count:
+        raise InvalidInputError(
+            f"prefill rows {start}..{start + count - 1} of request {request_id!r} start "
+            f"inside its shared prefix of {prefix_tokens} tokens, which is on the host "
+            f"already; pass the rows from start={prefix_tokens} (kv[..., {prefix_tokens}:, :] "
+            "of the whole prompt's KV)")
     return rows
+
+
+def check_current_device(current: torch.device | None, device: torch.device) -> None:
+    """The thread that drives a decode step must have the cache's device current: its
+    per-layer calls launch on the current device and stay cheap."""
+    if current is not None and current != device:
+        raise InvalidInputError(
+            f"this cache lives on {device} but the current device of the thread driving the "
+            f"decode step is {current}; make {device} current first "
+            f"(torch.{device.type}.set_device({device.index}), or run the step under "
+            f"torch.{device.type}.device({device.index}))"
+        )
 
 
 def as_batch_ids(request_ids: Sequence[Hashable]) -> list[Hashable]:

@@ -143,13 +143,19 @@ class NixlDecodeEndpoint:
         return [p.request_id for p in self._pending.values()]
 
     def prepare_request(
-        self, request_id: Hashable, num_tokens: int, *, timeout_s: float | None = None
+        self, request_id: Hashable, num_tokens: int, *, timeout_s: float | None = None,
+        prefix: Any = None,
     ) -> TransferTicket:
         """Reserve host rows for a request in all layers and describe them for the prefill node.
 
+        `prefix` (a `PrefixHandle` or `(request_id, num_tokens)`, as for `cache.admit`): the
+        first tokens are already in this node's host pool and are not transferred; the ticket
+        then covers tokens `prefix_tokens ..` only, numbered from 0, so the prefill node
+        passes the source rows of those tokens alone.
+
         Raises what `cache.reserve_host_slots` raises (nothing reserved then), or
-        `InvalidInputError` for a request already waiting for a transfer, `RequestStateError`
-        after `close()`.
+        `InvalidInputError` for a request already waiting for a transfer or a prefix that
+        leaves nothing to transfer, `RequestStateError` after `close()`.
         """
         if self._closed:  # the pool is deregistered: no prefill node could write the rows
             raise RequestStateError(
@@ -164,8 +170,17 @@ class NixlDecodeEndpoint:
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         if not timeout > 0:  # also refuses NaN: the rows would stay reserved forever
             raise InvalidInputError(f"timeout_s must be > 0 seconds, got {timeout_s}.")
-        reservation = self.cache.reserve_host_slots(request_id, num_tokens)
+        if prefix is None:
+            reservation = self.cache.reserve_host_slots(request_id, num_tokens)
+        else:
+            reservation = self.cache.reserve_host_slots(request_id, num_tokens, prefix=prefix)
         try:
+            if not len(reservation.rows):
+                raise InvalidInputError(
+                    f"request {request_id!r}'s prefix covers all its {num_tokens} tokens, so "
+                    "there is nothing to transfer; admit it with cache.admit(..., prefix=...) "
+                    "and commit_prefill instead"
+                )
             ticket = self._ticket(request_id, reservation)
         except BaseException:
             self.cache.abort(request_id)

@@ -38,6 +38,11 @@ C = context tokens, C_E = C rounded up to whole extents, K = top-k, m = miss rat
                                                                 H > 32767)
   concurrent requests      = floor(available / per-request bytes)   [then capped by --host-mem-gib]
   host pool                = requests * C_E * L * W
+                           - (N - 1) * P_E * L * W             (N of the requests share a
+                                                                P-token prefix: its whole
+                                                                extents, P_E = floor(P/E)*E,
+                                                                held once; the boundary
+                                                                extent is copied per request)
   H2D bytes per step       = requests * L * m * K * W          (0 while C <= H: no copies)
   H2D time per step        = H2D bytes / link bandwidth
   D2H bytes per step       = requests * L * W                  (newest-token backup)"""
@@ -73,6 +78,8 @@ class PlanSettings:
     host_mem_bytes: int | None = None  # cap on the host pool; None = unlimited
     # D: slots per request besides the LRU's (the newest token, a verify step's drafts)
     reserved_slots: int = 1
+    shared_prefix_tokens: int = 0  # P: a prefix that `sharing_requests` of the requests share
+    sharing_requests: int | None = None  # N; None = every request the plan fits
 
     @property
     def available_bytes(self) -> int:
@@ -113,6 +120,8 @@ class ContextPlan:
     h2d_bytes_per_step: float
     h2d_seconds_per_step: float
     d2h_bytes_per_step: int
+    sharing_requests: int = 0  # requests of the plan that share the prefix (N, at most all)
+    host_bytes_saved: int = 0  # host pool bytes the shared prefix saves: (N - 1) * P_E * L * W
 
     @property
     def gain(self) -> float | None:
@@ -189,6 +198,17 @@ def validate(shape: ModelShape, settings: PlanSettings, contexts: Sequence[int])
     bad = [c for c in contexts if c < 1]
     if bad or not contexts:
         problems.append(f"context lengths must be >= 1 token, got {list(contexts)}")
+    prefix = settings.shared_prefix_tokens
+    if prefix < 0:
+        problems.append(f"shared prefix must be >= 0 tokens, got {prefix}")
+    shorter = [c for c in contexts if c < prefix]
+    if shorter:
+        problems.append(
+            f"shared prefix ({prefix} tokens) is longer than context {shorter}; a request "
+            "holds at least its prefix"
+        )
+    if settings.sharing_requests is not None and settings.sharing_requests < 1:
+        problems.append(f"sharing requests must be >= 1, got {settings.sharing_requests}")
     if problems:
         raise InvalidInputError("; ".join(problems))
 
@@ -201,9 +221,12 @@ def plan_context(shape: ModelShape, settings: PlanSettings, context_tokens: int)
 
     requests = available // footprint.total
     limited_by = "device"
-    if settings.host_mem_bytes is not None and settings.host_mem_bytes // host_bytes < requests:
-        requests = settings.host_mem_bytes // host_bytes
+    if settings.host_mem_bytes is not None and host_pool(
+            shape, settings, context_tokens, requests) > settings.host_mem_bytes:
+        requests = _most_requests_in(shape, settings, context_tokens, settings.host_mem_bytes,
+                                     requests)
         limited_by = "host"
+    pool_bytes = host_pool(shape, settings, context_tokens, requests)
 
     # A request no longer than its hot buffer is served from it without copies.
     long_regime = context_tokens > settings.hot_slots
@@ -218,11 +241,49 @@ def plan_context(shape: ModelShape, settings: PlanSettings, context_tokens: int)
         hisparse_max_requests=requests,
         limited_by=limited_by,
         host_request_bytes=host_bytes,
-        host_pool_bytes=requests * host_bytes,
+        host_pool_bytes=pool_bytes,
         h2d_bytes_per_step=h2d_bytes,
         h2d_seconds_per_step=h2d_bytes / settings.link_bytes_per_s,
         d2h_bytes_per_step=requests * shape.num_layers * shape.row_bytes,
+        sharing_requests=_sharing(settings, requests),
+        host_bytes_saved=requests * host_bytes - pool_bytes,
     )
+
+
+def _sharing(settings: PlanSettings, requests: int) -> int:
+    """How many of `requests` share the prefix: N, at most all of them; 0 without one."""
+    if not settings.shared_prefix_tokens:
+        return 0
+    wanted = settings.sharing_requests
+    return requests if wanted is None else min(wanted, requests)
+
+
+def host_pool(shape: ModelShape, settings: PlanSettings, context_tokens: int,
+              requests: int) -> int:
+    """Host pool bytes for `requests` requests of `context_tokens`: whole extents each, less
+    the whole extents of the shared prefix that all but one of its sharers hold by reference
+    (core/prefixes.py: the boundary extent is each request's own copy)."""
+    whole_prefix = settings.shared_prefix_tokens // settings.extent_tokens * settings.extent_tokens
+    sharers = _sharing(settings, requests)
+    rows = requests * round_up(context_tokens, settings.extent_tokens)
+    rows -= max(0, sharers - 1) * whole_prefix
+    return rows * shape.num_layers * shape.row_bytes
+
+
+def _most_requests_in(shape: ModelShape, settings: PlanSettings, context_tokens: int,
+                      host_mem_bytes: int, too_many: int) -> int:
+    """The most requests, below `too_many` (whose pool does not fit), whose host pool fits
+    `host_mem_bytes`. The pool never shrinks with one more request: it grows by the request's
+    own extents, or by whole extents past the N sharers of the prefix, so a bisection finds it.
+    """
+    fits = 0
+    while too_many - fits > 1:  # host_pool(fits) <= host_mem_bytes < host_pool(too_many)
+        middle = (fits + too_many) // 2
+        if host_pool(shape, settings, context_tokens, middle) <= host_mem_bytes:
+            fits = middle
+        else:
+            too_many = middle
+    return fits
 
 
 def plan(

@@ -1,0 +1,86 @@
+"""The shared-prefix calls of `HiSparseCache` (docs/integration.md, "Shared prefixes").
+
+A mixin of the cache, so that its lifecycle class keeps one job: these methods use the
+cache's request table, prefix registry (`core.prefixes`), host pool, tables and barriers, and
+take its bookkeeping lock like every other call that changes request records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+from hisparse.core.prefixes import PrefixHandle, PrefixRows
+
+if TYPE_CHECKING:
+    from hisparse.core.requests import RequestRecord
+
+# What `admit` and `reserve_host_slots` accept as a shared prefix.
+Prefix = PrefixHandle | tuple[Hashable, int] | None
+
+
+class PrefixSharing:
+    """Retain and release prefixes; resolve an admit's prefix; keep shared rows unwritten."""
+
+    def retain_prefix(self, source: Hashable | PrefixHandle, num_tokens: int) -> PrefixHandle:
+        """Keep the host rows of the first `num_tokens` tokens of `source` (a running or
+        preempted request's id, or a `PrefixHandle` to cut a shorter one from) for requests
+        admitted with `prefix=handle`, until `release_prefix(handle)`. Shared by reference; a
+        request that goes on decoding gets a private copy of an extent it shares with the
+        handle's tail at its next step (none if the handle is released or the request ends
+        first, as when a prefix cache retains a finishing request's tokens). Needs
+        `residency_map: position` (docs/integration.md)."""
+        with self._lock:
+            self._check_open()
+            return self._prefixes.retain(source, num_tokens, self._requests, self._in_step)
+
+    def release_prefix(self, handle: PrefixHandle) -> None:
+        """Give back a retained prefix; requests admitted on it keep their rows. Raises
+        InvalidInputError for anything but a handle this cache retains (RequestStateError
+        for a second release), changing nothing."""
+        with self._lock:
+            self._check_open()
+            if self._prefixes.release(handle):
+                self._order.host_rows.note_rows_recycled()  # a step in flight may read them
+
+    def _shared_prefix(self, prefix: Prefix, action: str) -> PrefixRows | None:
+        if prefix is None:
+            return None
+        return self._prefixes.resolve(prefix, self._requests, self._in_step, action)
+
+    def _in_step(self, record: RequestRecord) -> bool:
+        step = self._step
+        return step is not None and step.holds(record)
+
+    def _unshare_writers(self, records: list[RequestRecord], num_tokens: int) -> None:
+        """Before a step appends `num_tokens` tokens to `records`: every one whose next token
+        would land in an extent a retained prefix holds moves to a private copy of it. Checks
+        first that the pool has the copies and the step's new extents (nothing moved else);
+        a step its checks then refuse keeps the copies, which hold the same rows."""
+        writers = self._prefixes.writers_in(records)
+        E = self.extent_tokens
+        if not writers or any(r.num_tokens + num_tokens > self.max_seq_len for r in records):
+            return  # (a full request: the step refuses it, and nothing may have changed)
+        need = sum(max(0, -(-(r.num_tokens + num_tokens) // E) - len(r.extents))
+                   for r in records)
+        self._pool.check_free(need + len(writers))
+        for record in writers:
+            self._give_private_tail(record)
+
+    def _give_private_tail(self, record: RequestRecord) -> None:
+        """Move a request whose next tokens would land in an extent a retained prefix holds
+        to a copy of that extent (its rows written so far), on the host and in its page
+        table, so that no shared row is ever written."""
+        self._order.host_rows.drain()  # the copied rows' last backup may still be landing
+        extent = self._prefixes.private_copy(record)
+        if record.slot is not None:
+            try:
+                self._order.step_end.wait()  # the last step's kernels read the page table
+                self.tables.page_table[record.slot, len(record.extents) - 1] = extent
+                self._order.tables_changed.mark()
+            except BaseException:
+                self._pool.release([extent])
+                raise
+        self._prefixes.moved(record, extent)
+
+

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         **environment(args.device),
         "device": args.device,
         "preset": args.preset, "num_layers": L, "row_bytes": W,
-        "extent_tokens": config.extent_tokens, "hot_slots": config.device_buffer_size
+        "extent_tokens": config.extent_tokens, "hot_slots": config.hot_slots
         or 2 * config.top_k, "top_k": config.top_k,
         "prefix_tokens": args.prefix_tokens, "own_tokens": args.own_tokens,
         "requests": args.requests, "rounds": args.rounds, "cpu_threads": args.cpu_threads,

@@ -339,7 +339,7 @@ class DecodeStep:
         """Give each long request's newest slot its previous token back from the host, in the
         layers `write_newest` overwrote."""
         H, S = c.tables.hot_slots, c.tables.slots_per_request
-        newest = [(_slot(r) * S + H, _host_row(r, r.num_tokens - 2, c.tables.extent_tokens))
+        newest = [(slot_of(r) * S + H, host_row_of(r, r.num_tokens - 2, c.tables.extent_tokens))
                   for r in self._records if r.num_tokens - 1 > H]
         if not newest or not self._written:
             return
@@ -354,11 +354,11 @@ class DecodeStep:
         """Put every record and table back at the length before the step."""
         t, records, grew = c.tables, self._records, self._grew
         H, E = t.hot_slots, t.extent_tokens
-        short = [(_slot(r), r.num_tokens - 1, _host_row(r, r.num_tokens - 1, E))
+        short = [(slot_of(r), r.num_tokens - 1, host_row_of(r, r.num_tokens - 1, E))
                  for r in records if r.num_tokens - 1 < H]
         uploaded = c.buffers.upload_columns(
-            [[_slot(r) for r in records], [r.num_tokens - 1 for r in records],
-             [_slot(r) for r in grew], [len(r.extents) - 1 for r in grew],
+            [[slot_of(r) for r in records], [r.num_tokens - 1 for r in records],
+             [slot_of(r) for r in grew], [len(r.extents) - 1 for r in grew],
              *zip(*short, strict=True)]
         )
         t.seq_lens[uploaded[0].long()] = uploaded[1]
@@ -422,13 +422,13 @@ def _check_single_accepted(accepted: Any, batch_size: int) -> None:
             "num_tokens=S))")
 
 
-def _slot(record: RequestRecord) -> int:
+def slot_of(record: RequestRecord) -> int:
     """The request slot of a record in a step (every running request has one)."""
     assert record.slot is not None
     return record.slot
 
 
-def _host_row(record: RequestRecord, position: int, extent_tokens: int) -> int:
+def host_row_of(record: RequestRecord, position: int, extent_tokens: int) -> int:
     page, offset = divmod(position, extent_tokens)
     return record.extents[page] * extent_tokens + offset
 

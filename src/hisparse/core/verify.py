@@ -25,7 +25,7 @@ import torch
 from hisparse.backends.base import Backend
 from hisparse.core.replay import GroupReplay
 from hisparse.core.requests import RequestRecord
-from hisparse.core.step import DecodeContext, DecodeStep, StepState
+from hisparse.core.step import DecodeContext, DecodeStep, StepState, host_row_of, slot_of
 from hisparse.core.union import (
     DeviceBlock,
     UnionWidth,
@@ -351,7 +351,7 @@ class VerifyStep(DecodeStep):
         """Give slot H of each request that was long before the step its newest token back
         from the host in the layers `write_newest` overwrote (draft slot 0 is slot H)."""
         H, SPR, E = c.tables.hot_slots, c.tables.slots_per_request, c.tables.extent_tokens
-        pairs = [(_slot(r) * SPR + H, _host_row(r, n - 1, E))
+        pairs = [(slot_of(r) * SPR + H, host_row_of(r, n - 1, E))
                  for r, n in zip(self._records, self._first, strict=True) if n > H]
         if not pairs or not self._written:
             return
@@ -378,7 +378,7 @@ def check_num_tokens(num_tokens: object, dedupe: object, max_draft_tokens: int) 
 def _begin_values(records: list[RequestRecord], taken: list[list[int]], tokens: int, H: int,
                   SPR: int, P: int, E: int) -> dict[str, Any]:
     """The begin block's fields and the batch buffers' columns for a verify step."""
-    slots = [_slot(r) for r in records]
+    slots = [slot_of(r) for r in records]
     first = [r.num_tokens for r in records]
     base = [s * SPR + H for s in slots]
     draft = [b + i for b in base for i in range(tokens)]
@@ -411,7 +411,7 @@ def _end_values(c: DecodeContext, records: list[RequestRecord], first: list[int]
         "commit_dst", "short_slot", "short_hot", "short_key")}
     released = []
     for record, n0, before, a in zip(records, first, extents_before, accepted, strict=True):
-        slot, n1 = _slot(record), n0 + a
+        slot, n1 = slot_of(record), n0 + a
         draft = slot * SPR + H
         keep = max(before, -(-n1 // E))
         released.append(record.extents[keep:])
@@ -420,7 +420,7 @@ def _end_values(c: DecodeContext, records: list[RequestRecord], first: list[int]
         v["seq_len"].append(n1)
         for s in range(a):
             v["backup_rows"].append(draft + s)
-            v["backup_host"].append(_host_row(record, n0 + s, E))
+            v["backup_host"].append(host_row_of(record, n0 + s, E))
         if n1 <= H:  # short: every token in its own slot, tracked for the switch to long
             for s in range(a):
                 position = n0 + s
@@ -429,7 +429,7 @@ def _end_values(c: DecodeContext, records: list[RequestRecord], first: list[int]
                 v["short_slot"].append(slot)
                 v["short_hot"].append(position)
                 v["short_key"].append(int(t.residency_keys(
-                    slot, position, _host_row(record, position, E))))
+                    slot, position, host_row_of(record, position, E))))
         elif a > 1:  # the last accepted token is the next step's newest, in slot H
             v["commit_src"].append(draft + a - 1)
             v["commit_dst"].append(draft)
@@ -439,11 +439,3 @@ def _end_values(c: DecodeContext, records: list[RequestRecord], first: list[int]
     return v, released
 
 
-def _slot(record: RequestRecord) -> int:
-    assert record.slot is not None
-    return record.slot
-
-
-def _host_row(record: RequestRecord, position: int, extent_tokens: int) -> int:
-    page, offset = divmod(position, extent_tokens)
-    return record.extents[page] * extent_tokens + offset

@@ -74,6 +74,10 @@ class RequestRecord:
     # Tokens admitted on a shared prefix: on the host already, never written by this request.
     prefix_tokens: int = 0
 
+    def extents_to_grow(self, tokens: int, extent_tokens: int) -> int:
+        """The new extents that appending `tokens` tokens to the request takes."""
+        return max(0, -(-(self.num_tokens + tokens) // extent_tokens) - len(self.extents))
+
 
 class SlotAllocator:
     """Device request slots `0..R-1`, lowest free first."""

@@ -61,8 +61,7 @@ class PrefixSharing:
         E = self.extent_tokens
         if not writers or any(r.num_tokens + num_tokens > self.max_seq_len for r in records):
             return  # (a full request: the step refuses it, and nothing may have changed)
-        need = sum(max(0, -(-(r.num_tokens + num_tokens) // E) - len(r.extents))
-                   for r in records)
+        need = sum(r.extents_to_grow(num_tokens, E) for r in records)
         self._pool.check_free(need + len(writers))
         for record in writers:
             self._give_private_tail(record)

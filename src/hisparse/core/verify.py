@@ -128,7 +128,7 @@ class VerifyStep(DecodeStep):
                 f"requests {full!r} have fewer than num_tokens={tokens} tokens left before "
                 f"max_seq_len={c.max_seq_len}; verify fewer tokens, finish them or raise "
                 "max_seq_len")
-        need = [max(0, -(-(r.num_tokens + tokens) // E) - len(r.extents)) for r in records]
+        need = [r.extents_to_grow(tokens, E) for r in records]
         c.pool.check_free(sum(need))
         taken: list[list[int]] = []
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -46,9 +47,10 @@ def swap_in_reference(
 ) -> None:
     t = tables
     found = _lookup(t, group, req_slots, top_k, num_real)
-    miss, victim, installed = _select_victims(t, group, found)
+    chosen = _select_victims(t, group, found)
+    miss, victim = chosen.miss, chosen.victim
     result = torch.where(miss, found.base + victim, found.result)
-    _install(t, layer, group, found, miss, victim, installed, plan, skip_io)
+    _install(t, layer, group, found, chosen, plan, skip_io)
     served = found.served & ~miss
     t.counters[layer, 0] += served.sum()
     t.counters[layer, 1] += miss.sum()
@@ -110,12 +112,19 @@ def _lookup(t: CacheTables, group: int, req_slots: torch.Tensor, top_k: torch.Te
                    row=row, key=key, base=base)
 
 
-def _select_victims(t: CacheTables, group: int, found: _Lookup
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+class _Selection(NamedTuple):
+    """The victims the LRU gave a batch's misses."""
+
+    miss: torch.Tensor  # [B, K] the misses that got a slot
+    victim: torch.Tensor  # [B, K] each one's victim slot
+    rank: torch.Tensor  # [B, K] each miss's rank among its row's (top-k order)
+    installed: torch.Tensor  # [B] misses installed per row (0 for short and padding rows)
+
+
+def _select_victims(t: CacheTables, group: int, found: _Lookup) -> _Selection:
     """Exact LRU over the long-regime rows: hits take the clock's value; the evictable slots
     are those below it, oldest first, ties by slot id; miss m (top-k order) takes the m-th
-    victim in slot-id order. Returns (installed misses, each entry's victim slot, the count
-    installed per row) and leaves the stamps and clocks updated."""
+    victim in slot-id order. Leaves the stamps and clocks updated."""
     hot_slots = t.hot_slots
     batch_cap, dev = found.result.shape[0], found.result.device
     r, hit, miss = found.r, found.hit, found.miss
@@ -145,15 +154,15 @@ def _select_victims(t: CacheTables, group: int, found: _Lookup
     stamps = torch.where(chosen, clock, stamps)
     t.last_use[group, r[update]] = stamps[update].to(t.last_use.dtype)
     t.lru_clock[group, r[update]] += 1
-    return miss, victim, torch.where(update, installed[:, 0], 0)
+    return _Selection(miss, victim, miss_rank, torch.where(update, installed[:, 0], 0))
 
 
-def _install(t: CacheTables, layer: int, group: int, found: _Lookup, miss: torch.Tensor,
-             victim: torch.Tensor, installed: torch.Tensor, plan: MissPlan | None,
-             skip_io: bool) -> None:
+def _install(t: CacheTables, layer: int, group: int, found: _Lookup, chosen: _Selection,
+             plan: MissPlan | None, skip_io: bool) -> None:
     """Give each installed miss its victim slot in the tables, copy its row (unless
     skip-IO) and record it in the plan, batch row by batch row in top-k order."""
-    miss_b, miss_k = miss.nonzero(as_tuple=True)
+    victim = chosen.victim
+    miss_b, miss_k = chosen.miss.nonzero(as_tuple=True)
     miss_req = found.r[miss_b]
     miss_slot = victim[miss_b, miss_k]
     miss_row = found.row[miss_b, miss_k]
@@ -169,10 +178,10 @@ def _install(t: CacheTables, layer: int, group: int, found: _Lookup, miss: torch
         t.device_kv[layer][miss_dst] = host[miss_row.to(host.device)].to(dev, non_blocking=True)
     if plan is not None:
         batch_cap = found.result.shape[0]
-        miss_rank = miss.long().cumsum(1) - 1
-        plan.count[:batch_cap].copy_(installed.to(plan.count.dtype))
-        plan.src[miss_b, miss_rank[miss_b, miss_k]] = miss_row.to(plan.src.dtype)
-        plan.dst[miss_b, miss_rank[miss_b, miss_k]] = miss_dst.to(plan.dst.dtype)
+        rank = chosen.rank[miss_b, miss_k]
+        plan.count[:batch_cap].copy_(chosen.installed.to(plan.count.dtype))
+        plan.src[miss_b, rank] = miss_row.to(plan.src.dtype)
+        plan.dst[miss_b, rank] = miss_dst.to(plan.dst.dtype)
 
 
 def copy_planned_reference(tables: CacheTables, layer: int, plan: MissPlan) -> None:

@@ -16,7 +16,6 @@ import torch
 
 from hisparse.backends.base import Backend, BackupFn
 from hisparse.errors import HisparseError, RequestStateError
-from hisparse.kernels.backup_reference import backup_newest_reference
 from hisparse.layout.tables import CacheTables, MissPlan
 
 
@@ -40,9 +39,8 @@ class DecodeKernels:
             backend.zero_copy_swap_in_kernel()
         self.launcher: Any = backend.swap_in_launcher(tables, req_slots, num_real, out,
                                                       plans=plans, skip_io=skip_io)
-        # Fused backup kernels come with the GPU path; every backend has the reference.
-        backup_kernel = getattr(backend, "backup_kernel", None)
-        self.backup: BackupFn = backup_kernel() if backup_kernel else backup_newest_reference
+        # The GPU backends bind the fused kernel; `Backend` gives every other the reference.
+        self.backup: BackupFn = backend.backup_kernel()
         self.failure: str | None = None
 
     def launch_swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:

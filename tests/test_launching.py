@@ -77,13 +77,13 @@ def test_a_new_tensor_keeps_the_kernel_only_at_the_same_alignment(no_hooks: None
                                    device=torch.device("cpu"))
     launch()
     aligned = storage[16:24]  # 64 bytes in: still 16-byte aligned
-    moved = launch.with_tensor(0, aligned)
-    moved()
+    launch.rebind(0, aligned)
+    launch()
     assert compiled.calls[-1][9] == aligned.data_ptr() and len(kernel.triton_calls) == 1
     misaligned = storage[1:9]  # 4 bytes in: triton would specialize differently
-    again = launch.with_tensor(0, misaligned)
-    assert not again.direct
-    again()
+    launch.rebind(0, misaligned)
+    assert not launch.direct
+    launch()
     assert kernel.triton_calls[-1][1][0] is misaligned, "went back through triton"
 
 
@@ -103,6 +103,21 @@ def test_hooks_the_interpreter_or_an_opt_out_keep_every_call_on_triton(
     monkeypatch.setattr(launching, "_hooks_installed", lambda: True)  # a profiler attached
     launch()
     assert len(kernel.triton_calls) == 2 and compiled.calls == []
+
+
+def test_an_empty_hook_chain_is_no_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """triton 3.5+ keeps an empty HookChain where a profiler's hook would go: that must not
+    send every launch back through triton's dispatch (it did, on the H200's triton 3.6)."""
+    empty, attached = SimpleNamespace(calls=[]), SimpleNamespace(calls=[print])
+    monkeypatch.setattr(launching, "_RUNTIME_KNOBS",
+                        SimpleNamespace(launch_enter_hook=empty, launch_exit_hook=empty))
+    assert not launching._hooks_installed()
+    monkeypatch.setattr(launching, "_RUNTIME_KNOBS",
+                        SimpleNamespace(launch_enter_hook=attached, launch_exit_hook=empty))
+    assert launching._hooks_installed()
+    monkeypatch.setattr(launching, "_RUNTIME_KNOBS",
+                        SimpleNamespace(launch_enter_hook=None, launch_exit_hook=print))
+    assert launching._hooks_installed()
 
 
 def test_a_missing_constexpr_is_refused_when_bound() -> None:

@@ -43,13 +43,19 @@ DIRECT_LAUNCH_AVAILABLE = _triton_version() >= _DIRECT_FROM
 _RUNTIME_KNOBS = _knobs()
 
 
+def _hook_set(hook: Any) -> bool:
+    """Whether a launch hook does anything: triton 3.5+ keeps an empty `HookChain` there by
+    default (its `calls` list), older ones None."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _hooks_installed() -> bool:
     if _RUNTIME_KNOBS is None:
         from triton.compiler.compiler import CompiledKernel
 
-        return getattr(CompiledKernel, "launch_enter_hook", None) is not None
-    return (_RUNTIME_KNOBS.launch_enter_hook is not None
-            or _RUNTIME_KNOBS.launch_exit_hook is not None)
+        return _hook_set(getattr(CompiledKernel, "launch_enter_hook", None))
+    return _hook_set(_RUNTIME_KNOBS.launch_enter_hook) or _hook_set(
+        _RUNTIME_KNOBS.launch_exit_hook)
 
 
 def _current_stream(device_index: int) -> int:
@@ -105,20 +111,16 @@ class BoundLaunch:
         """The address (or value) positional argument `index` is launched with."""
         return self._flat[index]
 
-    def with_tensor(self, index: int, tensor: torch.Tensor) -> BoundLaunch:
-        """This launch with positional argument `index` replaced by `tensor` (same dtype): a
-        copy that keeps the compiled kernel where the address's 16-byte alignment, the only
-        property of a pointer triton specializes on, is unchanged."""
-        clone = BoundLaunch.__new__(BoundLaunch)
-        for name in BoundLaunch.__slots__:
-            setattr(clone, name, getattr(self, name))
-        clone._args = (*self._args[:index], tensor, *self._args[index + 1:])
+    def rebind(self, index: int, tensor: torch.Tensor) -> None:
+        """Replace positional argument `index` by `tensor` (same dtype), in place: per call
+        when a caller's top-k tensor moves, so two tuple rebuilds and nothing else. The
+        compiled kernel stays where the address's 16-byte alignment, the only property of a
+        pointer triton specializes on, is unchanged."""
         address = tensor.data_ptr()
-        clone._flat = (*self._flat[:index], address, *self._flat[index + 1:])
-        old = self._flat[index]
-        if (old % 16 == 0) != (address % 16 == 0):
-            clone._compiled = None
-        return clone
+        if (self._flat[index] % 16 == 0) != (address % 16 == 0):
+            self._compiled = None
+        self._args = (*self._args[:index], tensor, *self._args[index + 1:])
+        self._flat = (*self._flat[:index], address, *self._flat[index + 1:])
 
     def _launch_through_triton(self) -> None:
         kernel = self._kernel[self._grid](*self._args, **self._constants)

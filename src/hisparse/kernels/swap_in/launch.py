@@ -289,15 +289,14 @@ class SwapInLauncher:
         if launches is None:
             recorded = self.plans[group]
             plan = recorded.first_rows(rows) if recorded is not None else self._scratch.plan
-            launches = _bind(self.tables, self.launch_plan(rows), layer, group,
-                             self._req_slots[:rows], top_k, self._num_real,
-                             self._out[group][:rows], plan, self._scratch,
-                             direct=self.traits.direct_launch)
+            launches = self._swap_ins[key] = _bind(
+                self.tables, self.launch_plan(rows), layer, group, self._req_slots[:rows],
+                top_k, self._num_real, self._out[group][:rows], plan, self._scratch,
+                direct=self.traits.direct_launch)
         elif launches[0].address(_TOP_K_ARG) != top_k.data_ptr():
             # Another top-k tensor (the bound launches keep the last one alive).
-            launches = (launches[0].with_tensor(_TOP_K_ARG, top_k),
-                        launches[1].with_tensor(_TOP_K_ARG, top_k), *launches[2:])
-        self._swap_ins[key] = launches
+            launches[0].rebind(_TOP_K_ARG, top_k)
+            launches[1].rebind(_TOP_K_ARG, top_k)
         _run(launches, self._scratch)
 
     def replay(self, layer: int, group: int, rows: int) -> None:

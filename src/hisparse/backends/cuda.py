@@ -37,9 +37,9 @@ class CudaBackend(AcceleratorBackend):
 
     @property
     def direct_kernel_launch(self) -> bool:  # type: ignore[override]
-        # Not yet run on hardware (the H200 was not lent when it was written): opt in with
-        # HISPARSE_DIRECT_LAUNCH=1 until a GPU run verifies it (benchmarks/NOTES.md, "Host path").
-        return os.environ.get("HISPARSE_DIRECT_LAUNCH") == "1"
+        # On since the H200 ran the GPU suite and compute-sanitizer through it (benchmarks/
+        # NOTES.md, seventeenth pass); HISPARSE_DIRECT_LAUNCH=0 keeps triton's dispatch.
+        return os.environ.get("HISPARSE_DIRECT_LAUNCH", "1") != "0"
 
     def unavailable_reason(self) -> str | None:
         if torch.version.hip is not None:

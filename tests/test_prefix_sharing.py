@@ -2,7 +2,11 @@
 the boundary extent copied, nothing shared ever written, and every bad call refused unchanged.
 
 The random lifecycles with sharing (retain, release, shared admits and PD reserves, cancel,
-preempt, finish in any order) run in tests/test_reliability_fuzz.py against the oracle."""
+preempt, finish in any order) run in tests/test_reliability_fuzz.py against the oracle.
+
+The sharing, decode, index-group, PD and statistics tests run on every usable backend (the
+`backend` fixture: `./scripts/test --backend cuda` decodes through the GPU's Triton kernels);
+the refusals change nothing before any kernel runs and stay on the CPU."""
 
 from __future__ import annotations
 
@@ -38,8 +42,8 @@ class Sharing:
     """A position-keyed cache plus the bytes every request's tokens must have."""
 
     def __init__(self, group: int = 1, pool_extents: int = 32, max_requests: int = 4,
-                 residency_map: str = "position") -> None:
-        self.cache = build_cache("cpu", H, K, E, group, True, pool_extents,
+                 residency_map: str = "position", backend: object = "cpu") -> None:
+        self.cache = build_cache(backend, H, K, E, group, True, pool_extents,
                                  max_requests=max_requests, max_batch=min(3, max_requests),
                                  residency_map=residency_map)
         self.rows: dict[Hashable, torch.Tensor] = {}  # [L, n, W] per live request
@@ -63,10 +67,12 @@ class Sharing:
         self.rows[request_id] = own if prefix_rows is None else torch.cat([prefix_rows, own], 1)
 
     def host_bytes(self, request_id: Hashable) -> torch.Tensor:
+        self.cache.backend.synchronize()  # the newest tokens' backups land asynchronously
         rows = torch.from_numpy(self.cache.host_rows(request_id))
         return torch.stack([h[rows] for h in self.cache.host_tensors()])
 
     def retained_bytes(self, handle: PrefixHandle) -> torch.Tensor:
+        self.cache.backend.synchronize()
         rows = self.cache._prefixes._retained[handle.handle_id][1]
         positions = np.arange(rows.num_tokens)
         host = np.asarray(rows.extents)[positions // E] * E + positions % E
@@ -88,21 +94,22 @@ class Sharing:
             assert cache._pool.holders(record.extents[position // E]) == 1, (
                 f"the newest token of {request_id!r} lands in an extent it shares")
         new = self.fresh(len(ids))  # [L, B, W]
+        device = cache.device
         for layer in range(L):
-            cache.write_newest(layer, new[layer])
+            cache.write_newest(layer, new[layer].to(device))
             if layer % cache.index_group_size == 0:  # the layers of a group share a top-k
                 positions = []
                 for b in range(len(ids)):
                     chosen = self.rng.permutation(step.positions[b] + 1)[:K].tolist()
                     positions.append(chosen + [-1] * (K - len(chosen)))
-                top_k = torch.tensor(positions, dtype=torch.int32)
-            out = cache.swap_in(layer, top_k)
-            device = cache.device_kv(layer)
+                top_k = torch.tensor(positions, dtype=torch.int32, device=device)
+            out = cache.swap_in(layer, top_k).cpu()
+            held = cache.device_kv(layer).cpu()
             for b, request_id in enumerate(ids):
                 mine = torch.cat([self.rows[request_id][layer], new[layer, b : b + 1]])
                 for k, p in enumerate(positions[b]):
                     if p >= 0:
-                        assert torch.equal(device[out[b, k]], mine[p]), (request_id, layer, p)
+                        assert torch.equal(held[out[b, k]], mine[p]), (request_id, layer, p)
         if cancel:
             cache.cancel_decode_step()
             return
@@ -120,8 +127,9 @@ def extents_of(cache: hisparse.HiSparseCache, request_id: Hashable) -> list[int]
 
 
 # --- sharing, copying, writing only the new rows -----------------------------------------
-def test_a_request_on_a_retained_prefix_shares_whole_extents_and_copies_the_tail() -> None:
-    s = Sharing()
+def test_a_request_on_a_retained_prefix_shares_whole_extents_and_copies_the_tail(
+        backend: object) -> None:
+    s = Sharing(backend=backend)
     cache = s.cache
     s.prefill("a", 10)  # extents of 4: two whole, two tokens in the third
     handle = cache.retain_prefix("a", 10)
@@ -147,9 +155,9 @@ def test_a_request_on_a_retained_prefix_shares_whole_extents_and_copies_the_tail
 @pytest.mark.parametrize("prefix", [8, 10])  # whole extents, and a tail to copy
 @pytest.mark.parametrize("retained", [False, True])
 def test_n_requests_on_a_p_token_prefix_hold_p_plus_n_times_their_own_rows(
-    prefix: int, retained: bool,
+    prefix: int, retained: bool, backend: object,
 ) -> None:
-    s = Sharing(max_requests=5)
+    s = Sharing(max_requests=5, backend=backend)
     cache = s.cache
     s.prefill("src", prefix)
     named = cache.retain_prefix("src", prefix) if retained else ("src", prefix)
@@ -181,8 +189,9 @@ def test_n_requests_on_a_p_token_prefix_hold_p_plus_n_times_their_own_rows(
     assert cache._pool.allocator.free_extents == cache._pool.num_extents
 
 
-def test_a_whole_prompt_prefix_needs_no_write_and_its_first_token_takes_a_new_extent() -> None:
-    s = Sharing()
+def test_a_whole_prompt_prefix_needs_no_write_and_its_first_token_takes_a_new_extent(
+        backend: object) -> None:
+    s = Sharing(backend=backend)
     cache = s.cache
     s.prefill("a", 8)
     s.prefill("b", 8, prefix=("a", 8), prefix_rows=s.rows["a"])  # nothing of b's own
@@ -194,8 +203,8 @@ def test_a_whole_prompt_prefix_needs_no_write_and_its_first_token_takes_a_new_ex
     s.check()
 
 
-def test_a_prefix_of_a_prefix_and_a_prefix_of_a_sharing_request() -> None:
-    s = Sharing(max_requests=4)
+def test_a_prefix_of_a_prefix_and_a_prefix_of_a_sharing_request(backend: object) -> None:
+    s = Sharing(backend=backend, max_requests=4)
     cache = s.cache
     s.prefill("a", 14)
     long = cache.retain_prefix("a", 14)
@@ -212,8 +221,8 @@ def test_a_prefix_of_a_prefix_and_a_prefix_of_a_sharing_request() -> None:
     assert torch.equal(s.retained_bytes(short), s.rows["b"][:, :6])
 
 
-def test_ending_or_parking_one_holder_never_changes_another_holders_rows() -> None:
-    s = Sharing(max_requests=3)
+def test_ending_or_parking_one_holder_never_changes_another_holders_rows(backend: object) -> None:
+    s = Sharing(backend=backend, max_requests=3)
     cache = s.cache
     s.prefill("a", 13)
     handle = cache.retain_prefix("a", 12)
@@ -240,8 +249,8 @@ def test_ending_or_parking_one_holder_never_changes_another_holders_rows() -> No
     assert cache._pool.allocator.free_runs() == [(0, cache._pool.num_extents)]
 
 
-def test_a_cancelled_step_keeps_the_private_copy_and_the_rows() -> None:
-    s = Sharing()
+def test_a_cancelled_step_keeps_the_private_copy_and_the_rows(backend: object) -> None:
+    s = Sharing(backend=backend)
     cache = s.cache
     s.prefill("a", 10)
     handle = cache.retain_prefix("a", 9)
@@ -257,8 +266,8 @@ def test_a_cancelled_step_keeps_the_private_copy_and_the_rows() -> None:
     s.check()
 
 
-def test_releasing_the_handle_first_spares_the_copy() -> None:
-    s = Sharing()
+def test_releasing_the_handle_first_spares_the_copy(backend: object) -> None:
+    s = Sharing(backend=backend)
     cache = s.cache
     s.prefill("a", 10)
     cache.release_prefix(cache.retain_prefix("a", 10))
@@ -270,8 +279,8 @@ def test_releasing_the_handle_first_spares_the_copy() -> None:
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_index_groups_decode_sharing_requests_side_by_side(group: int) -> None:
-    s = Sharing(group=group)
+def test_index_groups_decode_sharing_requests_side_by_side(group: int, backend: object) -> None:
+    s = Sharing(group=group, backend=backend)
     s.prefill("a", 21)
     s.prefill("b", 27, prefix=("a", 18), prefix_rows=s.rows["a"][:, :18])
     s.prefill("c", 19, prefix=("a", 19), prefix_rows=s.rows["a"][:, :19])
@@ -281,8 +290,8 @@ def test_index_groups_decode_sharing_requests_side_by_side(group: int) -> None:
 
 
 # --- PD -----------------------------------------------------------------------------------
-def test_a_pd_reservation_on_a_prefix_lists_only_the_rows_to_transfer() -> None:
-    s = Sharing(max_requests=2)
+def test_a_pd_reservation_on_a_prefix_lists_only_the_rows_to_transfer(backend: object) -> None:
+    s = Sharing(backend=backend, max_requests=2)
     cache = s.cache
     s.prefill("a", 11)
     handle = cache.retain_prefix("a", 11)
@@ -302,8 +311,8 @@ def test_a_pd_reservation_on_a_prefix_lists_only_the_rows_to_transfer() -> None:
     s.check()
 
 
-def test_pd_failures_leave_every_holder_count_as_it_was() -> None:
-    s = Sharing(max_requests=1)
+def test_pd_failures_leave_every_holder_count_as_it_was(backend: object) -> None:
+    s = Sharing(backend=backend, max_requests=1)
     cache = s.cache
     s.prefill("a", 10)
     handle = cache.retain_prefix("a", 10)
@@ -327,8 +336,8 @@ def test_pd_failures_leave_every_holder_count_as_it_was() -> None:
 
 
 # --- statistics ---------------------------------------------------------------------------
-def test_statistics_count_shared_extents_rows_and_bytes_saved() -> None:
-    s = Sharing()
+def test_statistics_count_shared_extents_rows_and_bytes_saved(backend: object) -> None:
+    s = Sharing(backend=backend)
     cache = s.cache
     s.prefill("a", 10)
     empty = cache.stats().occupancy

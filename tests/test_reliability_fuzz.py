@@ -579,12 +579,12 @@ SHARING_WEIGHTS = (6, 1, 1, 2, 2, 2, 1, 1, 3, 1, 4, 2, 2)
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[str(s) for s in SHAPES])
 def test_sharing_lifecycles_match_the_oracle_and_leave_the_pool_whole(
-    shape: tuple[int, int, int, int], seed: int,
+    shape: tuple[int, int, int, int], seed: int, backend: Any,
 ) -> None:
     """Retain, release, shared admits and reserves, private copies, cancels, in any order."""
     total = FuzzCounts()
     for run in range(4):
-        total.add(LockstepRun("cpu", shape, bool(run % 2), 24, seed + run, SHARING_WEIGHTS,
+        total.add(LockstepRun(backend, shape, bool(run % 2), 24, seed + run, SHARING_WEIGHTS,
                               residency_map="position").run(decode_steps=30,
                                                             max_operations=150))
     assert total.mismatches == 0, total.failures

@@ -6,6 +6,10 @@ at random layers, single-token steps in between, preempt/resume, finish, index g
 both residency maps; after every step the returned rows must be the oracle's slots and hold
 the right bytes, and every host row, hot row, table and counter must match. Output buffers
 are poisoned before each call, so a row the swap-in never wrote shows.
+
+The fuzz, attention, dedupe and end-to-end tests run on every usable backend (the `backend`
+fixture: `./scripts/test --backend cuda` runs them on the GPU's Triton kernels); the refusals
+of bad input are checked before any kernel runs and stay on the CPU.
 """
 
 from __future__ import annotations
@@ -18,7 +22,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 import hisparse
 from hisparse.attention import LATENT_DIM, ROPE_DIM, sparse_mla_decode_reference
@@ -52,8 +62,9 @@ def _config(hot: int, top_k: int, extent: int, group: int, drafts: int, validate
         residency_map=residency_map, max_draft_tokens=drafts)
 
 
-def build_cache(*args: object, **kwargs: object) -> hisparse.HiSparseCache:
-    return hisparse.HiSparseCache(_config(*args, **kwargs), device="cpu")
+def build_cache(*args: object, device: object = "cpu", **kwargs: object
+                ) -> hisparse.HiSparseCache:
+    return hisparse.HiSparseCache(_config(*args, **kwargs), device=device)
 
 
 # --- the union ---------------------------------------------------------------------------
@@ -85,8 +96,13 @@ def test_union_lists_each_older_position_once_and_maps_every_entry(tokens: int) 
 
 # --- the fuzz ----------------------------------------------------------------------------
 class VerifyTrace(RuleBasedStateMachine):
-    def __init__(self) -> None:
+    """The verify-step fuzz on one backend: inputs are made on the host and moved to the
+    cache's device; everything read back is copied to the host once per check (a GPU would
+    otherwise sync per element)."""
+
+    def __init__(self, backend: object = "cpu") -> None:
         super().__init__()
+        self.backend = backend
         self.cache = None
 
     @initialize(shape=st.sampled_from(SHAPES), validate=st.booleans(),
@@ -95,7 +111,9 @@ class VerifyTrace(RuleBasedStateMachine):
                                                                  min_size=1, max_size=3))
     def build(self, shape, validate, residency_map, seed, prompts) -> None:
         hot, top_k, extent, group, drafts = shape
-        self.cache = build_cache(hot, top_k, extent, group, drafts, validate, residency_map)
+        self.cache = build_cache(hot, top_k, extent, group, drafts, validate, residency_map,
+                                 device=self.backend)
+        self.device = self.cache.device
         self.model = CacheModel(NUM_LAYERS, hot, group)
         self.rng = np.random.default_rng(seed)
         self.gen = torch.Generator().manual_seed(seed)
@@ -182,7 +200,7 @@ class VerifyTrace(RuleBasedStateMachine):
         B = len(batch) + int(self.rng.integers(cache.batch_capacity - len(batch) + 1))
         for layer in range(NUM_LAYERS):
             kv = new[layer, :B] if rows > 1 else new[layer, :B, 0]
-            cache.write_newest(layer, kv)
+            cache.write_newest(layer, kv.to(self.device))
             if cancel_at == layer:
                 break
             self.swap_in(layer, batch, first, top_k[:B], plain, B)
@@ -202,7 +220,10 @@ class VerifyTrace(RuleBasedStateMachine):
                     model.accept(rid, n0, 0)
             return
         accepted = [int(self.rng.integers(1, rows + 1)) for _ in batch]
-        step.end(accepted=accepted if not plain or self.rng.random() < 0.5 else None)
+        given: object = accepted if not plain or self.rng.random() < 0.5 else None
+        if given is not None and self.rng.random() < 0.5:  # as a device tensor (one read)
+            given = torch.tensor(accepted, dtype=torch.int32, device=self.device)
+        step.end(accepted=given)
         for rid, n0, a in zip(batch, first, accepted, strict=True):
             if not plain:
                 model.accept(rid, n0, a)
@@ -218,8 +239,8 @@ class VerifyTrace(RuleBasedStateMachine):
                 width.union_out.fill_(POISON)
             cache._decode.buffers.out.fill_(POISON)
         follower = layer % group_size and self.rng.random() < 0.5
-        given = top_k if top_k.shape[1] > 1 else top_k[:, 0]
-        out = cache.swap_in(layer, None if follower else given)
+        given = (top_k if top_k.shape[1] > 1 else top_k[:, 0]).to(self.device)
+        out = cache.swap_in(layer, None if follower else given).cpu()
         if plain:
             slots = self.model.swap_in(layer, batch, top_k[: len(batch), 0].tolist())
             slots = [[row] for row in slots]
@@ -230,7 +251,7 @@ class VerifyTrace(RuleBasedStateMachine):
         assert out.shape[0] == B
         assert bool((out[len(batch):] == -1).all())
         SPR = cache.slots_per_request
-        device_kv = cache.device_kv(layer)
+        device_kv = cache.device_kv(layer).cpu()
         for b, rid in enumerate(batch):
             base = cache.request_slot(rid) * SPR
             for s, row in enumerate(slots[b]):
@@ -266,49 +287,58 @@ class VerifyTrace(RuleBasedStateMachine):
             return
         cache, model, t = self.cache, self.model, self.cache.tables
         SPR, H = cache.slots_per_request, cache.hot_slots
+        cache.backend.synchronize()  # host rows: the backups land asynchronously on a GPU
+        seq_lens, device_kv = t.seq_lens.cpu(), t.device_kv.cpu()
+        resident, slot_key = t.resident.cpu(), t.slot_key.cpu()
         for rid in self.running():
             request = model.requests[rid]
             n = request.length
             assert cache.seq_len(rid) == n
             slot = cache.request_slot(rid)
-            assert int(t.seq_lens[slot]) == n
+            assert int(seq_lens[slot]) == n
             host_rows = cache.host_rows(rid)
             for layer in range(NUM_LAYERS):
                 host = t.host_kv[layer]
                 for p in range(n):
                     assert bytes(host[host_rows[p]].tolist()) == request.rows[layer][p]
                 newest = slot * SPR + model.newest_slot(rid)
-                assert bytes(t.device_kv[layer, newest].tolist()) == request.rows[layer][n - 1]
+                assert bytes(device_kv[layer, newest].tolist()) == request.rows[layer][n - 1]
             for group, buffer in enumerate(request.buffers):
                 for p, hot in buffer.slot_of.items():
                     key = int(t.residency_keys(slot, p, int(host_rows[p])))
-                    assert int(t.resident[group, key]) == hot
-                    assert int(t.slot_key[group, slot, hot]) == key
+                    assert int(resident[group, key]) == hot
+                    assert int(slot_key[group, slot, hot]) == key
                     for layer in range(group * cache.index_group_size,
                                        min((group + 1) * cache.index_group_size, NUM_LAYERS)):
-                        assert bytes(t.device_kv[layer, slot * SPR + hot].tolist()) == \
+                        assert bytes(device_kv[layer, slot * SPR + hot].tolist()) == \
                             request.rows[layer][p]
-                held = int((t.slot_key[group, slot] >= 0).sum())
+                held = int((slot_key[group, slot] >= 0).sum())
                 assert held == len(buffer.slot_of) or n <= H
         counters = t.counters.tolist()
         for layer, counts in enumerate(model.counts):
             assert counters[layer] == [counts.hits, counts.misses, counts.invalid], layer
 
 
-TestVerifyTrace = VerifyTrace.TestCase
-TestVerifyTrace.settings = settings(
+FUZZ_SETTINGS = settings(
     max_examples=FUZZ_EXAMPLES, stateful_step_count=12, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
+def test_verify_steps_match_the_oracle(backend: object) -> None:
+    """The fuzz above, on `backend` (HISPARSE_FUZZ_EXAMPLES=N sets its examples)."""
+    run_state_machine_as_test(lambda: VerifyTrace(backend), settings=FUZZ_SETTINGS)
+
+
 # --- attention over the returned rows ----------------------------------------------------
-def test_sparse_attention_over_verify_rows_equals_attention_over_the_full_kv() -> None:
+def test_sparse_attention_over_verify_rows_equals_attention_over_the_full_kv(
+        backend: object, device: torch.device, seed: int) -> None:
     """Every query token of a verify step, drafts' own KV included, sees exactly the KV it
     selected: attention over `device_kv` at the returned rows equals attention over the full
     KV (prompt + the step's drafts) at the positions."""
     width = LATENT_DIM + ROPE_DIM
-    cache = build_cache(16, 4, 4, 1, 4, True, "host_row", row_bytes=2 * width, num_layers=1)
-    gen = torch.Generator().manual_seed(7)
+    cache = build_cache(16, 4, 4, 1, 4, True, "host_row", row_bytes=2 * width, num_layers=1,
+                        device=backend)
+    gen = torch.Generator().manual_seed(seed)
 
     def kv(n: int) -> torch.Tensor:
         return torch.randn(n, width, generator=gen).to(torch.bfloat16)
@@ -322,19 +352,20 @@ def test_sparse_attention_over_verify_rows_equals_attention_over_the_full_kv() -
     for _ in range(3):
         step = cache.begin_decode_step(list(prompts), num_tokens=S)
         drafts = torch.stack([kv(S) for _ in prompts])  # [B, S, width]
-        cache.write_newest(0, drafts.view(torch.uint8))
+        cache.write_newest(0, drafts.view(torch.uint8).to(device))
         top_k = torch.stack([torch.stack([torch.randint(-1, n0 + s + 1, (K,), generator=gen)
                                           for s in range(S)])
                              for n0 in (len(p) for p in prompts.values())]).to(torch.int32)
         top_k[:, :, 0] = torch.tensor(step.positions)  # each token attends to itself
-        rows = cache.swap_in(0, top_k)
-        q = torch.randn(len(prompts) * S, 8, width, generator=gen).to(torch.bfloat16)
+        rows = cache.swap_in(0, top_k.to(device))
+        q = torch.randn(len(prompts) * S, 8, width, generator=gen).to(torch.bfloat16).to(device)
         got = sparse_mla_decode_reference(q, cache.device_kv(0), rows.view(-1, K), 0.1)
         full = [torch.cat([p, d]) for p, d in zip(prompts.values(), drafts, strict=True)]
         offsets = [0, len(full[0])]
-        flat = torch.cat(full).view(torch.uint8)
+        flat = torch.cat(full).view(torch.uint8).to(device)
         indices = torch.where(top_k >= 0, top_k + torch.tensor(offsets)[:, None, None], -1)
-        want = sparse_mla_decode_reference(q, flat, indices.view(-1, K).to(torch.int32), 0.1)
+        want = sparse_mla_decode_reference(q, flat, indices.view(-1, K).to(torch.int32)
+                                           .to(device), 0.1)
         assert torch.equal(got, want)
         accepted = [int(torch.randint(1, S + 1, (1,), generator=gen)) for _ in prompts]
         cache.end_decode_step(accepted=accepted)
@@ -344,8 +375,9 @@ def test_sparse_attention_over_verify_rows_equals_attention_over_the_full_kv() -
 
 
 # --- bad input ---------------------------------------------------------------------------
-def _running_cache(drafts: int = 3, validate: bool = True) -> hisparse.HiSparseCache:
-    cache = build_cache(12, 4, 2, 2, drafts, validate, "host_row")
+def _running_cache(drafts: int = 3, validate: bool = True,
+                   device: object = "cpu") -> hisparse.HiSparseCache:
+    cache = build_cache(12, 4, 2, 2, drafts, validate, "host_row", device=device)
     for rid, n in ((0, 20), (1, 5)):
         cache.admit(rid, n)
         cache.write_prefill(rid, torch.zeros(NUM_LAYERS, n, ROW_BYTES, dtype=torch.uint8))
@@ -426,17 +458,18 @@ def test_a_single_token_step_refuses_accept_counts_but_ones() -> None:
 # --- the repeated-position defect (validate off) -----------------------------------------
 @pytest.mark.parametrize("dedupe", [False, True])
 def test_a_repeated_missing_position_takes_one_slot_only_when_deduplicated(
-        dedupe: bool) -> None:
+        dedupe: bool, backend: object, device: torch.device) -> None:
     """The plain single-token path gives each repeat of a missing position its own slot and
     counts each as a miss (validate refuses such rows; without it the kernels do not look
     across a row's entries, by design of their one-pass lookup). `dedupe=True` routes the
     step through the union: one lookup, one miss, one slot."""
-    cache = _running_cache(validate=False)
+    cache = _running_cache(validate=False, device=backend)
     cache.begin_decode_step([0, 1], dedupe=dedupe)
     for layer in range(NUM_LAYERS):
-        cache.write_newest(layer, torch.zeros(2, ROW_BYTES, dtype=torch.uint8))
-    top_k = torch.tensor([[2, 2, 3, 2], [-1, -1, -1, -1]], dtype=torch.int32)  # 2, 3: misses
-    rows = cache.swap_in(0, top_k)
+        cache.write_newest(layer, torch.zeros(2, ROW_BYTES, dtype=torch.uint8, device=device))
+    top_k = torch.tensor([[2, 2, 3, 2], [-1, -1, -1, -1]], dtype=torch.int32,
+                         device=device)  # 2, 3: misses
+    rows = cache.swap_in(0, top_k).cpu()
     misses = int(cache.tables.counters[0, 1])
     held = int((cache.tables.slot_key[0, cache.request_slot(0)] >= 0).sum())
     cache.end_decode_step()

@@ -5,14 +5,24 @@ with churn c (c x K positions replaced by positions outside the hot buffer), and
 query row keeps `overlap` of the row before it. A verify step of S tokens swaps in the
 `[B, S, K]` top-k as one union; the baseline is a single-token step on a cache built with
 top_k = S x K that is handed the same union rows (the single-token swap-in with the same
-unique misses). Reported per cell: unique misses per step of both (read from the counters),
-the mean swap-in time of each and their ratio (target: verify <= 1.25 x baseline).
+unique misses). Reported per cell: unique misses per step of both (read from the counters)
+and two times of each, with their ratios (target: verify <= 1.25 x baseline):
 
-Times are host wall-clock around `swap_in`, synchronized on accelerators: on the CPU backend
-they time the torch reference, which says nothing about the GPU target.
+* `device_us`: device events around the call, queued behind a device-side sleep so that the
+  GPU reaches them after the host has enqueued every launch of the call: the GPU's time for
+  the call's kernels, host launch gaps hidden (`tools.benchmarking.StepTimer(queued=True)`);
+* `host_us`: the eager host wall-clock of the call (launch and bookkeeping, no synchronize
+  inside), what a serving loop without graph capture pays on its CPU.
 
-    PYTHONPATH=src python benchmarks/verify_step.py --device cpu --quick
-    PYTHONPATH=src python benchmarks/verify_step.py --device cuda --out results/sw2-cuda.json
+On the CPU backend both are the host wall-clock of the torch reference, which says nothing
+about the GPU target. The caches of one (S, B) serve all its (overlap, churn) cells, so a
+cell starts from the LRU state the previous one left. `--peer sglang` also times SGLang's
+single-step kernel (benchmarks/sglang_peer.py, built with nvcc from the installed sglang
+0.5.10.post1, which has no speculative kernel) on the same union rows, on a third cache.
+
+    PYTHONPATH=src python benchmarks/verify_step.py --device cpu --grid quick
+    PYTHONPATH=src python benchmarks/verify_step.py --device cuda \\
+        --out benchmarks/results/sw2-h200.json [--grid reduced] [--peer sglang]
 """
 
 from __future__ import annotations
@@ -21,134 +31,237 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 import hisparse
+from hisparse.tools.benchmarking import StepTimer
+
+# (S values, overlaps, churns, batches) of each grid.
+GRIDS = {
+    "full": ((2, 4, 8), (0.9, 0.5), (0.05, 0.2, 1.0), (1, 16, 64, 128)),
+    "reduced": ((2, 4, 8), (0.9, 0.5), (0.05, 1.0), (1, 128)),
+    "quick": ((2, 4), (0.9,), (0.2, 1.0), (1, 4)),
+}
 
 
 def build(device: str, top_k: int, hot: int, drafts: int, batch: int, seq_len: int,
-          row_bytes: int) -> hisparse.HiSparseCache:
+          row_bytes: int, growth: int, kv: torch.Tensor) -> hisparse.HiSparseCache:
+    # validate off: its checks read the top-k back to the host (a sync inside the call).
     config = hisparse.HiSparseConfig.from_preset(
         "tiny", num_layers=1, row_bytes=row_bytes, top_k=top_k, hot_slots=hot,
         index_group_size=1, max_requests=batch, max_batch=batch, extent_tokens=64,
-        max_seq_len=seq_len + 1024, host_pool_tokens=batch * (seq_len + 1024),
-        max_draft_tokens=drafts)
+        max_seq_len=seq_len + growth, host_pool_tokens=batch * (seq_len + growth),
+        max_draft_tokens=drafts, validate=False)
     cache = hisparse.HiSparseCache(config, device=device)
-    kv = torch.randint(0, 256, (1, seq_len, row_bytes), dtype=torch.uint8)
     for b in range(batch):
         cache.admit(b, seq_len)
         cache.write_prefill(b, kv)
         cache.commit_prefill(b)
+    cache.backend.synchronize()
     return cache
 
 
-def query_rows(rng: np.random.Generator, previous: np.ndarray, n0: int, hot: int, S: int,
+def query_rows(rng: np.random.Generator, previous: np.ndarray, bound: int, hot: int, S: int,
                churn: float, overlap: float) -> np.ndarray:
-    """`[S, K]` positions < n0: row 0 follows `previous` with churn, row s keeps `overlap`."""
-    K = previous.shape[0]
-    fresh = max(1, n0 - hot - 1)  # positions well before the hot buffer's recent tokens
+    """`[B, S, K]` positions < bound: row 0 follows `previous [B, K]` with churn, row s keeps
+    `overlap` of row s - 1. Positions stay below the prompt's length, so every cache (and
+    the peer, whose length never grows) can serve them."""
+    B, K = previous.shape
+    fresh = max(1, bound - hot - 1)  # positions well before the hot buffer's recent tokens
     row = previous.copy()
-    replace = rng.random(K) < churn
+    replace = rng.random((B, K)) < churn
     row[replace] = rng.integers(0, fresh, int(replace.sum()))
     rows = [row]
     for _ in range(S - 1):
         nxt = rows[-1].copy()
-        change = rng.random(K) >= overlap
-        nxt[change] = rng.integers(0, n0, int(change.sum()))
+        change = rng.random((B, K)) >= overlap
+        nxt[change] = rng.integers(0, bound, int(change.sum()))
         rows.append(nxt)
-    return np.stack(rows)
+    return np.stack(rows, axis=1)
 
 
-def timed(cache: hisparse.HiSparseCache, top_k: torch.Tensor, sync) -> tuple[float, int]:
-    misses = int(cache.tables.counters[0, 1])
-    sync()
-    start = time.perf_counter()
-    cache.swap_in(0, top_k)
-    sync()
-    return time.perf_counter() - start, int(cache.tables.counters[0, 1]) - misses
+def union_rows(rows: np.ndarray) -> np.ndarray:
+    """`[B, S*K]` each request's distinct positions, ascending, then -1 (vectorised)."""
+    B = rows.shape[0]
+    flat = np.sort(rows.reshape(B, -1), axis=1)
+    repeat = np.zeros_like(flat, dtype=bool)
+    repeat[:, 1:] = flat[:, 1:] == flat[:, :-1]
+    # Repeats sort after every position; then they become -1.
+    keyed = np.sort(np.where(repeat, np.iinfo(np.int64).max, flat), axis=1)
+    return np.where(keyed == np.iinfo(np.int64).max, -1, keyed).astype(np.int32)
 
 
-def run_cell(args: argparse.Namespace, S: int, overlap: float, churn: float, B: int) -> dict:
-    K, hot = args.top_k, max(2, S) * args.top_k
-    device = args.device
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    verify = build(device, K, hot, S, B, args.seq_len, args.row_bytes)
-    single = build(device, S * K, hot, 1, B, args.seq_len, args.row_bytes)
-    rng = np.random.default_rng(0)
-    previous = [rng.integers(0, args.seq_len, K) for _ in range(B)]
-    times = {"verify": [], "single": []}
-    misses = {"verify": [], "single": []}
-    W = args.row_bytes
-    for step in range(args.warmup + args.steps):
-        n0 = verify.seq_len(0)
-        rows = [query_rows(rng, previous[b], n0, hot, S, churn, overlap) for b in range(B)]
-        previous = [r[0] for r in rows]
-        top_k = torch.from_numpy(np.stack(rows)).to(torch.int32).to(device)
-        union = [sorted(set(r.reshape(-1).tolist())) for r in rows]
-        flat = torch.full((B, S * K), -1, dtype=torch.int32)
-        for b, u in enumerate(union):
-            flat[b, : len(u)] = torch.tensor(u, dtype=torch.int32)
-        verify.begin_decode_step(list(range(B)), num_tokens=S)
-        verify.write_newest(0, torch.zeros(B, S, W, dtype=torch.uint8, device=device))
-        v_time, v_miss = timed(verify, top_k, sync)
-        verify.end_decode_step(accepted=[S] * B)
-        single.begin_decode_step(list(range(B)))
-        single.write_newest(0, torch.zeros(B, W, dtype=torch.uint8, device=device))
-        s_time, s_miss = timed(single, flat.to(device), sync)
-        single.end_decode_step()
-        for _ in range(S - 1):  # keep both caches at the same length
-            single.begin_decode_step(list(range(B)))
-            single.write_newest(0, torch.zeros(B, W, dtype=torch.uint8, device=device))
-            single.end_decode_step()
-        if step >= args.warmup:
-            times["verify"].append(v_time)
-            times["single"].append(s_time)
-            misses["verify"].append(v_miss)
-            misses["single"].append(s_miss)
+class Timing:
+    """Device and host seconds of every timed call of one kernel, and its misses."""
+
+    def __init__(self, timer: StepTimer) -> None:
+        self.timer = timer
+        self.device: list[Any] = []
+        self.host: list[float] = []
+        self.misses: list[int] = []
+
+    def call(self, cache: hisparse.HiSparseCache | None, run: Any, timed: bool) -> None:
+        before = int(cache.tables.counters[0, 1]) if cache is not None else 0
+        cache_backend = self.timer.backend
+        cache_backend.synchronize()
+        start = time.perf_counter()
+        elapsed = self.timer.record(run)
+        host = time.perf_counter() - start
+        cache_backend.synchronize()
+        if timed:
+            self.device.append(elapsed())
+            self.host.append(host)
+            if cache is not None:
+                self.misses.append(int(cache.tables.counters[0, 1]) - before)
+
+    def summary(self) -> dict[str, float]:
+        return {"device_us": statistics.median(self.device) * 1e6,
+                "host_us": statistics.median(self.host) * 1e6,
+                **({"misses_per_step": statistics.mean(self.misses)} if self.misses else {})}
+
+
+def run_pair(args: argparse.Namespace, S: int, B: int, cells: list[tuple[float, float]],
+             peer: Any) -> list[dict[str, Any]]:
+    """Every (overlap, churn) cell of one (S, B) on one verify and one baseline cache."""
+    K, hot, W, device = args.top_k, max(2, S) * args.top_k, args.row_bytes, args.device
+    steps = args.warmup + args.steps
+    growth = -(-(len(cells) * steps * S + 2) // 64) * 64
+    kv = torch.randint(0, 256, (1, args.seq_len, W), dtype=torch.uint8)
+    verify = build(device, K, hot, S, B, args.seq_len, W, growth, kv)
+    single = build(device, S * K, hot, 1, B, args.seq_len, W, growth, kv)
+    timer = StepTimer(verify.backend, verify.device, queued=True)
+    peer_run = peer(build(device, S * K, hot, 1, B, args.seq_len, W, growth, kv), B, S * K) \
+        if peer is not None else None
+    dev = verify.device
+    zeros_v = torch.zeros(B, S, W, dtype=torch.uint8, device=dev)
+    zeros_s = torch.zeros(B, W, dtype=torch.uint8, device=dev)
+    rng = np.random.default_rng([S, B])
+    previous = rng.integers(0, args.seq_len, (B, K))
+    results = []
+    for overlap, churn in cells:
+        kinds = {"verify": Timing(timer), "single": Timing(timer), "sglang": Timing(timer)}
+        for step in range(steps):
+            rows = query_rows(rng, previous, args.seq_len, hot, S, churn, overlap)
+            previous = rows[:, 0]
+            top_k = torch.from_numpy(rows.astype(np.int32)).to(dev)
+            flat = torch.from_numpy(union_rows(rows)).to(dev)
+            timed = step >= args.warmup
+            verify.begin_decode_step(list(range(B)), num_tokens=S)
+            verify.write_newest(0, zeros_v)
+            kinds["verify"].call(verify, lambda t=top_k: verify.swap_in(0, t), timed)
+            verify.end_decode_step(accepted=[S] * B)
+            for extra in range(S):  # the baseline grows by as many tokens
+                single.begin_decode_step(list(range(B)))
+                single.write_newest(0, zeros_s)
+                if extra == 0:
+                    kinds["single"].call(single, lambda f=flat: single.swap_in(0, f), timed)
+                single.end_decode_step()
+            if peer_run is not None:
+                kinds["sglang"].call(None, lambda f=flat: peer_run(f), timed)
+        cell: dict[str, Any] = {"S": S, "overlap": overlap, "churn": churn, "B": B}
+        v, s = kinds["verify"].summary(), kinds["single"].summary()
+        cell.update({"unique_misses_per_step": v["misses_per_step"],
+                     "baseline_misses_per_step": s["misses_per_step"],
+                     "verify_device_us": v["device_us"], "single_device_us": s["device_us"],
+                     "ratio_device": v["device_us"] / s["device_us"],
+                     "verify_host_us": v["host_us"], "single_host_us": s["host_us"],
+                     "ratio_host": v["host_us"] / s["host_us"]})
+        if peer_run is not None:
+            p = kinds["sglang"].summary()
+            cell.update({"sglang_union_device_us": p["device_us"],
+                         "sglang_union_host_us": p["host_us"],
+                         "verify_vs_sglang_device": v["device_us"] / p["device_us"]})
+        print(json.dumps(cell), flush=True)
+        results.append(cell)
     verify.close()
     single.close()
-    v, s = statistics.mean(times["verify"]), statistics.mean(times["single"])
-    return {"S": S, "overlap": overlap, "churn": churn, "B": B,
-            "unique_misses_per_step": statistics.mean(misses["verify"]),
-            "baseline_misses_per_step": statistics.mean(misses["single"]),
-            "verify_us": v * 1e6, "single_us": s * 1e6, "ratio": v / s}
+    return results
+
+
+def sglang_peer(args: argparse.Namespace, record: dict[str, Any]) -> Any:
+    """A factory: (cache, B, U) -> a call that runs SGLang's single-step kernel over `[B, U]`
+    union rows on that cache's tables (it keeps its own LRU and slot tables, sglang_peer)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import sglang_peer as peer_module
+
+    source = peer_module.find_source(args.sglang_source)
+    record["peer"] = {**peer_module.describe(source, peer_module.DEFAULT_BLOCK_SIZE),
+                      "what": "SGLang's single-step kernel on the union of the S rows (the "
+                              "installed 0.5.10.post1 predates its speculative kernel)"}
+
+    def make(cache: hisparse.HiSparseCache, B: int, U: int) -> Any:
+        library = peer_module.load_library(peer_module.compile_library(
+            source, U, cache.hot_slots, Path(args.peer_build_dir)))
+        slots = [cache.request_slot(b) for b in range(B)]
+        assert slots == list(range(B)), slots  # PeerTables index rows by request slot
+        host_rows = np.stack([cache.host_rows(b)[: args.seq_len] for b in range(B)])
+        kernel = peer_module.PeerSwapIn(library, cache.backend, cache.tables, host_rows)
+        dev = cache.device
+        req_slots = torch.tensor(slots, dtype=torch.int32, device=dev)
+        num_real = torch.tensor([B], dtype=torch.int32, device=dev)
+        out = torch.full((B, U), -1, dtype=torch.int32, device=dev)
+        return lambda flat: kernel(cache.tables, 0, 0, req_slots, flat, num_real, out)
+
+    return make
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quick", action="store_true", help="a few small CPU-sized cells")
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="full",
+                        help="full: issue 22's 72 cells; reduced: 24 (B 1 and 128, churn "
+                        "0.05 and 1.0); quick: 8 small CPU-sized ones (default: full)")
+    parser.add_argument("--quick", action="store_true", help="same as --grid quick")
     parser.add_argument("--top-k", type=int, default=2048)
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--row-bytes", type=int, default=656)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peer", choices=["sglang"], default=None,
+                        help="also time SGLang's single-step kernel on the union rows (CUDA, "
+                        "nvcc and an installed sglang needed)")
+    parser.add_argument("--sglang-source", default=None,
+                        help="path to SGLang's hisparse.cuh (default: the installed sglang)")
+    parser.add_argument("--peer-build-dir", default="/tmp/hisparse-sglang-peer")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    batches, churns = [1, 16, 64, 128], [0.05, 0.2, 1.0]
     if args.quick:
+        args.grid = "quick"
+    if args.grid == "quick":
         args.top_k, args.seq_len, args.steps, args.warmup = 64, 2048, 4, 1
-        batches, churns = [1, 4], [0.2, 1.0]
-    cells = [run_cell(args, S, overlap, churn, B) for S in (2, 4, 8) for overlap in (0.9, 0.5)
-             for churn in churns for B in batches]
-    for cell in cells:
-        print(json.dumps(cell))
-    result = {
+    tokens, overlaps, churns, batches = GRIDS[args.grid]
+    result: dict[str, Any] = {
         "benchmark": "SW-2 verify step (benchmarks/verify_step.py)",
-        "command": "PYTHONPATH=src python benchmarks/verify_step.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if k not in ("out", "quick")),
+        "command": "PYTHONPATH=src python benchmarks/verify_step.py " + " ".join(sys.argv[1:]),
         "device": args.device, "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__, "triton": _triton_version(), "cells": cells,
+        "card": (torch.cuda.get_device_name() if args.device.startswith("cuda") else None),
+        "torch": torch.__version__, "triton": _triton_version(), "grid": args.grid,
+        "top_k": args.top_k, "seq_len": args.seq_len, "row_bytes": args.row_bytes,
+        "steps": args.steps, "warmup": args.warmup,
+        "timing": {"device_us": "median of device events queued behind a device-side sleep "
+                                "(kernel time, host launch gaps hidden)",
+                   "host_us": "median eager host wall-clock of the call, no sync inside"},
     }
+    peer = sglang_peer(args, result) if args.peer == "sglang" else None
+    cells = [(overlap, churn) for overlap in overlaps for churn in churns]
+    started = time.perf_counter()
+    result["cells"] = [cell for S in tokens for B in batches
+                       for cell in run_pair(args, S, B, cells, peer)]
+    result["wall_s"] = round(time.perf_counter() - started, 1)
     if args.device == "cpu":
         result["note"] = ("CPU backend: times are the torch reference on a shared CPU, not the "
                           "GPU target's; only the unique-miss counts carry over")
+    worst = max(c["ratio_device"] for c in result["cells"])
+    print(f"worst verify/single device-time ratio {worst:.2f} (target <= 1.25); "
+          f"{result['wall_s']} s", flush=True)
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -137,6 +137,16 @@ class Timing:
                 **({"misses_per_step": statistics.mean(self.misses)} if self.misses else {})}
 
 
+def wrong_rows(cache: hisparse.HiSparseCache, rows: torch.Tensor, positions: torch.Tensor,
+               truth: torch.Tensor) -> int:
+    """How many selected positions' device rows differ from the position's own row (the check
+    of a cell's last step, outside the timing)."""
+    selected = positions >= 0
+    kv = cache.device_kv(0)[rows.clamp(min=0).long()]
+    want = truth[positions.clamp(min=0).long()]
+    return int((selected & ~(kv == want).all(-1)).sum())
+
+
 def run_pair(args: argparse.Namespace, S: int, B: int, cells: list[tuple[float, float]],
              peer: Any) -> list[dict[str, Any]]:
     """Every (overlap, churn) cell of one (S, B) on one verify and one baseline cache."""
@@ -160,7 +170,10 @@ def run_pair(args: argparse.Namespace, S: int, B: int, cells: list[tuple[float, 
     rng = np.random.default_rng([S, B])
     previous = rng.integers(0, args.seq_len, (B, K))
     results = []
+    truth = kv[0].to(dev)  # every position's row: all the timed positions are the prompt's
+    got: dict[str, torch.Tensor] = {}
     for overlap, churn in cells:
+        wrong = {"verify": 0, "single": 0, "sglang": 0}
         kinds = {"verify": Timing(timer), "single": Timing(timer), "sglang": Timing(timer)}
         for step in range(steps):
             rows = query_rows(rng, previous, args.seq_len, hot, S, churn, overlap)
@@ -170,20 +183,34 @@ def run_pair(args: argparse.Namespace, S: int, B: int, cells: list[tuple[float, 
             timed = step >= args.warmup
             verify.begin_decode_step(list(range(B)), num_tokens=S)
             verify.write_newest(0, zeros_v)
-            kinds["verify"].call(verify, lambda t=top_k: verify.swap_in(0, t), timed)
+            kinds["verify"].call(verify, lambda t=top_k: got.update(verify=verify.swap_in(0, t)),
+                                 timed)
+            if step == steps - 1:
+                wrong["verify"] += wrong_rows(verify, got["verify"], top_k, truth)
             verify.end_decode_step(accepted=[S] * B)
             for extra in range(S):  # the baseline grows by as many tokens
                 single.begin_decode_step(list(range(B)))
                 single.write_newest(0, zeros_s)
                 if extra == 0:
-                    kinds["single"].call(single, lambda f=flat: single.swap_in(0, f), timed)
+                    kinds["single"].call(
+                        single, lambda f=flat: got.update(single=single.swap_in(0, f)), timed)
+                    if step == steps - 1:
+                        wrong["single"] += wrong_rows(single, got["single"], flat, truth)
                 single.end_decode_step()
             if peer_run is not None:
+                # SGLang's kernel reads every entry as a position (a -1 would index before its
+                # tables): the union's padding goes in as the newest token, which it serves
+                # from its newest slot with no lookup or copy, the nearest it has to "none".
+                peer_flat = torch.where(flat < 0, args.seq_len - 1, flat)
                 try:
-                    kinds["sglang"].call(None, lambda f=flat, p=peer_run: p(f), timed)
+                    kinds["sglang"].call(
+                        None, lambda f=peer_flat, p=peer_run: got.update(sglang=p(f)), timed)
+                    if step == steps - 1:
+                        wrong["sglang"] += wrong_rows(peer_cache, got["sglang"], flat, truth)
                 except Exception as exc:  # a launch refused at this width
                     peer_run, peer_error = None, f"{type(exc).__name__}: {exc}"
-        cell: dict[str, Any] = {"S": S, "overlap": overlap, "churn": churn, "B": B}
+        cell: dict[str, Any] = {"S": S, "overlap": overlap, "churn": churn, "B": B,
+                                "wrong_rows": dict(wrong)}
         v, s = kinds["verify"].summary(), kinds["single"].summary()
         cell.update({"unique_misses_per_step": v["misses_per_step"],
                      "baseline_misses_per_step": s["misses_per_step"],
@@ -228,7 +255,12 @@ def sglang_peer(args: argparse.Namespace, record: dict[str, Any]) -> Any:
         req_slots = torch.tensor(slots, dtype=torch.int32, device=dev)
         num_real = torch.tensor([B], dtype=torch.int32, device=dev)
         out = torch.full((B, U), -1, dtype=torch.int32, device=dev)
-        return lambda flat: kernel(cache.tables, 0, 0, req_slots, flat, num_real, out)
+
+        def run(flat: torch.Tensor) -> torch.Tensor:
+            kernel(cache.tables, 0, 0, req_slots, flat, num_real, out)
+            return out
+
+        return run
 
     return make
 
@@ -279,8 +311,10 @@ def main() -> None:
     if args.device == "cpu":
         result["note"] = ("CPU backend: times are the torch reference on a shared CPU, not the "
                           "GPU target's; only the unique-miss counts carry over")
+    result["all_correct"] = all(not any(c["wrong_rows"].values()) for c in result["cells"])
     worst = max(c["ratio_device"] for c in result["cells"])
     print(f"worst verify/single device-time ratio {worst:.2f} (target <= 1.25); "
+          f"all rows correct: {result['all_correct']}; "
           f"{result['wall_s']} s", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -198,12 +198,14 @@ class VerifyTrace(RuleBasedStateMachine):
                 chosen = self.rng.permutation(n0 + 1)[: cache.top_k]
                 top_k[b, 0, : len(chosen)] = torch.from_numpy(chosen)
         B = len(batch) + int(self.rng.integers(cache.batch_capacity - len(batch) + 1))
+        # One device tensor per step: an index group's followers must get the anchor's own.
+        given = (top_k[:B] if rows > 1 else top_k[:B, 0]).to(self.device)
         for layer in range(NUM_LAYERS):
             kv = new[layer, :B] if rows > 1 else new[layer, :B, 0]
             cache.write_newest(layer, kv.to(self.device))
             if cancel_at == layer:
                 break
-            self.swap_in(layer, batch, first, top_k[:B], plain, B)
+            self.swap_in(layer, batch, first, top_k[:B], given, plain)
         if cancel_at is not None:
             cache.cancel_decode_step()
             # The followers of an anchor that swapped in count its lookups (the engine copies
@@ -230,7 +232,7 @@ class VerifyTrace(RuleBasedStateMachine):
             assert cache.seq_len(rid) == n0 + a
 
     def swap_in(self, layer: int, batch: list[int], first: list[int], top_k: torch.Tensor,
-                plain: bool, B: int) -> None:
+                given: torch.Tensor, plain: bool) -> None:
         cache = self.cache
         group_size = cache.index_group_size
         if layer % group_size == 0:  # unwritten rows must show (followers return the anchor's)
@@ -239,7 +241,6 @@ class VerifyTrace(RuleBasedStateMachine):
                 width.union_out.fill_(POISON)
             cache._decode.buffers.out.fill_(POISON)
         follower = layer % group_size and self.rng.random() < 0.5
-        given = (top_k if top_k.shape[1] > 1 else top_k[:, 0]).to(self.device)
         out = cache.swap_in(layer, None if follower else given).cpu()
         if plain:
             slots = self.model.swap_in(layer, batch, top_k[: len(batch), 0].tolist())
@@ -248,7 +249,7 @@ class VerifyTrace(RuleBasedStateMachine):
         else:
             slots = self.model.verify_swap_in(layer, batch, first, top_k[: len(batch)].tolist())
             out = out if out.dim() == 3 else out[:, None]
-        assert out.shape[0] == B
+        assert out.shape[0] == given.shape[0]
         assert bool((out[len(batch):] == -1).all())
         SPR = cache.slots_per_request
         device_kv = cache.device_kv(layer).cpu()

@@ -283,6 +283,8 @@ def main() -> None:
     parser.add_argument("--sglang-source", default=None,
                         help="path to SGLang's hisparse.cuh (default: the installed sglang)")
     parser.add_argument("--peer-build-dir", default="/tmp/hisparse-sglang-peer")
+    parser.add_argument("--tokens", type=int, nargs="+", help="S values (default: the grid's)")
+    parser.add_argument("--batches", type=int, nargs="+", help="B values (default: the grid's)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.quick:
@@ -290,6 +292,7 @@ def main() -> None:
     if args.grid == "quick":
         args.top_k, args.seq_len, args.steps, args.warmup = 64, 2048, 4, 1
     tokens, overlaps, churns, batches = GRIDS[args.grid]
+    tokens, batches = args.tokens or tokens, args.batches or batches
     result: dict[str, Any] = {
         "benchmark": "SW-2 verify step (benchmarks/verify_step.py)",
         "command": "PYTHONPATH=src python benchmarks/verify_step.py " + " ".join(sys.argv[1:]),

@@ -2,9 +2,10 @@
 
 `InterpretedTritonCpu()` is what the CUDA backend binds (the bound `SwapInLauncher`, its
 replays and the Triton backup), on CPU tensors: the engine paths that only a GPU takes (a
-union launcher per verify width U = S x K, draft-slot backups, sharing through the fused
-kernels) can then be checked here at small sizes before a GPU run. Import it before anything
-else from `hisparse.kernels` (it imports `interpreted_kernels`, which sets the interpreter).
+union launcher per verify width U = S x K and its Triton union plan and scatter, draft-slot
+backups, sharing through the fused kernels) can then be checked here at small sizes
+before a GPU run. Import it before anything else from `hisparse.kernels` (it imports
+`interpreted_kernels`, which sets the interpreter).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from hisparse.backends.base import BackupFn, CopyPlannedFn, SwapInFn
 from hisparse.backends.cpu import CpuBackend
-from interpreted_kernels import ON_GPU, backup_triton, swap_in_triton
+from interpreted_kernels import ON_GPU, backup_triton, swap_in_triton, union_triton
 
 
 class InterpretedTritonCpu(CpuBackend):
@@ -43,3 +44,10 @@ class InterpretedTritonCpu(CpuBackend):
         return swap_in_triton.SwapInLauncher(
             tables, req_slots, num_real, out, traits=self.kernel_traits(tables.last_use.device),
             plans=plans, skip_io=skip_io)
+
+    def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
+                       draft_base: torch.Tensor, num_real: torch.Tensor,
+                       union_top_k: torch.Tensor, union_out: torch.Tensor, rows: torch.Tensor,
+                       counters: torch.Tensor) -> Any:
+        return union_triton.UnionLauncher(tokens, top_k, first, draft_base, num_real,
+                                          union_top_k, union_out, rows, counters, direct=False)

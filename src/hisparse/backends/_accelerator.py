@@ -25,6 +25,7 @@ _KERNELS = {
     "backup_newest_triton": ("hisparse.kernels.backup_triton",
                              backup_reference.backup_newest_reference),
     "SwapInLauncher": (TRITON_KERNELS, None),
+    "UnionLauncher": ("hisparse.kernels.union_triton", None),
 }
 _warned_no_triton = False
 
@@ -135,4 +136,16 @@ class AcceleratorBackend(Backend):
                                             plans=plans, skip_io=skip_io)
         return launcher(tables, req_slots, num_real, out, traits=self.kernel_traits(
             tables.last_use.device), plans=plans, skip_io=skip_io)
+
+    def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
+                       draft_base: torch.Tensor, num_real: torch.Tensor,
+                       union_top_k: torch.Tensor, union_out: torch.Tensor, rows: torch.Tensor,
+                       counters: torch.Tensor) -> Any:
+        launcher = bind_triton_kernel("UnionLauncher")
+        if launcher is None:  # no triton: the reference, as for every kernel
+            return super().union_launcher(tokens, top_k, first, draft_base, num_real,
+                                          union_top_k, union_out, rows, counters)
+        return launcher(tokens, top_k, first, draft_base, num_real, union_top_k, union_out,
+                        rows, counters,
+                        direct=self.kernel_traits(union_top_k.device).direct_launch)
 

@@ -89,6 +89,17 @@ class Backend(abc.ABC):
                                        swap_in=self.swap_in_kernel(),
                                        copy_planned=self.copy_planned_kernel())
 
+    def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
+                       draft_base: torch.Tensor, num_real: torch.Tensor,
+                       union_top_k: torch.Tensor, union_out: torch.Tensor, rows: torch.Tensor,
+                       counters: torch.Tensor) -> Any:
+        """A verify width's union plan and scatter (`kernels.union_reference`): the torch
+        reference here; the GPU backends bind the Triton launcher."""
+        from hisparse.kernels.union_reference import ReferenceUnionLauncher
+
+        return ReferenceUnionLauncher(tokens, top_k, first, draft_base, num_real, union_top_k,
+                                      union_out, rows, counters)
+
     def runtime_versions(self) -> dict[str, str | None]:
         """Driver and runtime versions the probe reports (e.g. {"cuda_runtime": "12.8"})."""
         return {}

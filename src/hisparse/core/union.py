@@ -6,9 +6,10 @@ U = S * K, padded with -1; the ordinary swap-in kernel runs over that row (so a 
 looked up once, missed at most once and held in one slot, and the LRU sees one step's use),
 and its `[B, U]` rows are scattered back to `[B, S, K]` through the inverse index. The
 step's own tokens (its draft positions) never enter the union: they are served from the
-request's draft slots. Everything here is torch ops that stay on the device with no host
-sync (sort, cumsum, scatter, gather), so a captured graph replays it; one graph per (batch
-bucket, S), since U is part of every shape.
+request's draft slots. The union plan and the scatter are one launch each, on the device
+with no host sync (`kernels.union_triton` on the GPU backends, `kernels.union_reference`
+elsewhere, both bound per width through `backend.union_launcher`), so a captured graph
+replays them; one graph per (batch bucket, S), since U is part of every shape.
 
 The Triton kernels are built for one top-k width: each S gets its own launcher bound to an
 out buffer of width U (`backend.swap_in_launcher`), its own miss plans and group replays.
@@ -16,7 +17,7 @@ out buffer of width U (`backend.swap_in_launcher`), its own miss plans and group
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,84 +27,39 @@ from hisparse.backends.base import Backend
 from hisparse.core.kernels import DecodeKernels
 from hisparse.core.ordering import SideStreamReplay
 from hisparse.core.replay import GroupReplay
+from hisparse.kernels.union_reference import Union, build_union
 from hisparse.layout.tables import CacheTables, MissPlan
 
-# Sorts after every real position (positions are < 2**31).
-_ABSENT = 2**62
+__all__ = ["DeviceBlock", "Union", "UnionWidth", "build_union", "build_width"]
+
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16}
 _ALIGN = 16
 
 
-@dataclass(frozen=True)
-class Union:
-    """One `[B, S, K]` top-k, reduced: see `build_union`."""
-
-    positions: torch.Tensor  # [B, U] int64 distinct older positions, ascending, then -1
-    inverse: torch.Tensor  # [B, S*K] int64 union column of each entry; U = not in the union
-    draft: torch.Tensor  # [B, S, K] bool: the entry selects one of the step's own tokens
-    invalid: torch.Tensor  # [B, S, K] bool: below -1, or after the query token's own position
-
-
-def build_union(top_k: torch.Tensor, first: torch.Tensor, real: torch.Tensor) -> Union:
-    """Reduce `top_k [B, S, K]` to each request's distinct positions before `first [B]`.
-
-    Query token s of row b is at position `first[b] + s` and may select any position up to
-    its own; rows where `real [B]` is False (padding) select nothing.
-    """
-    B, S, K = top_k.shape
-    U = S * K
-    pos = top_k.long()
-    own = first[:, None, None] + torch.arange(S, device=pos.device)[None, :, None]
-    real = real[:, None, None]
-    selected = real & (pos >= 0) & (pos <= own)
-    older = selected & (pos < first[:, None, None])
-    flat = torch.where(older, pos, _ABSENT).reshape(B, U)
-    ordered, order = flat.sort(dim=1, stable=True)
-    present = ordered < _ABSENT
-    distinct = present.clone()
-    distinct[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
-    rank = distinct.long().cumsum(1) - 1  # duplicates share their first occurrence's column
-    # Column U collects what is not written anywhere; it is dropped.
-    positions = torch.full((B, U + 1), -1, dtype=torch.long, device=pos.device)
-    positions.scatter_(1, torch.where(distinct, rank, U), torch.where(distinct, ordered, -1))
-    inverse = torch.empty_like(order).scatter_(1, order, torch.where(present, rank, U))
-    return Union(positions=positions[:, :U], inverse=inverse, draft=selected & ~older,
-                 invalid=real & ((pos < -1) | (pos > own)))
-
-
-def scatter_rows(union: Union, union_rows: torch.Tensor, draft_base: torch.Tensor,
-                 first: torch.Tensor, top_k: torch.Tensor, out: torch.Tensor) -> None:
-    """`out [B, S, K]` = the union's device row of each entry, or its draft slot's row.
-
-    `draft_base [B]` is the device row of each request's first draft slot (slot H).
-    """
-    B, S, K = top_k.shape
-    padded = torch.cat([union_rows.long(), union_rows.new_full((B, 1), -1).long()], dim=1)
-    rows = padded.gather(1, union.inverse).view(B, S, K)
-    drafts = draft_base[:, None, None] + top_k.long() - first[:, None, None]
-    out.copy_(torch.where(union.draft, drafts, rows).to(out.dtype))
-
-
-def count_extras(counters: torch.Tensor, union: Union, top_k: torch.Tensor,
-                 first: torch.Tensor) -> None:
-    """Add what the union kernel did not see to `counters [3]`: each distinct draft position a
-    request selected is one hit (as the newest token is in a single-token step), and every
-    invalid entry is one invalid entry."""
-    B, S, K = top_k.shape
-    column = torch.where(union.draft, top_k.long() - first[:, None, None], S).view(B, S * K)
-    used = torch.zeros(B, S + 1, dtype=torch.bool, device=top_k.device)
-    used.scatter_(1, column, True)
-    counters[0] += used[:, :S].sum()
-    counters[2] += union.invalid.sum()
-
-
 class _UnionKernels(DecodeKernels):
     """A launcher for one union width whose failures stop the whole cache: a swap-in of any
-    width that failed part way may have left the shared tables inconsistent."""
+    width that failed part way may have left the shared tables inconsistent. `union` (set
+    by `build_width`) is the width's union plan and scatter."""
+
+    union: Any
 
     def __init__(self, main: DecodeKernels, *args: Any, **kwargs: Any) -> None:
         self._main = main
         super().__init__(*args, **kwargs)
+
+    def launch_union_plan(self, rows: int, top_k: torch.Tensor) -> None:
+        try:
+            self.union.plan(rows, top_k)
+        except BaseException as exc:
+            self._failed("the verify union plan", exc)
+            raise
+
+    def launch_union_scatter(self, layer: int, group: int, rows: int) -> None:
+        try:
+            self.union.scatter(layer, group, rows)
+        except BaseException as exc:
+            self._failed(f"the verify union scatter of layer {layer}", exc)
+            raise
 
     def _failed(self, what: str, exc: BaseException) -> None:
         super()._failed(what, exc)
@@ -113,7 +69,8 @@ class _UnionKernels(DecodeKernels):
 
 @dataclass(eq=False)
 class UnionWidth:
-    """What the verify steps of one S share (persistent: graph capture holds the addresses)."""
+    """What the verify steps of one S share (persistent: graph capture holds the addresses).
+    The per-batch-size views are cached (`views`): a call per layer slices nothing."""
 
     tokens: int  # S
     union_top_k: torch.Tensor  # [Bcap, U] int32: the union row the kernel reads
@@ -121,13 +78,27 @@ class UnionWidth:
     rows: torch.Tensor  # [G, Bcap, S, K] int32: what swap_in returns
     kernels: _UnionKernels
     replays: list[GroupReplay | None]
+    _views: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+                 ] = field(default_factory=dict)
+
+    def views(self, rows: int
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """(union row, each group's `[rows, S, K]` result, each group's `[rows, K]` result
+        when S = 1) of the first `rows` batch rows."""
+        views = self._views.get(rows)
+        if views is None:
+            out = tuple(self.rows[:, :rows].unbind(0))
+            views = self._views[rows] = (self.union_top_k[:rows], out,
+                                         tuple(o[:, 0] for o in out))
+        return views
 
 
 def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: CacheTables,
-                req_slots: torch.Tensor, num_real: torch.Tensor, top_k: int, num_layers: int,
-                group_size: int, skip_io: bool, zero_copy: bool,
-                prefetch_stream: Any | None) -> UnionWidth:
-    """The launcher, buffers, miss plans and group replays for verify steps of `tokens`."""
+                req_slots: torch.Tensor, num_real: torch.Tensor, first: torch.Tensor,
+                draft_base: torch.Tensor, top_k: int, num_layers: int, group_size: int,
+                skip_io: bool, zero_copy: bool, prefetch_stream: Any | None) -> UnionWidth:
+    """The launchers, buffers, miss plans and group replays for verify steps of `tokens`;
+    `first` and `draft_base` are the begin block's persistent `[Bcap]` int64 fields."""
     capacity = int(req_slots.shape[0])
     device = tables.seq_lens.device
     num_groups = -(-num_layers // group_size)
@@ -147,9 +118,11 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
         plan = plans[group]
         assert plan is not None
         replays[group] = GroupReplay(group, anchor, followers, plan, tables, kernels, side)
-    return UnionWidth(tokens=tokens, union_top_k=torch.full((capacity, width), -1, **i32),
-                      union_out=union_out,
-                      rows=torch.full((num_groups, capacity, tokens, top_k), -1, **i32),
+    union_top_k = torch.full((capacity, width), -1, **i32)
+    rows = torch.full((num_groups, capacity, tokens, top_k), -1, **i32)
+    kernels.union = backend.union_launcher(tokens, top_k, first, draft_base, num_real,
+                                           union_top_k, union_out, rows, tables.counters)
+    return UnionWidth(tokens=tokens, union_top_k=union_top_k, union_out=union_out, rows=rows,
                       kernels=kernels, replays=replays)
 
 

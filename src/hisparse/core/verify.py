@@ -26,14 +26,7 @@ from hisparse.backends.base import Backend
 from hisparse.core.replay import GroupReplay
 from hisparse.core.requests import RequestRecord
 from hisparse.core.step import DecodeContext, DecodeStep, StepState, host_row_of, slot_of
-from hisparse.core.union import (
-    DeviceBlock,
-    UnionWidth,
-    build_union,
-    build_width,
-    count_extras,
-    scatter_rows,
-)
+from hisparse.core.union import DeviceBlock, UnionWidth, build_width
 from hisparse.core.validation import as_rows, check_batch_rows, check_layer, check_tensor
 from hisparse.errors import InvalidInputError, RequestStateError
 
@@ -79,10 +72,12 @@ class VerifyContext:
     def width(self, c: DecodeContext, tokens: int) -> UnionWidth:
         width = self.widths.get(tokens)
         if width is None:
+            block = self.begin_block
             width = self.widths[tokens] = build_width(
                 tokens, self.backend, c.kernels, c.tables, c.buffers.req_slots,
-                c.buffers.num_real, self.top_k, c.num_layers, self.group_size, self.skip_io,
-                self.zero_copy, c.prefetch_stream)
+                c.buffers.num_real, block.field("first"), block.field("draft_base"),
+                self.top_k, c.num_layers, self.group_size, self.skip_io, self.zero_copy,
+                c.prefetch_stream)
         return width
 
 
@@ -110,8 +105,6 @@ class VerifyStep(DecodeStep):
         rows = block.field("draft_rows", cap * tokens)
         self.newest_rows = rows.view(cap, tokens) if tokens > 1 else rows
         self._draft_rows_long = block.field("draft_rows_long", cap * tokens)
-        self._first_device = block.field("first")
-        self._draft_base = block.field("draft_base")
 
     # --- opening --------------------------------------------------------------------------
     @classmethod
@@ -197,27 +190,19 @@ class VerifyStep(DecodeStep):
             self._validate_positions(shaped)
         if replay is not None:
             replay.begin_plan()
-        out = width.rows[group][:rows]
-        self._union_swap_in(c, layer, group, rows, shaped, out)
-        result = out if self.num_tokens > 1 else out[:, 0]
+        # Two launches around the swap-in (kernels.union_triton): the union row and inverse
+        # codes, then the rows back to [B, S, K] and the extra counts.
+        union_top_k, outs, singles = width.views(rows)
+        kernels = width.kernels
+        kernels.launch_union_plan(rows, shaped)
+        kernels.launch_swap_in(layer, group, rows, union_top_k)
+        kernels.launch_union_scatter(layer, group, rows)
+        result = outs[group] if self.num_tokens > 1 else singles[group]
         if replay is not None:
             if replay.step is not self:
                 self._anchored.append(replay)
             replay.finish_plan(self, top_k, result)
         return result
-
-    def _union_swap_in(self, c: DecodeContext, layer: int, group: int, rows: int,
-                       top_k: torch.Tensor, out: torch.Tensor) -> None:
-        width = self._width
-        real = torch.arange(rows, device=c.device) < c.buffers.num_real.long()
-        first = self._first_device[:rows]
-        union = build_union(top_k, first, real)
-        union_top_k = width.union_top_k[:rows]
-        union_top_k.copy_(union.positions)
-        width.kernels.launch_swap_in(layer, group, rows, union_top_k)
-        union_rows = width.union_out[group][:rows]
-        scatter_rows(union, union_rows, self._draft_base[:rows], first, top_k, out)
-        count_extras(c.tables.counters[layer], union, top_k, first)
 
     def _follow_union(self, c: DecodeContext, layer: int, replay: GroupReplay,
                       top_k: torch.Tensor | None) -> torch.Tensor:

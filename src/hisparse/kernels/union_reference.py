@@ -1,0 +1,128 @@
+"""The verify step's union plan and scatter in plain torch ops: the reference of `union_triton`.
+
+A verify step's `[B, S, K]` top-k is swapped in as one de-duplicated `[B, U]` row per request
+(U = S * K; `core.union`). Around the ordinary swap-in two calls do the rest:
+* `union_plan_reference` writes each request's distinct older positions (before the step's
+  first token), ascending, then -1, into the union row, and the inverse code of every entry;
+* `union_scatter_reference`, after the swap-in, writes `[B, S, K]` rows back from the union's
+  rows (or the draft slots) and adds what the swap-in did not count to the layer's counters.
+
+The inverse code of an entry (int32): 0..U-1 its union column; U nothing (-1, padding rows
+included); U + 1 an invalid entry (-1, counted as invalid); -2 - d the step's own token d
+(0 <= d < S), served from draft slot d. Both calls are torch ops with no host sync, so a
+captured graph replays them: production on the CPU backend and wherever triton is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Sorts after every real position (positions are < 2**31).
+_ABSENT = 2**62
+
+
+@dataclass(frozen=True)
+class Union:
+    """One `[B, S, K]` top-k, reduced: see `build_union`."""
+
+    positions: torch.Tensor  # [B, U] int64 distinct older positions, ascending, then -1
+    inverse: torch.Tensor  # [B, S*K] int64 union column of each entry; U = not in the union
+    draft: torch.Tensor  # [B, S, K] bool: the entry selects one of the step's own tokens
+    invalid: torch.Tensor  # [B, S, K] bool: below -1, or after the query token's own position
+
+
+def build_union(top_k: torch.Tensor, first: torch.Tensor, real: torch.Tensor) -> Union:
+    """Reduce `top_k [B, S, K]` to each request's distinct positions before `first [B]`.
+
+    Query token s of row b is at position `first[b] + s` and may select any position up to
+    its own; rows where `real [B]` is False (padding) select nothing.
+    """
+    B, S, K = top_k.shape
+    U = S * K
+    pos = top_k.long()
+    own = first[:, None, None] + torch.arange(S, device=pos.device)[None, :, None]
+    real = real[:, None, None]
+    selected = real & (pos >= 0) & (pos <= own)
+    older = selected & (pos < first[:, None, None])
+    flat = torch.where(older, pos, _ABSENT).reshape(B, U)
+    ordered, order = flat.sort(dim=1, stable=True)
+    present = ordered < _ABSENT
+    distinct = present.clone()
+    distinct[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
+    rank = distinct.long().cumsum(1) - 1  # duplicates share their first occurrence's column
+    # Column U collects what is not written anywhere; it is dropped.
+    positions = torch.full((B, U + 1), -1, dtype=torch.long, device=pos.device)
+    positions.scatter_(1, torch.where(distinct, rank, U), torch.where(distinct, ordered, -1))
+    inverse = torch.empty_like(order).scatter_(1, order, torch.where(present, rank, U))
+    return Union(positions=positions[:, :U], inverse=inverse, draft=selected & ~older,
+                 invalid=real & ((pos < -1) | (pos > own)))
+
+
+def union_plan_reference(
+    top_k: torch.Tensor,  # [R, S, K] int32 positions, -1 = none
+    first: torch.Tensor,  # [>= R] int64 position of each request's first token of the step
+    num_real: torch.Tensor,  # [1] int32 device scalar: rows >= num_real are padding
+    union_top_k: torch.Tensor,  # [>= R, U] int32 out: the union rows the swap-in reads
+    inverse: torch.Tensor,  # [>= R, U] int32 out: each entry's code (module docstring)
+) -> None:
+    """Write the first R union rows and inverse codes of `top_k`."""
+    rows, S, K = top_k.shape
+    U = S * K
+    start = first[:rows]
+    real = torch.arange(rows, device=top_k.device) < num_real.long()
+    union = build_union(top_k, start, real)
+    union_top_k[:rows].copy_(union.positions)
+    code = torch.where(union.invalid, U + 1, union.inverse.view(rows, S, K))
+    code = torch.where(union.draft, -2 - (top_k.long() - start[:, None, None]), code)
+    inverse[:rows].copy_(code.view(rows, U))
+
+
+def union_scatter_reference(
+    inverse: torch.Tensor,  # [>= R, U] int32 codes from `union_plan_reference`
+    union_rows: torch.Tensor,  # [R, U] int32 the swap-in's device rows of the union row
+    draft_base: torch.Tensor,  # [>= R] int64 device row of each request's draft slot 0
+    out: torch.Tensor,  # [R, S, K] int32 out: the device row of every entry, -1 = none
+    counters: torch.Tensor,  # [3] int64 the layer's (hits, misses, invalid) counters
+) -> None:
+    """Write `out` from the union's rows and the draft slots; count each distinct draft
+    position a request selected as one hit (as the newest token is in a single-token step)
+    and every invalid entry as one invalid entry."""
+    rows, S, K = out.shape
+    U = S * K
+    code = inverse[:rows].long()
+    column = torch.where((code >= 0) & (code < U), code, U)
+    padded = torch.cat([union_rows.long(), union_rows.new_full((rows, 1), -1).long()], dim=1)
+    draft = code <= -2
+    token = torch.where(draft, -2 - code, S)
+    drafts = draft_base[:rows, None] + token
+    out.copy_(torch.where(draft, drafts, padded.gather(1, column)).view(rows, S, K))
+    used = torch.zeros(rows, S + 1, dtype=torch.bool, device=out.device)
+    used.scatter_(1, token, True)
+    counters[0] += used[:, :S].sum()
+    counters[2] += (code == U + 1).sum()
+
+
+class ReferenceUnionLauncher:
+    """`union_triton.UnionLauncher`'s interface over the torch reference: bound once to a
+    union width's persistent buffers (graph capture holds their addresses)."""
+
+    def __init__(self, tokens: int, top_k: int, first: torch.Tensor, draft_base: torch.Tensor,
+                 num_real: torch.Tensor, union_top_k: torch.Tensor, union_out: torch.Tensor,
+                 rows: torch.Tensor, counters: torch.Tensor) -> None:
+        self.tokens, self.top_k = tokens, top_k
+        self._first, self._draft_base, self._num_real = first, draft_base, num_real
+        self._union_top_k, self._union_out, self._rows = union_top_k, union_out, rows
+        self._counters = counters
+        self.inverse = torch.full_like(union_top_k, tokens * top_k)
+
+    def plan(self, rows: int, top_k: torch.Tensor) -> None:
+        """The union rows and inverse codes of `top_k [rows, S, K]`."""
+        union_plan_reference(top_k, self._first, self._num_real, self._union_top_k,
+                             self.inverse)
+
+    def scatter(self, layer: int, group: int, rows: int) -> None:
+        """`rows[group][:rows]` from the union's rows of `group`; `layer`'s counters."""
+        union_scatter_reference(self.inverse, self._union_out[group][:rows], self._draft_base,
+                                self._rows[group][:rows], self._counters[layer])

@@ -185,16 +185,16 @@ class VerifyStep(DecodeStep):
             raise InvalidInputError(
                 f"swap_in({layer}) needs its top_k ([B, S, K] int32 positions): layer {layer} "
                 "plans its own swap-in (it is no follower of an index group)")
-        rows, shaped = self._check_verify_top_k(c, top_k)
+        rows, checked = self._check_verify_top_k(c, top_k)
         if c.validate:
-            self._validate_positions(shaped)
+            self._validate_positions(checked if self.num_tokens > 1 else checked[:, None])
         if replay is not None:
             replay.begin_plan()
         # Two launches around the swap-in (kernels.union_triton): the union row and inverse
         # codes, then the rows back to [B, S, K] and the extra counts.
         union_top_k, outs, singles = width.views(rows)
         kernels = width.kernels
-        kernels.launch_union_plan(rows, shaped)
+        kernels.launch_union_plan(rows, checked)
         kernels.launch_swap_in(layer, group, rows, union_top_k)
         kernels.launch_union_scatter(layer, group, rows)
         result = outs[group] if self.num_tokens > 1 else singles[group]
@@ -227,7 +227,7 @@ class VerifyStep(DecodeStep):
             raise InvalidInputError(
                 f"top_k has shape {tuple(top_k.shape)}; this verify step of num_tokens={S} on "
                 f"a cache built for top_k={K} takes {want} (pad rows with -1)")
-        return rows, top_k if S > 1 else top_k[:, None]
+        return rows, top_k
 
     def _validate_positions(self, top_k: torch.Tensor) -> None:
         """Every real entry is -1 or a position up to its query token's own (host sync)."""

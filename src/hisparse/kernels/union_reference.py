@@ -118,9 +118,9 @@ class ReferenceUnionLauncher:
         self.inverse = torch.full_like(union_top_k, tokens * top_k)
 
     def plan(self, rows: int, top_k: torch.Tensor) -> None:
-        """The union rows and inverse codes of `top_k [rows, S, K]`."""
-        union_plan_reference(top_k, self._first, self._num_real, self._union_top_k,
-                             self.inverse)
+        """The union rows and inverse codes of `top_k [rows, S, K]` (`[rows, K]` when S = 1)."""
+        union_plan_reference(top_k.view(rows, self.tokens, self.top_k), self._first,
+                             self._num_real, self._union_top_k, self.inverse)
 
     def scatter(self, layer: int, group: int, rows: int) -> None:
         """`rows[group][:rows]` from the union's rows of `group`; `layer`'s counters."""

@@ -110,8 +110,9 @@ def union_scatter_kernel(
     for d in tl.static_range(1, TOKENS):
         hits += (bits >> d) & 1
     invalid = tl.sum((code == WIDTH + 1).to(tl.int64), 0)
-    tl.atomic_add(counters_ptr, hits, mask=hits > 0)
-    tl.atomic_add(counters_ptr + 2, invalid, mask=invalid > 0)
+    # Read only after the kernel: no ordering needed (as the swap-in's relaxed counters).
+    tl.atomic_add(counters_ptr, hits, mask=hits > 0, sem="relaxed")
+    tl.atomic_add(counters_ptr + 2, invalid, mask=invalid > 0, sem="relaxed")
 
 
 def _shape(tokens: int, top_k: int) -> tuple[int, int, int]:
@@ -130,10 +131,10 @@ def _shape(tokens: int, top_k: int) -> tuple[int, int, int]:
     return block, block.bit_length() - 1, warps
 
 
-def _plan_launch(top_k: torch.Tensor, first: torch.Tensor, num_real: torch.Tensor,
-                 union_top_k: torch.Tensor, inverse: torch.Tensor, direct: bool
-                 ) -> BoundLaunch:
-    rows, tokens, k = top_k.shape
+def _plan_launch(tokens: int, k: int, top_k: torch.Tensor, first: torch.Tensor,
+                 num_real: torch.Tensor, union_top_k: torch.Tensor, inverse: torch.Tensor,
+                 direct: bool) -> BoundLaunch:
+    rows = top_k.shape[0]
     block, shift, warps = _shape(tokens, k)
     return BoundLaunch(union_plan_kernel, (rows,), (top_k, first, num_real, union_top_k, inverse),
                        {"TOKENS": tokens, "TOP_K": k, "BLOCK": block, "SHIFT": shift,
@@ -153,8 +154,9 @@ def _scatter_launch(inverse: torch.Tensor, union_rows: torch.Tensor, draft_base:
 def union_plan_triton(top_k: torch.Tensor, first: torch.Tensor, num_real: torch.Tensor,
                       union_top_k: torch.Tensor, inverse: torch.Tensor) -> None:
     """`union_reference.union_plan_reference`, bound anew on every call (tests)."""
-    if top_k.shape[0]:
-        _plan_launch(top_k, first, num_real, union_top_k, inverse, direct=False)()
+    rows, tokens, k = top_k.shape
+    if rows:
+        _plan_launch(tokens, k, top_k, first, num_real, union_top_k, inverse, direct=False)()
 
 
 def union_scatter_triton(inverse: torch.Tensor, union_rows: torch.Tensor,
@@ -183,12 +185,13 @@ class UnionLauncher:
         self._scatters: dict[tuple[int, int, int], BoundLaunch] = {}
 
     def plan(self, rows: int, top_k: torch.Tensor) -> None:
-        """The union rows and inverse codes of `top_k [rows, S, K]` (int32, contiguous)."""
+        """The union rows and inverse codes of `top_k [rows, S, K]` (int32, contiguous;
+        `[rows, K]` when S = 1: the kernel reads only its address)."""
         launch = self._plans.get(rows)
         if launch is None:
             launch = self._plans[rows] = _plan_launch(
-                top_k, self._first, self._num_real, self._union_top_k, self.inverse,
-                self._direct)
+                self.tokens, self.top_k, top_k, self._first, self._num_real,
+                self._union_top_k, self.inverse, self._direct)
         elif launch.address(0) != top_k.data_ptr():
             launch.rebind(0, top_k)  # another caller tensor (the launch keeps the last alive)
         launch()

@@ -74,7 +74,8 @@ def _operation(
 ) -> Callable[Concatenate[HiSparseCache, _P], _R]:
     """A `_bookkeeping` call that is also one operation of a shared host pool
     (core/shared_pool.py): refused once the pool failed, and hashed with its request id once
-    it succeeds, so that the ranks can check that they made the same calls."""
+    it succeeds with its arguments, so that the ranks can check that they made the same
+    calls."""
     name = method.__name__.lstrip("_")
 
     @functools.wraps(method)
@@ -85,7 +86,7 @@ def _operation(
                 return method(self, *args, **kwargs)
             shared.begin_op()
             result = method(self, *args, **kwargs)
-            shared.end_op(name, args[0] if args else next(iter(kwargs.values()), None))
+            shared.end_op(name, (*args, *kwargs.items()))
             return result
 
     return counted
@@ -291,8 +292,9 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self._check_open()
         record = self._requests.expect(request_id, "complete the transfer of",
                                        (RequestState.RESERVED,))
-        if self._shared is not None:
-            self._shared.before_read(current=True)  # the writer's transfer landed first
+        if self._shared is not None:  # the writer's transfer landed before its call
+            self._slots.check_free(f"completing the transfer of request {request_id!r}")
+            self._shared.before_read(current=True)
         self._seed_into_new_slot(record, f"completing the transfer of request {request_id!r}")
 
     # --- decode: the open step's verbs, through the cache --------------------------------

@@ -287,11 +287,13 @@ class SharedPoolSync:
                 if now > deadline:
                     self._fail(f"rank {self.spec.rank} waited {self.spec.wait_timeout_s:g} s "
                                f"for {what}; a rank is stuck or made other calls")
+            # A few yields, then sleeps: a spinning rank must not take the core its writer
+            # needs (ranks may share cores, as in CI).
             spins += 1
-            if spins < 200:
+            if spins < 20:
                 os.sched_yield()
             else:
-                time.sleep(min(1e-3, 2e-5 * (spins - 199)))
+                time.sleep(min(1e-3, 2e-5 * (spins - 19)))
 
     def _check_alive(self, ranks: Any) -> None:
         dead = [(r, pid) for r, pid in self.segment.dead_ranks() if r in ranks]
@@ -358,7 +360,11 @@ class _Publisher:
 
 
 def _short_repr(key: object) -> str:
+    """A call's arguments as text to hash: tensors by shape (their bytes are the writer's
+    business), the rest by repr."""
     if isinstance(key, torch.Tensor):
         return f"tensor{tuple(key.shape)}"
+    if isinstance(key, tuple) and any(isinstance(k, torch.Tensor) for k in key):
+        return "(" + ", ".join(_short_repr(k) for k in key) + ")"
     text = repr(key)
     return text if len(text) <= 200 else text[:200] + "..."

@@ -160,31 +160,18 @@ class SharedSegment:
                     f"create it on the writer rank (rank {layout.writer_rank}) with the same "
                     "name first, or raise attach_timeout_s")
             time.sleep(0.01)
+        segment = None
         try:
+            _check_layout(fd, path, layout)
             segment = cls(path, fd, layout, rank)
-            segment._check_layout()
             with segment.locked():
                 segment._take_slot()
         except BaseException:
-            segment_map = locals().get("segment")
-            if segment_map is not None:
-                segment_map._unmap()
+            if segment is not None:
+                segment._unmap()
             os.close(fd)
             raise
         return segment
-
-    def _check_layout(self) -> None:
-        header = self.header
-        if header[F_MAGIC] != MAGIC or header[F_VERSION] != VERSION:
-            raise SharedPoolError(f"{self.path} is not a hisparse shared pool of version "
-                                  f"{VERSION}; pass the name its writer rank created")
-        wrong = [f"{_FIELD_NAMES[i]}: the pool has {int(header[i])}, this cache {value}"
-                 for i, value in self.layout.fields().items() if header[i] != value]
-        if wrong:
-            raise SharedPoolError(
-                f"shared host pool {self.path} does not match this cache ({'; '.join(wrong)}); "
-                "every rank must use the same config (num_layers, row_bytes, "
-                "host_pool_tokens, extent_tokens) and the same ranks and writer_rank")
 
     def _take_slot(self) -> None:
         slot = self.slot(self.rank)
@@ -270,6 +257,25 @@ class SharedSegment:
             self._map.close()
 
 
+def _check_layout(fd: int, path: str, layout: SegmentLayout) -> None:
+    """Refuse a segment of another layout (or not ours) before mapping all of it."""
+    with mmap.mmap(fd, SLOTS_AT, flags=mmap.MAP_SHARED) as view:
+        header = np.frombuffer(view, dtype=np.int64, count=SLOTS_AT // 8).copy()
+    if header[F_MAGIC] != MAGIC or header[F_VERSION] != VERSION:
+        raise SharedPoolError(f"{path} is not a hisparse shared pool of version {VERSION}; "
+                              "pass the name its writer rank created")
+    wrong = [f"{_FIELD_NAMES[i]}: the pool has {int(header[i])}, this cache {value}"
+             for i, value in layout.fields().items() if header[i] != value]
+    size = os.fstat(fd).st_size
+    if not wrong and size != layout.total_bytes:
+        wrong.append(f"size: the file has {size} B, this cache's layout {layout.total_bytes} B")
+    if wrong:
+        raise SharedPoolError(
+            f"shared host pool {path} does not match this cache ({'; '.join(wrong)}); every "
+            "rank must use the same config (num_layers, row_bytes, host_pool_tokens, "
+            "extent_tokens) and the same ranks and writer_rank")
+
+
 def process_start_time(pid: int) -> int:
     """The process's start time in clock ticks since boot (0 where /proc is not there)."""
     stat = _proc_stat(pid)
@@ -338,9 +344,10 @@ def _stale_segment(fd: int) -> bool | str:
         return "is not a hisparse shared pool"
     ranks = int(header[F_RANKS])
     with mmap.mmap(fd, SLOTS_AT + ranks * SLOT_FIELDS * 8, flags=mmap.MAP_SHARED) as view:
-        slots = np.frombuffer(view, dtype=np.int64)[SLOTS_AT // 8:].reshape(ranks, SLOT_FIELDS)
-        live = [int(s[S_PID]) for s in slots
-                if s[S_STATE] == ATTACHED and process_alive(int(s[S_PID]), int(s[S_START]))]
+        slots = np.frombuffer(view, dtype=np.int64)[SLOTS_AT // 8:].reshape(
+            ranks, SLOT_FIELDS).copy()  # a copy: the mapping closes with no view left
+    live = [int(s[S_PID]) for s in slots
+            if s[S_STATE] == ATTACHED and process_alive(int(s[S_PID]), int(s[S_START]))]
     return True if not live else f"is attached by live processes {live}"
 
 
@@ -369,12 +376,6 @@ def _open_ready(path: str, layout: SegmentLayout) -> int | None:
         with mmap.mmap(fd, SLOTS_AT, flags=mmap.MAP_SHARED) as view:
             ready = np.frombuffer(view, dtype=np.int64, count=F_READY + 1)[F_READY] == 1
         if ready:
-            if size != layout.total_bytes:
-                os.close(fd)
-                raise SharedPoolError(
-                    f"shared host pool {path} holds {format_bytes(size)}, this cache's layout "
-                    f"needs {format_bytes(layout.total_bytes)}; every rank must use the same "
-                    "config (num_layers, row_bytes, host_pool_tokens, extent_tokens) and ranks")
             return fd
     os.close(fd)
     return None

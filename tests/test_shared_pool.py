@@ -15,8 +15,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import random_bytes
 
+from conftest import random_bytes
 from hisparse import HiSparseCache, HiSparseConfig
 from hisparse.backends.cpu import CPU_FEATURES, CpuBackend
 from hisparse.backends.features import Feature, FeatureTable, unsupported
@@ -136,19 +136,19 @@ def test_bad_specs_are_refused_before_anything_is_made(pool_name: str) -> None:
 def test_bad_handles_give_clear_errors_and_leave_the_group_working(
         pool_name: str, rng: torch.Generator) -> None:
     config = HiSparseConfig.from_preset("tiny", **CONFIG)
-    with pytest.raises(SharedPoolError, match="no shared host pool .* was ready within"):
+    with pytest.raises(SharedPoolError, match=r"no shared host pool .* was ready within"):
         HiSparseCache(config, "cpu", shared_pool=SharedPoolSpec(pool_name, 1, 2,
                                                                 attach_timeout_s=0.05))
     assert not os.path.exists(shared_segment.segment_path(pool_name))
     writer, reader = group(pool_name, 2)
     other = config.replace(host_pool_tokens=1024)
-    with pytest.raises(SharedPoolError, match="rows per layer: the pool has 512, this cache "
+    with pytest.raises(SharedPoolError, match=r"rows per layer: the pool has 512, this cache "
                        "1024.*data bytes"):
         HiSparseCache(other, "cpu", shared_pool=SharedPoolSpec(pool_name, 1, 2))
     with pytest.raises(SharedPoolError, match="row_bytes: the pool has 64, this cache 32"):
         HiSparseCache(config.replace(row_bytes_by_dtype={"fp8": 32, "bf16": 64}), "cpu",
                       shared_pool=SharedPoolSpec(pool_name, 1, 2))
-    with pytest.raises(SharedPoolError, match="rank 1 .* is already attached by live process"):
+    with pytest.raises(SharedPoolError, match=r"rank 1 .* is already attached by live process"):
         HiSparseCache(config, "cpu", shared_pool=SharedPoolSpec(pool_name, 1, 2))
     with pytest.raises(SharedPoolError, match="exists and is attached by live processes"):
         HiSparseCache(config, "cpu", shared_pool=SharedPoolSpec(pool_name, 0, 2))

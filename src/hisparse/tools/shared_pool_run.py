@@ -331,15 +331,16 @@ def memory_rank(barrier: Any, name: str | None, rank: int, ranks: int, pool_toke
     cache = _cache(name, rank, ranks, device, overrides)
     writer = name is None or rank == 0
     barrier.wait()
-    request_tokens = pool_tokens // 4
+    request_tokens, chunk = pool_tokens // 4, 1024  # in chunks: few temporaries to measure
+    blank = torch.zeros(cache.num_layers, chunk, cache.row_bytes, dtype=torch.uint8)
     for request in range(4):
         cache.admit(request, request_tokens)
-        if writer:
-            rows = prompt_rows(request, 0, request_tokens, cache.num_layers, cache.row_bytes)
-            cache.write_prefill(request, rows)
-        else:  # a reader writes nothing; every rank hands the same calls
-            cache.write_prefill(request, torch.zeros(cache.num_layers, request_tokens,
-                                                     cache.row_bytes, dtype=torch.uint8))
+        for start in range(0, request_tokens, chunk):
+            stop = min(start + chunk, request_tokens)
+            # A reader writes nothing, but makes the same calls as the writer.
+            rows = (prompt_rows(request, start, stop, cache.num_layers, cache.row_bytes)
+                    if writer else blank[:, : stop - start])
+            cache.write_prefill(request, rows.to(cache.device), start=start)
         cache.commit_prefill(request)
     checksum = sum(int(layer.sum()) for layer in cache.host_tensors())  # every page touched
     after = memory_status()

@@ -165,6 +165,8 @@ class FuzzRank:
             raise
         rows = prompt_rows(self.seeds[request], 0, tokens, self.L, self.W)
         split = self.rng.randint(0, tokens)  # in two calls, as a chunked prefill writes
+        # From the device, as a prefill's KV comes (on CPU that is the host).
+        rows = rows.to(self.cache.device)
         if split:
             self.cache.write_prefill(request, rows[:, :split], start=0)
         if split < tokens:
@@ -244,9 +246,11 @@ class FuzzRank:
         for b, position in enumerate(positions):
             picks = self.rng.sample(range(position + 1), min(K, position + 1))
             top_k[b, : len(picks)] = picks
-        top = torch.from_numpy(top_k.astype(np.int32))
+        device = self.cache.device
+        top = torch.from_numpy(top_k.astype(np.int32)).to(device)
         for layer in range(self.L):
-            step.write_newest(layer, torch.from_numpy(kv_at(seeds, positions, layer, self.W)))
+            step.write_newest(layer, torch.from_numpy(kv_at(seeds, positions, layer,
+                                                            self.W)).to(device))
             rows = step.swap_in(layer, top)
             self.check(layer, rows, top_k, seeds)
         if self.rng.random() < 0.1:

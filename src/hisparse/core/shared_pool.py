@@ -28,11 +28,11 @@ own device hot buffers, tables and allocator; the rules that make that safe:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
 import warnings
+import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -190,9 +190,10 @@ class SharedPoolSync:
         """Operation `seq + 1` succeeded: chain and publish its hash, compare, publish the
         writer's rows once its copies are done."""
         seq = self.seq + 1
-        text = f"{self._hash}|{name}|{_short_repr(key)}|{self._decisions()}"
-        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
-                                "little", signed=True)
+        # A tuple of ints hashes alike in every process (str hashes are salted per process,
+        # so the call's text goes through crc32 first): cheap enough for every decode step.
+        call = zlib.crc32(f"{name}|{_short_repr(key)}".encode())
+        digest = hash((self._hash, call, self._decisions()))
         row = self._own_ring[seq % RING]
         row[0] = -1  # a peer reading the entry mid-update sees no operation
         row[1] = digest

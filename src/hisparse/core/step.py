@@ -327,7 +327,8 @@ class DecodeStep:
             return
         if wrote and c.pool.writes_rows:
             shared.wrote(c.order.backup.stream)  # published once the backup has landed
-        shared.end_op(action, self.request_ids)
+        # The batch's ids were hashed at its begin: its size is enough here.
+        shared.end_op(action, self.batch_size)
 
     def _settle_replays(self) -> None:
         """Before a cancel: every follower holds the rows its anchor's plan put in the group's

@@ -278,7 +278,7 @@ class VerifyStep(DecodeStep):
             c.order.backup.issue(lambda: self._launch_commit(c, backups, commits))
             c.traffic.backed_up_tokens += backups
             self._close(c, StepState.ENDED)
-            self._exit_shared(c, shared, f"end{counts}", wrote=True)
+            self._exit_shared(c, shared, f"end{counts}", wrote=True)  # `accepted` counts
 
     def cancel(self) -> None:
         """Roll back all S tokens of every request; the newest slot gets its token back."""

@@ -306,3 +306,29 @@ def test_decision_hashes_survive_many_operations(pool_name: str, rng: torch.Gene
         on_all(caches, "abort", index)
     assert caches[0]._shared.seq == caches[1]._shared.seq == 2 * (shared_segment.RING + 40)
     on_all(caches, "close")
+
+
+def test_ranks_that_close_early_neither_hang_nor_mislead_the_others(
+        pool_name: str, rng: torch.Generator) -> None:
+    """A reader that closed holds the writer back from nothing; a reader whose writer closed
+    still reads what the writer wrote before, and gets a clear error, not a hang, at its
+    first read of anything the writer did not write."""
+    writer, early, late = group(pool_name, 3, host_pool_tokens=64, max_seq_len=64)
+    kv = random_bytes((writer.num_layers, 64, writer.row_bytes), rng)
+    for cache in (writer, early, late):
+        cache.admit("a", 64)
+        cache.write_prefill("a", kv)
+        cache.commit_prefill("a")
+    early.close()
+    for cache in (writer, late):
+        cache.finish("a")  # frees every row
+        cache.admit("b", 64)
+    writer.write_prefill("b", kv)  # rewrites the freed rows without waiting for `early`
+    writer.close()
+    late.write_prefill("b", kv)
+    late.commit_prefill("b")  # the writer wrote these rows before it closed
+    rows = torch.from_numpy(token_rows(late._requests.get("b", "x").extents, 16, 0, 64))
+    assert torch.equal(late.host_tensors()[0][rows], kv[0])
+    with pytest.raises(SharedPoolError, match=r"the writer \(rank 0\) closed its cache"):
+        late.begin_decode_step(["b"])  # needs the writer's rows of operations it never made
+    late.close()

@@ -44,6 +44,7 @@ from hisparse.backends.base import Backend
 from hisparse.backends.features import Feature
 from hisparse.core.host_pool import HostPool
 from hisparse.core.shared_segment import (
+    CLOSED,
     F_FAILED,
     F_WRITTEN,
     MAX_RANKS,
@@ -51,6 +52,7 @@ from hisparse.core.shared_segment import (
     S_HASH,
     S_READS_DONE,
     S_SEQ,
+    S_STATE,
     SegmentLayout,
     SharedSegment,
 )
@@ -234,8 +236,9 @@ class SharedPoolSync:
         if not self.is_writer or self._recycled_at <= self._reads_confirmed:
             return
         need = self._recycled_at
-        slots = self._reader_slots
-        self._wait(lambda: all(s[S_READS_DONE] >= need for s in slots), self._readers,
+        slots = self._reader_slots  # (a reader that closed reads nothing more)
+        self._wait(lambda: all(s[S_READS_DONE] >= need or s[S_STATE] == CLOSED for s in slots),
+                   self._readers,
                    f"every reader to stop reading the rows freed at operation {need}")
         self._reads_confirmed = need
 
@@ -270,9 +273,12 @@ class SharedPoolSync:
         operation's hashes are still in the ring when the later rank compares them."""
         slots = self._reader_slots
         floor = seq - (RING - 2)
-        if all(s[S_SEQ] >= floor for s in slots):
+        def caught_up() -> bool:
+            return all(s[S_SEQ] >= floor or s[S_STATE] == CLOSED for s in slots)
+
+        if caught_up():
             return
-        self._wait(lambda: all(s[S_SEQ] >= floor for s in slots), self._readers,
+        self._wait(caught_up, self._readers,
                    f"every reader to reach operation {floor}")
 
     def _wait(self, done: Callable[[], bool], peers: list[int], what: str) -> None:
@@ -297,6 +303,10 @@ class SharedPoolSync:
                 time.sleep(min(1e-3, 2e-5 * (spins - 19)))
 
     def _check_alive(self, ranks: Any) -> None:
+        writer = self.spec.writer_rank
+        if not self.is_writer and writer in ranks and self._writer_slot[S_STATE] == CLOSED:
+            self._fail(f"the writer (rank {writer}) closed its cache while rank "
+                       f"{self.spec.rank} still made calls; close every rank's cache together")
         dead = [(r, pid) for r, pid in self.segment.dead_ranks() if r in ranks]
         if dead:
             rank, pid = dead[0]

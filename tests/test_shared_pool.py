@@ -46,9 +46,10 @@ def pool_name(request: pytest.FixtureRequest, tmp_path: object) -> str:
     assert not leaked, f"{path} was left behind"
 
 
-def group(name: str, ranks: int, **overrides: object) -> list[HiSparseCache]:
+def group(name: str, ranks: int, device: object = "cpu", **overrides: object
+          ) -> list[HiSparseCache]:
     config = HiSparseConfig.from_preset("tiny", **{**CONFIG, **overrides})
-    return [HiSparseCache(config, "cpu", shared_pool=SharedPoolSpec(name, rank, ranks))
+    return [HiSparseCache(config, device, shared_pool=SharedPoolSpec(name, rank, ranks))
             for rank in range(ranks)]
 
 
@@ -73,20 +74,23 @@ def decode(caches: list[HiSparseCache], ids: list[str], newest: torch.Tensor,
     return seen
 
 
+@pytest.mark.requires(Feature.SHARED_HOST_POOL)
 def test_ranks_read_the_writers_rows_and_the_readers_allocate_none(
-        pool_name: str, rng: torch.Generator) -> None:
-    """Prefill, then decode steps whose top-k reaches back to host rows: every rank's swap-in
-    returns exactly the tokens' bytes, though only rank 0 wrote any; the readers hold no
-    host buffer of their own and see the same rows through their own mappings."""
-    caches = group(pool_name, 3)
+        pool_name: str, rng: torch.Generator, backend: object) -> None:
+    """Prefill (from the device), then decode steps whose top-k reaches back to host rows:
+    every rank's swap-in returns exactly the tokens' bytes, though only rank 0 wrote any; the
+    readers hold no host buffer of their own and see the same rows through their own
+    mappings. On a GPU the three ranks share the one device."""
+    caches = group(pool_name, 3, device=backend)
     L, W, prompt, steps = caches[0].num_layers, caches[0].row_bytes, 40, 6
-    kv = random_bytes((L, prompt + steps, W), rng)
+    kv = random_bytes((L, prompt + steps, W), rng, caches[0].device)
     on_all(caches, "admit", "r", prompt)
     on_all(caches, "write_prefill", "r", kv[:, :prompt])
     on_all(caches, "commit_prefill", "r")
     for step in range(steps):
         length = prompt + step + 1
         picks = torch.randperm(length, generator=rng)[:8].sort().values.to(torch.int32)
+        picks = picks.to(caches[0].device)
         for rank_rows in decode(caches, ["r"], kv[:, length - 1: length], picks[None]):
             for layer, rows in enumerate(rank_rows):
                 assert torch.equal(rows[0], kv[layer, picks.long()]), (step, layer)
@@ -97,7 +101,7 @@ def test_ranks_read_the_writers_rows_and_the_readers_allocate_none(
     rows = torch.from_numpy(token_rows(caches[1]._requests.get("r", "x").extents,
                                        caches[0].extent_tokens, 0, prompt + steps))
     for host in hosts:
-        assert all(torch.equal(host[layer][rows], kv[layer]) for layer in range(L))
+        assert all(torch.equal(host[layer][rows], kv[layer].cpu()) for layer in range(L))
     layout = caches[0]._pool.segment.layout
     assert os.stat(shared_segment.segment_path(pool_name)).st_size == layout.total_bytes
     assert layout.header_bytes <= 64 << 10 < layout.data_bytes  # metadata stays small

@@ -8,10 +8,11 @@ For each group size in `--ranks`, one process per rank (hisparse.tools.shared_po
   before and after, and the group's host memory (segment + private growth), against the
   same group with a private pool per rank (today).
 * step cost: every rank decodes `--batch` long requests for `--steps` steps (begin, every
-  layer's write_newest and swap_in of a random top-k, end); per-step host time and, on a GPU,
-  device time (events around the step). The ranks that do not write, against a rank of the
-  same group size with private pools (today: every rank writes its own backups), and a
-  single rank alone.
+  layer's write_newest and swap_in of a random top-k, end), the ranks starting each step
+  together as a TP group's collectives keep them; per-step host time (also without the time
+  spent waiting for the writer inside the step) and, on a GPU, device time (events around
+  the step). The ranks that do not write, against the ranks of a group of the same size with
+  private pools (today: every rank backs its own tokens up), and a single rank alone.
 * fuzz: `--fuzz-steps` decode steps per rank of random admit, PD, finish, abort, preempt,
   resume and cancel, every row read checked byte for byte against the rows the seeds give.
 
@@ -86,17 +87,24 @@ def timing(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     shared = group(timing_rank, f"bench-{os.getpid()}-time{ranks}", ranks, **common)
     private = group(timing_rank, None, ranks, **common)
     readers_host = [v for r in shared[1:] for v in r["host_us"]]
+    readers_busy = [v for r in shared[1:] for v in r["busy_us"]]
     readers_device = [v for r in shared[1:] for v in r["device_ms"]]
     private_host = [v for r in private for v in r["host_us"]]
     private_device = [v for r in private for v in r["device_ms"]]
+    single = group(timing_rank, None, 1, **common)[0]
     out = {"non_writer_host_us": stats_of(readers_host),
+           "non_writer_host_busy_us": stats_of(readers_busy),
            "writer_host_us": stats_of(shared[0]["host_us"]),
            "private_rank_host_us": stats_of(private_host),
+           "single_rank_alone_host_us": stats_of(single["host_us"]),
+           "single_rank_alone_device_ms": stats_of(single["device_ms"]),
            "non_writer_device_ms": stats_of(readers_device),
            "writer_device_ms": stats_of(shared[0]["device_ms"]),
            "private_rank_device_ms": stats_of(private_device)}
     out["non_writer_over_private_host"] = (out["non_writer_host_us"]["median"]
                                            / out["private_rank_host_us"]["median"])
+    out["non_writer_busy_over_private_host"] = (out["non_writer_host_busy_us"]["median"]
+                                                / out["private_rank_host_us"]["median"])
     if readers_device:
         out["non_writer_over_private_device"] = (out["non_writer_device_ms"]["median"]
                                                  / out["private_rank_device_ms"]["median"])
@@ -150,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         m, t = entry["memory"], entry["timing"]
         print(f"{ranks} ranks: host memory {m['shared']['pools']:.2f} pools shared vs "
               f"{m['private']['pools']:.2f} private; non-writer step "
-              f"{t['non_writer_host_us']['median']:.0f} us host vs "
+              f"{t['non_writer_host_us']['median']:.0f} us host "
+              f"({t['non_writer_host_busy_us']['median']:.0f} us without waits) vs "
               f"{t['private_rank_host_us']['median']:.0f} us private"
               + (f"; fuzz {entry['fuzz_steps_total']} steps, {entry['fuzz_mismatches']} "
                  "mismatches" if args.fuzz_steps else ""), flush=True)

@@ -336,3 +336,13 @@ def test_ranks_that_close_early_neither_hang_nor_mislead_the_others(
     with pytest.raises(SharedPoolError, match=r"the writer \(rank 0\) closed its cache"):
         late.begin_decode_step(["b"])  # needs the writer's rows of operations it never made
     late.close()
+
+
+def test_a_pool_larger_than_the_host_is_refused_and_leaves_no_file(
+        pool_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hisparse.errors import HostAllocationError
+
+    monkeypatch.setattr(shared_segment, "available_host_bytes", lambda: 1 << 16)
+    with pytest.raises(HostAllocationError, match=r"needs 110592 B .* only 65536 B \(0.06 MiB\) "
+                       "of host memory is available; lower host_pool_tokens"):
+        group(pool_name, 2)

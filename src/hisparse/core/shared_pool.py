@@ -177,11 +177,12 @@ class SharedPoolSync:
         self._reads_confirmed = 0  # writer: every reader's reads_done covers this
         self._publisher = _Publisher(backend, self._header) if self.is_writer else None
         self.skip_read_waits = False  # tests only: shows that a missing wait reads stale rows
+        self.waited_s = 0.0  # host time spent waiting for other ranks (for benchmarks)
 
     # --- operations ------------------------------------------------------------------------
     def begin_op(self) -> None:
         """Refuse on a failed pool; now and then, check that every rank still runs."""
-        if self._header[F_FAILED]:  # F_FAILED
+        if self._header[F_FAILED]:
             raise SharedPoolError(f"shared host pool {self.segment.path} failed: "
                                   f"{self.segment.failure()}; rebuild the group's caches")
         if time.monotonic() >= self._next_liveness:
@@ -282,6 +283,13 @@ class SharedPoolSync:
                    f"every reader to reach operation {floor}")
 
     def _wait(self, done: Callable[[], bool], peers: list[int], what: str) -> None:
+        started = time.perf_counter()
+        try:
+            self._wait_until(done, peers, what)
+        finally:
+            self.waited_s += time.perf_counter() - started
+
+    def _wait_until(self, done: Callable[[], bool], peers: list[int], what: str) -> None:
         deadline = time.monotonic() + self.spec.wait_timeout_s
         next_check, spins = 0.0, 0
         while not done():

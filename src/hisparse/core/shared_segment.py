@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hisparse.backends._host_memory import format_bytes
-from hisparse.errors import InvalidInputError, SharedPoolError
+from hisparse.backends._host_memory import available_host_bytes, format_bytes
+from hisparse.errors import HostAllocationError, InvalidInputError, SharedPoolError
 
 MAGIC = 0x48495350_41525345  # "HISPARSE"
 VERSION = 1
@@ -354,6 +354,13 @@ def _stale_segment(fd: int) -> bool | str:
 def _reserve(fd: int, path: str, layout: SegmentLayout) -> None:
     """Size the file and take its memory now: tmpfs pages that are only promised would kill
     a rank with SIGBUS at its first write once /dev/shm is full."""
+    available = available_host_bytes()
+    if available is not None and layout.total_bytes > available:
+        raise HostAllocationError(
+            f"the shared host pool needs {format_bytes(layout.total_bytes)} ({layout.num_layers}"
+            f" layers x {layout.num_rows} rows x {layout.row_bytes} B), but only "
+            f"{format_bytes(available)} of host memory is available; lower host_pool_tokens "
+            "or free host memory.")
     try:
         os.posix_fallocate(fd, 0, layout.total_bytes)
     except OSError as exc:

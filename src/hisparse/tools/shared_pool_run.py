@@ -330,6 +330,8 @@ def memory_rank(barrier: Any, name: str | None, rank: int, ranks: int, pool_toke
     memory before and after."""
     overrides = dict(num_layers=layers, host_pool_tokens=pool_tokens, max_requests=8,
                      max_seq_len=pool_tokens)
+    if device != "cpu":
+        torch.empty(1, device=device)  # the runtime's own host memory is not the pool's
     before = memory_status()
     barrier.wait()
     cache = _cache(name, rank, ranks, device, overrides)
@@ -364,7 +366,9 @@ def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: in
                 batch: int, device: str = "cpu", overrides: dict[str, Any] | None = None,
                 warmup: int = 20) -> dict[str, Any]:
     """Per-step host time (begin, every layer's write_newest and swap_in, end) and, on a GPU,
-    device time (events around the step) of one rank decoding `batch` long requests."""
+    device time (events around the step) of one rank decoding `batch` long requests. The
+    ranks start each step together, as a TP group's collectives keep them (the barrier is
+    not timed); `busy_us` leaves out the time a rank waited for another inside the step."""
     config = dict(num_layers=8, max_requests=batch, max_seq_len=4096, host_pool_tokens=
                   batch * 4096, **(overrides or {}))
     cache = _cache(name, rank, ranks, device, config)
@@ -377,9 +381,12 @@ def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: in
     generator = torch.Generator().manual_seed(rank * 0 + 7)  # the same top-k on every rank
     kv = torch.zeros(batch, cache.row_bytes, dtype=torch.uint8, device=cache.device)
     cuda = cache.device.type == "cuda"
-    host, device_ms = [], []
+    host, busy, device_ms = [], [], []
+    shared = cache._shared
     barrier.wait()
     for step_index in range(warmup + steps):
+        barrier.wait()  # lockstep, untimed
+        waited = shared.waited_s if shared is not None else 0.0
         length = prompt + step_index
         top_k = torch.randint(0, length, (batch, cache.top_k), generator=generator,
                               dtype=torch.int32).to(cache.device)
@@ -399,9 +406,11 @@ def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: in
             device_ms.append(start_event.elapsed_time(end_event))
         if step_index >= warmup:
             host.append(elapsed * 1e6)
+            waited = (shared.waited_s if shared is not None else 0.0) - waited
+            busy.append((elapsed - waited) * 1e6)
     barrier.wait()
     cache.close()
-    return {"rank": rank, "host_us": host, "device_ms": device_ms[warmup:]}
+    return {"rank": rank, "host_us": host, "busy_us": busy, "device_ms": device_ms[warmup:]}
 
 
 def describe_failure(results: list[dict[str, Any]]) -> str:

@@ -346,3 +346,31 @@ def test_a_pool_larger_than_the_host_is_refused_and_leaves_no_file(
     with pytest.raises(HostAllocationError, match=r"needs 110592 B .* only 65536 B \(0.06 MiB\) "
                        "of host memory is available; lower host_pool_tokens"):
         group(pool_name, 2)
+
+
+def test_verify_steps_keep_every_rank_byte_exact(pool_name: str, rng: torch.Generator) -> None:
+    """Speculative decoding on a shared pool: each verify step writes S drafts, keeps the
+    same random `accepted` on every rank, and only the writer backs the kept tokens up; the
+    next step's top-k reaches them on every rank through the host."""
+    caches = group(pool_name, 2, max_draft_tokens=3, hot_slots=32)
+    L, W, prompt, S = caches[0].num_layers, caches[0].row_bytes, 60, 3
+    tokens = random_bytes((L, prompt + 12 * S, W), rng)
+    on_all(caches, "admit", "r", prompt)
+    on_all(caches, "write_prefill", "r", tokens[:, :prompt])
+    on_all(caches, "commit_prefill", "r")
+    length = prompt
+    for _ in range(10):
+        accepted = int(torch.randint(1, S + 1, (1,), generator=rng))
+        picks = torch.stack([torch.randperm(length + s + 1, generator=rng)[:8]
+                             for s in range(S)]).to(torch.int32)[None]  # [1, S, K]
+        for cache in caches:
+            step = cache.begin_decode_step(["r"], num_tokens=S)
+            for layer in range(L):
+                step.write_newest(layer, tokens[layer, length: length + S][None])
+                rows = step.swap_in(layer, picks)
+                got = cache.device_kv(layer)[rows[0].long()]
+                assert torch.equal(got, tokens[layer][picks[0].long()]), (length, layer)
+            step.end(accepted=[accepted])
+        length += accepted  # the rejected drafts' rows are written again by the next step
+    assert caches[1].stats().misses > 0  # the reader did read rows only the writer wrote
+    on_all(caches, "close")

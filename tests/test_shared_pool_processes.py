@@ -112,12 +112,12 @@ def test_multi_process_fuzz_is_byte_exact_on_every_rank(pool_name: str) -> None:
     cancels, the same on both ranks: every row either rank reads is the token's bytes.
     (benchmarks/shared_pool.py --fuzz-steps runs the 10,000-step version.)"""
     seed = int(torch.randint(0, 2**31, (1,)))
-    results = run_group(fuzz_rank, ranks_of(pool_name, 2, seed=seed, steps=150),
+    results = run_group(fuzz_rank, ranks_of(pool_name, 2, seed=seed, steps=500),
                         timeout_s=240)
     assert not describe_failure(results), describe_failure(results)
     assert results[0]["mismatches"] == results[1]["mismatches"] == 0, (seed, results)
     counts = [{k: v for k, v in r.items() if k not in ("rank", "seconds")} for r in results]
-    assert counts[0] == counts[1] and counts[0]["checked_rows"] > 1000, (seed, counts)
+    assert counts[0] == counts[1] and counts[0]["checked_rows"] > 10000, (seed, counts)
 
 
 @requires_cuda

@@ -161,6 +161,7 @@ def test_plan_table_names_the_columns(capsys: pytest.CaptureFixture[str]) -> Non
         (["--sharing-requests", "0", "--shared-prefix", "8"], "--sharing-requests"),
         (["--sharing-requests", "4"], "--sharing-requests"),
         (["--shared-prefix", "40000", "--context", "32768"], "longer than context"),
+        (["--tp", "0"], "--tp"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(
@@ -263,3 +264,34 @@ def test_plan_shows_the_host_memory_a_shared_prefix_saves(
     text = capsys.readouterr().out
     assert "shared prefix: 16384 tokens, held once by every request" in text
     assert "host saved" in text
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tp_shows_host_memory_per_node_with_and_without_a_shared_pool(
+        capsys: pytest.CaptureFixture[str], tp: int) -> None:
+    """Per node: tp pools, one per rank, against one pool the ranks share plus its header
+    (which the segment's own layout sizes, independently of the planner)."""
+    from hisparse.core.shared_segment import SegmentLayout
+
+    doc = run_json(capsys, "--tp", str(tp), "--context", "32768", "131072")
+    assert doc["settings"]["tp_ranks"] == tp
+    header = SegmentLayout(61, 1 << 20, 656, 512, tp, 0).header_bytes
+    for context in doc["contexts"]:
+        pool = context["hisparse_max_requests"] * context["context_tokens"] * 61 * 656
+        assert context["host_pool_bytes"] == pool
+        assert context["host_node_bytes_private"] == tp * pool
+        assert context["host_node_bytes_shared"] == pool + header
+        assert header < 1 << 20  # "small metadata"
+    assert main(["plan", "--tp", str(tp), "--context", "131072"]) == 0
+    text = capsys.readouterr().out
+    assert f"host/node x{tp}" in text and "host/node shared" in text
+    assert f"tensor parallel: {tp} ranks per node" in text
+
+
+def test_one_rank_plans_no_node_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, "--context", "32768")
+    [context] = doc["contexts"]
+    assert context["host_node_bytes_private"] == context["host_pool_bytes"]
+    assert context["host_node_bytes_shared"] == context["host_pool_bytes"]
+    assert main(["plan", "--context", "32768"]) == 0
+    assert "host/node" not in capsys.readouterr().out

@@ -42,6 +42,8 @@ DESIGN_MATRIX = {
     Feature.SKIP_IO_PROBE: {"cuda": S, "rocm": S, "xpu": U, "cpu": S},
     # Not in DESIGN.md's table: an internal launch option the backends state (issue 21).
     Feature.PROGRAMMATIC_DEPENDENT_LAUNCH: {"cuda": S, "rocm": U, "xpu": U, "cpu": U},
+    # Not in DESIGN.md's table either: one host pool per node for the TP ranks (issue 23).
+    Feature.SHARED_HOST_POOL: {"cuda": S, "rocm": S, "xpu": U, "cpu": S},
 }
 BUILTINS: dict[str, type[Backend]] = {
     "cuda": CudaBackend, "rocm": RocmBackend, "xpu": XpuBackend, "cpu": CpuBackend,
@@ -69,7 +71,8 @@ def non_supported_cells() -> list[tuple[str, Feature]]:
 
 
 def call_args(method: str) -> tuple:
-    if method in ("register_host", "unregister_host"):
+    if method in ("register_host", "unregister_host", "register_shared_host",
+                  "unregister_shared_host"):
         return (torch.empty(16, dtype=torch.uint8),)
     if method == "graph_capture":
         return (object(),)

@@ -20,7 +20,7 @@ TOP_LEVEL_KEYS = {
     "available_backends", "devices", "versions", "features", "verified_on_hardware", "notes",
     "checks", "kernel_targets", "ok",
 }
-CHECKS = ["host_buffer", "register_host", "swap_in_roundtrip"]
+CHECKS = ["host_buffer", "register_host", "shared_host_pool", "swap_in_roundtrip"]
 
 
 def test_the_report_describes_the_backend_and_proves_it(backend: Backend) -> None:
@@ -37,6 +37,8 @@ def test_the_report_describes_the_backend_and_proves_it(backend: Backend) -> Non
     assert statuses["host_buffer"] == "passed", report["checks"]
     expected_register = "passed" if backend.supports("register_host_memory") else "skipped"
     assert statuses["register_host"] == expected_register, report["checks"]
+    expected_shared = "passed" if backend.supports("shared_host_pool") else "skipped"
+    assert statuses["shared_host_pool"] == expected_shared, report["checks"]
     # The engine imports on every backend: a skipped round trip would prove nothing.
     assert statuses["swap_in_roundtrip"] == "passed", report["checks"]
     assert report["ok"] is True and report["reason"] is None
@@ -45,7 +47,7 @@ def test_the_report_describes_the_backend_and_proves_it(backend: Backend) -> Non
 
 def test_the_swap_in_check_runs_once_the_engine_exists() -> None:
     pytest.importorskip("hisparse.core.engine")
-    check = probe("cpu")["checks"][2]
+    check = {c["name"]: c for c in probe("cpu")["checks"]}["swap_in_roundtrip"]
     assert check["status"] == "passed", check
     assert "byte-equal on every layer" in check["detail"]
 

@@ -410,3 +410,33 @@ def test_prefix_sharing_benchmark_writes_less_and_holds_p_plus_n_own(
     # extents once (4 whole, the handle's boundary one), each request ceil((341-256)/64).
     assert unshared["host_extents_used"] == 3 * 6
     assert shared["host_extents_used"] == 5 + 3 * 2
+
+
+def test_shared_pool_benchmark_reports_memory_step_cost_and_a_clean_fuzz(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import shared_pool
+
+    out = tmp_path / "shared-pool.json"
+    argv = ["--ranks", "2", "--pool-tokens", "16384", "--steps", "4", "--batch", "2",
+            "--fuzz-steps", "20", "--output", str(out)]
+    assert shared_pool.main(argv) == 0
+    document = json.loads(out.read_text())
+    assert document["command"] == "python benchmarks/shared_pool.py " + " ".join(argv)
+    assert document["torch"] == torch.__version__ and "triton" in document
+    group = document["groups"]["2"]
+    memory = group["memory"]
+    assert memory["pool_bytes"] == 4 * 16384 * 64  # 4 layers of tiny's 64 B rows
+    assert memory["pool_bytes"] <= memory["shared"]["shared_memory_bytes"]
+    assert len(group["timing"]["non_writer_host_us"]) == 3  # median, p90, mean
+    assert group["fuzz_mismatches"] == 0 and group["fuzz_steps_total"] == 40
+
+
+def test_shared_pool_benchmark_usage_errors(capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import shared_pool
+
+    assert_main_refuses(capsys, shared_pool.main, ["--ranks", "0"], "--ranks")
+    assert_main_refuses(capsys, shared_pool.main, ["--fuzz-steps", "-1"], "--fuzz-steps")

@@ -27,6 +27,7 @@ from hisparse.errors import (
     MissingDependencyError,
     PoolExhaustedError,
     RequestStateError,
+    SharedPoolError,
     TransferError,
     UnknownRequestError,
     UnsupportedFeatureError,
@@ -44,6 +45,7 @@ _LAZY: dict[str, str] = {
     "HiSparseConfig": "hisparse.config",
     "resolve_features": "hisparse.config",
     "HiSparseCache": "hisparse.core.engine",
+    "SharedPoolSpec": "hisparse.core.shared_pool",
     "probe": "hisparse.tools.probe",
 }
 
@@ -57,6 +59,7 @@ __all__ = [
     "MissingDependencyError",
     "PoolExhaustedError",
     "RequestStateError",
+    "SharedPoolError",
     "TransferError",
     "UnknownRequestError",
     "UnsupportedFeatureError",
@@ -73,6 +76,7 @@ if TYPE_CHECKING:  # the names __getattr__ provides, for type checkers and IDEs
     from hisparse.config import HiSparseConfig as HiSparseConfig
     from hisparse.config import resolve_features as resolve_features
     from hisparse.core.engine import HiSparseCache as HiSparseCache
+    from hisparse.core.shared_pool import SharedPoolSpec as SharedPoolSpec
     from hisparse.tools.probe import probe as probe
 
 

@@ -70,3 +70,9 @@ class MissingDependencyError(HisparseError, ImportError):
 
 class TransferError(HisparseError, RuntimeError):
     """A KV transfer into reserved host rows failed or timed out; the rows were released."""
+
+
+class SharedPoolError(HisparseError, RuntimeError):
+    """A host pool shared by tensor-parallel ranks cannot be used: the name is taken or
+    unknown, its layout differs from this cache's, a rank died, or the ranks' allocation
+    decisions diverged. A pool that failed stays failed: every rank gets this error."""

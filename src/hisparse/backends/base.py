@@ -125,6 +125,17 @@ class Backend(abc.ABC):
         self.require(Feature.REGISTER_HOST_MEMORY)
         raise NotImplementedError  # pragma: no cover
 
+    def register_shared_host(self, buffer: torch.Tensor) -> None:
+        """Make a shared-memory mapping (a shared host pool's segment) device-readable."""
+        self.require(Feature.SHARED_HOST_POOL)
+        if self.supports(Feature.REGISTER_HOST_MEMORY):
+            self.register_host(buffer)
+
+    def unregister_shared_host(self, buffer: torch.Tensor) -> None:
+        self.require(Feature.SHARED_HOST_POOL)
+        if self.supports(Feature.REGISTER_HOST_MEMORY):
+            self.unregister_host(buffer)
+
     def device_address(self, buffer: torch.Tensor) -> int:
         """The address a kernel must use to read `buffer` (differs from the host one on ROCm)."""
         return int(buffer.data_ptr())
@@ -233,4 +244,5 @@ FEATURE_ENTRY_POINTS: dict[Feature, tuple[str, ...]] = {
     Feature.ASYNC_BACKUP: ("backup_stream",),
     Feature.SHARED_INDEX_PREFETCH: ("prefetch_stream",),
     Feature.SKIP_IO_PROBE: ("skip_io_swap_in_kernel",),
+    Feature.SHARED_HOST_POOL: ("register_shared_host", "unregister_shared_host"),
 }

@@ -36,6 +36,7 @@ CPU_FEATURES = FeatureTable({
     ),
     Feature.SHARED_INDEX_PREFETCH: supported("replayed synchronously, no side stream"),
     Feature.SKIP_IO_PROBE: supported(),
+    Feature.SHARED_HOST_POOL: supported("a shared mapping of /dev/shm; nothing to register"),
 })
 
 

@@ -23,6 +23,7 @@ CUDA_FEATURES = FeatureTable({
     Feature.SKIP_IO_PROBE: supported(),
     Feature.PROGRAMMATIC_DEPENDENT_LAUNCH: supported(
         "griddepcontrol between the swap-in kernels, on sm_90 and newer with triton >= 3.3"),
+    Feature.SHARED_HOST_POOL: supported("cudaHostRegister of a shared /dev/shm mapping"),
 })
 
 # One registry per process for everything registered through torch's cudart binding.

@@ -21,6 +21,10 @@ class Feature(str, enum.Enum):
     # Kernels of one swap-in overlap their launch with the one ahead (griddepcontrol). Not a
     # config key: the launch plan uses it wherever the backend and the device have it.
     PROGRAMMATIC_DEPENDENT_LAUNCH = "programmatic_dependent_launch"
+    # One host pool in shared memory for the tensor-parallel ranks of a node (issue 23):
+    # every rank maps it and makes it device-readable. Asked for with `shared_pool=` on the
+    # cache, not a config key; a backend without it keeps a private pool per rank, warned.
+    SHARED_HOST_POOL = "shared_host_pool"
 
     def __str__(self) -> str:
         return self.value

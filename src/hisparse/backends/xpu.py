@@ -41,6 +41,11 @@ XPU_FEATURES = FeatureTable({
         "the skip-IO timing probe has not been ported to XPU",
         "time swap-in with the copy included, or run the probe on a CUDA or CPU backend",
     ),
+    Feature.SHARED_HOST_POOL: unsupported(
+        "torch XPU cannot make an existing shared mapping device-readable (pin_memory "
+        "allocates memory of its own)",
+        "each rank keeps a private host pool (shared_pool is ignored with a warning)",
+    ),
 })
 
 # Torch XPU pinned buffers have been reported to crash on access above about 16 GiB.

@@ -78,6 +78,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a prompt prefix (system prompt, chat history) that requests "
                         "share in the host pool: its whole extents are held once "
                         "(default: %(default)s, none)")
+    budget.add_argument("--tp", type=out.positive_int, default=1, metavar="N",
+                        help="tensor-parallel ranks per node holding the same requests: adds "
+                        "host memory per node with a pool per rank and with one shared pool "
+                        "(default: %(default)s)")
     budget.add_argument("--sharing-requests", type=out.positive_int, default=None,
                         metavar="N", help="how many of the requests share --shared-prefix "
                         "(default: all of them)")
@@ -150,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         reserved_slots=config.max_draft_tokens,
         shared_prefix_tokens=args.shared_prefix,
         sharing_requests=args.sharing_requests,
+        tp_ranks=args.tp,
     )
     if settings.available_bytes <= 0:
         parser.error(
@@ -220,6 +225,7 @@ def to_document(
             "link_bytes_per_s": settings.link_bytes_per_s,
             "shared_prefix_tokens": settings.shared_prefix_tokens,
             "sharing_requests": settings.sharing_requests,
+            "tp_ranks": settings.tp_ranks,
         },
         "contexts": [p.to_dict() for p in plans],
     }
@@ -245,6 +251,11 @@ def render(
         header += (f"\nshared prefix: {settings.shared_prefix_tokens} tokens, held once by "
                    f"{who} (whole {settings.extent_tokens}-token extents shared, the boundary "
                    "extent copied)")
+    tp = settings.tp_ranks
+    if tp > 1:
+        header += (f"\ntensor parallel: {tp} ranks per node hold the same requests; host/node "
+                   f"is {tp} pools without sharing, one pool + metadata with a shared pool "
+                   "(SharedPoolSpec, docs/integration.md)")
     rows = []
     for p in plans:
         gain = "-" if p.gain is None else f"{p.gain:.1f}x"
@@ -258,12 +269,16 @@ def render(
             out.format_bytes(p.hisparse_request_bytes),
             out.format_bytes(p.host_pool_bytes),
             *([out.format_bytes(p.host_bytes_saved)] if sharing else []),
+            *([out.format_bytes(p.host_node_bytes_private),
+               out.format_bytes(p.host_node_bytes_shared)] if tp > 1 else []),
             out.format_bytes(p.h2d_bytes_per_step),
             out.format_seconds(p.h2d_seconds_per_step),
         ))
     table = out.render_table(
         ("context", "requests", "HiSparse", "gain", "device/req", "HiSparse/req",
-         "host pool", *(["host saved"] if sharing else []), "H2D/step", "H2D time/step"),
+         "host pool", *(["host saved"] if sharing else []),
+         *([f"host/node x{tp}", "host/node shared"] if tp > 1 else []),
+         "H2D/step", "H2D time/step"),
         rows,
     )
     return f"{header}\n\n{table}"

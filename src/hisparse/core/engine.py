@@ -17,7 +17,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 from hisparse.backends.base import Backend
-from hisparse.core.host_pool import HostPool, HostReservation
+from hisparse.core.host_pool import HostReservation
 from hisparse.core.prefixes import PrefixRegistry
 from hisparse.core.requests import (
     PromptCoverage,
@@ -27,6 +27,7 @@ from hisparse.core.requests import (
     RequestTable,
     SlotAllocator,
 )
+from hisparse.core.shared_pool import SharedPoolSpec, SharedPoolSync, build_host_pool
 from hisparse.core.sharing import Prefix, PrefixSharing
 from hisparse.core.slot_tables import build_tables, clear_slot, seed_slot
 from hisparse.core.stats import CacheStats, TrafficCounters, occupancy_of, request_stats
@@ -68,6 +69,29 @@ def _bookkeeping(
     return locked
 
 
+def _operation(
+    method: Callable[Concatenate[HiSparseCache, _P], _R],
+) -> Callable[Concatenate[HiSparseCache, _P], _R]:
+    """A `_bookkeeping` call that is also one operation of a shared host pool
+    (core/shared_pool.py): refused once the pool failed, and hashed with its request id once
+    it succeeds with its arguments, so that the ranks can check that they made the same
+    calls."""
+    name = method.__name__.lstrip("_")
+
+    @functools.wraps(method)
+    def counted(self: HiSparseCache, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            shared = self._shared
+            if shared is None:
+                return method(self, *args, **kwargs)
+            shared.begin_op()
+            result = method(self, *args, **kwargs)
+            shared.end_op(name, (*args, *kwargs.items()))
+            return result
+
+    return counted
+
+
 class HiSparseCache(PrefixSharing, RequestQueries):
     """A hierarchical sparse KV cache on one device.
 
@@ -76,10 +100,13 @@ class HiSparseCache(PrefixSharing, RequestQueries):
             (features it lacks are turned off with a `FeatureDisabledWarning`).
         device: None (the best backend here), a backend name or device string ("cuda:1"),
             a `torch.device`, or a `Backend`.
+        shared_pool: a `SharedPoolSpec` to share one host pool with the other tensor-parallel
+            ranks of this node (docs/integration.md, "One host pool per node").
 
     Raises:
         ConfigError, UnsupportedFeatureError: from resolving the config on this backend.
         HostAllocationError: the host pool could not be allocated (nothing is kept).
+        SharedPoolError: the shared pool's name is taken, unknown, or of another layout.
 
     Example:
         >>> cache = HiSparseCache(HiSparseConfig.from_preset("tiny"), device="cpu")
@@ -92,7 +119,8 @@ class HiSparseCache(PrefixSharing, RequestQueries):
     # scheduler thread (begin_decode_step failed halfway through). Normal tensors may be
     # updated in place inside inference mode too.
     @torch.inference_mode(False)
-    def __init__(self, config: Any, device: str | torch.device | Backend | None = None) -> None:
+    def __init__(self, config: Any, device: str | torch.device | Backend | None = None,
+                 shared_pool: SharedPoolSpec | None = None) -> None:
         from hisparse.backends.registry import get_backend
         from hisparse.config import HiSparseConfig, resolve_features
 
@@ -117,7 +145,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self.slots_per_request = H + D
         self.max_requests = config.max_requests
         self.batch_capacity = config.max_batch or config.max_requests
-        self.extent_tokens = E = config.extent_tokens
+        self.extent_tokens = config.extent_tokens
         self.max_seq_len = config.max_seq_len
         self.index_group_size = config.index_group_size
         self.num_groups = -(-L // config.index_group_size)
@@ -132,8 +160,8 @@ class HiSparseCache(PrefixSharing, RequestQueries):
             self._traffic = TrafficCounters(L)
             self._last_step: DecodeStep | None = None  # the open step, or the last one
             self._closed = False
-            self._pool = HostPool(backend, L, -(-config.host_pool_tokens // E), E,
-                                  config.row_bytes)
+            self._shared: SharedPoolSync | None
+            self._pool, self._shared = build_host_pool(backend, config, shared_pool)
             self._prefixes = PrefixRegistry(self._pool, config.residency_map)
             try:
                 self._build_device_state()
@@ -149,6 +177,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self._decode = DecodeContext.build(self.config, self.backend, self.device, self.tables,
                                            self._pool, self._traffic, self._lock)
         self._order = self._decode.order
+        self._decode.shared = self._order.host_rows.shared = self._shared
         self._verify = VerifyContext.build(self.config, self.backend, self._decode)
         # What attention reads, made once: device_kv(layer) is called every layer of a step.
         self._attention_kv = [self.tables.device_kv[layer, : self._padding_row]
@@ -156,7 +185,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
 
 
     # --- admission and prefill ------------------------------------------------------------
-    @_bookkeeping
+    @_operation
     def admit(self, request_id: Hashable, num_tokens: int, prefix: Prefix = None) -> None:
         """Take host extents for a `num_tokens` prompt and a device request slot. `prefix` (a
         `PrefixHandle`, or `(request_id, n)` of a running or preempted request): its tokens
@@ -181,7 +210,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
                                PromptCoverage(self.num_layers, num_tokens, first), first)
         self._requests.add(record)
 
-    @_bookkeeping
+    @_operation
     def reserve_host_slots(self, request_id: Hashable, num_tokens: int,
                            prefix: Prefix = None) -> HostReservation:
         """PD decode side: reserve host rows a transfer engine will write; no device slot yet.
@@ -208,7 +237,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self._requests.add(record)
         return self._pool.reservation(request_id, extents, num_tokens, first)
 
-    @_bookkeeping
+    @_operation
     def write_prefill(
         self, request_id: Hashable, kv: torch.Tensor, layer: int | None = None, start: int = 0
     ) -> None:
@@ -231,10 +260,12 @@ class HiSparseCache(PrefixSharing, RequestQueries):
             self._traffic.offloaded_tokens[target] += count
             if record.prompt_written is not None:
                 record.prompt_written.add(target, start, start + count)
-        if rows.device != self._pool.layers[0].device:
+        if rows.device != self._pool.layers[0].device and self._pool.writes_rows:
             self._order.host_rows.note_copies_in_flight()  # device-to-host copies may land later
+            if self._shared is not None:
+                self._shared.wrote()  # the readers' wait covers them
 
-    @_bookkeeping
+    @_operation
     def commit_prefill(self, request_id: Hashable) -> None:
         """Seed the hot buffer from the written prompt; the request can decode."""
         self._check_open()
@@ -252,7 +283,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self._seed(record)
         record.prompt_written = None
 
-    @_bookkeeping
+    @_operation
     def complete_transfer(self, request_id: Hashable) -> None:
         """PD: the reserved rows have been written; take a device slot, seed, decode.
 
@@ -261,6 +292,9 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self._check_open()
         record = self._requests.expect(request_id, "complete the transfer of",
                                        (RequestState.RESERVED,))
+        if self._shared is not None:  # the writer's transfer landed before its call
+            self._slots.check_free(f"completing the transfer of request {request_id!r}")
+            self._shared.before_read(current=True)
         self._seed_into_new_slot(record, f"completing the transfer of request {request_id!r}")
 
     # --- decode: the open step's verbs, through the cache --------------------------------
@@ -285,7 +319,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         check_current_device(self.backend.current_device(), self.device)  # once a step
         return self._begin_decode_step(request_ids, num_tokens, dedupe)
 
-    @_bookkeeping
+    @_operation
     def _begin_decode_step(self, request_ids: Sequence[Hashable], num_tokens: int,
                            dedupe: bool) -> DecodeStep:
         self._check_open()
@@ -349,7 +383,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         return list(self._pool.layers)
 
     # --- lifecycle ------------------------------------------------------------------------
-    @_bookkeeping
+    @_operation
     def preempt(self, request_id: Hashable) -> None:
         """Release the request's device slot; its host KV stays for `resume`."""
         self._check_open()
@@ -358,20 +392,20 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self._release_slot(record)
         record.state = RequestState.PREEMPTED
 
-    @_bookkeeping
+    @_operation
     def resume(self, request_id: Hashable) -> None:
         """Give a preempted request a device slot again and seed it from its host KV."""
         self._check_open()
         record = self._requests.expect(request_id, "resume", (RequestState.PREEMPTED,))
         self._seed_into_new_slot(record, f"resuming request {request_id!r}")
 
-    @_bookkeeping
+    @_operation
     def finish(self, request_id: Hashable) -> None:
         """Free a running or preempted request's host rows and device slot."""
         self._end(request_id, "finish", (RequestState.RUNNING, RequestState.PREEMPTED),
                   RequestState.FINISHED)
 
-    @_bookkeeping
+    @_operation
     def abort(self, request_id: Hashable) -> None:
         """Free a request in any live state (e.g. a PD transfer that failed)."""
         self._end(request_id, "abort", LIVE, RequestState.ABORTED)
@@ -429,6 +463,8 @@ class HiSparseCache(PrefixSharing, RequestQueries):
 
     def _seed(self, record: RequestRecord) -> None:
         """Load the newest `H+1` tokens into the hot buffer (ARCHITECTURE.md "seeding")."""
+        if self._shared is not None:
+            self._shared.before_read()  # the writer's rows of this request are complete
         # The slot's last owner may still be backing up, or be read by the last step.
         self._order.backup.wait()
         self._order.step_end.wait()

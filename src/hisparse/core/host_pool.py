@@ -8,14 +8,19 @@ last extent when the next one is free and otherwise takes the lowest run that fi
 
 An extent can have several holders (requests that share a prefix, retained prefixes:
 core/prefixes.py): the pool counts them and frees an extent when its last holder lets go.
+
+The rows may live in a segment the tensor-parallel ranks of a node share (core/shared_pool.py):
+then only the writer rank copies rows in (`writes_rows`), and `decisions`, a running digest
+of every allocation, lets the ranks check that their allocators agree.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +28,9 @@ import torch
 from hisparse.backends._host_memory import available_host_bytes, format_bytes
 from hisparse.backends.base import Backend
 from hisparse.errors import HostAllocationError, InvalidInputError, PoolExhaustedError
+
+if TYPE_CHECKING:
+    from hisparse.core.shared_segment import SharedSegment
 
 
 class ExtentAllocator:
@@ -192,7 +200,8 @@ class HostReservation:
 
 
 class HostPool:
-    """One `[N, W]` uint8 host tensor per layer, from `backend.alloc_host`, plus the allocator."""
+    """One `[N, W]` uint8 host tensor per layer, from `backend.alloc_host` (or the layers of a
+    shared segment, registered by the caller), plus the allocator."""
 
     def __init__(
         self,
@@ -201,8 +210,15 @@ class HostPool:
         num_extents: int,
         extent_tokens: int,
         row_bytes: int,
+        segment: SharedSegment | None = None,
+        writes_rows: bool = True,
     ) -> None:
         self.backend = backend
+        self.segment = segment
+        # False on a shared pool's readers: the writer rank copies every row in once.
+        self.writes_rows = writes_rows
+        self.before_close: Callable[[], None] | None = None  # a shared pool's publisher
+        self.decisions = 0  # a running digest of allocate/share/release (same on every rank)
         self.extent_tokens = extent_tokens
         self.row_bytes = row_bytes
         self.num_rows = num_extents * extent_tokens
@@ -213,6 +229,9 @@ class HostPool:
         self._raw: list[torch.Tensor] = []
         self.layers: list[torch.Tensor] = []
         layer_bytes = self.num_rows * row_bytes
+        if segment is not None:
+            self.layers.extend(segment.layers)
+            return
         # One buffer per layer, but the config sizes them together: a failure names the total.
         needs = (f"the host pool needs {format_bytes(num_layers * layer_bytes)} in all "
                  f"({num_layers} layers x {self.num_rows} rows x {row_bytes} B; the rows are "
@@ -261,6 +280,7 @@ class HostPool:
         taken = self.allocator.allocate(num_extents, after)
         for extent in taken:
             self._holders[extent] = 1
+        self.decisions = hash((self.decisions, 1, *taken))  # ints hash alike in every process
         return taken
 
     def share(self, extents: Iterable[int]) -> None:
@@ -272,6 +292,7 @@ class HostPool:
         for extent in extents:
             self._holders[extent] += 1
             self._shared += self._holders[extent] == 2
+        self.decisions = hash((self.decisions, 2, *extents))
 
     def check_free(self, num_extents: int) -> None:
         free = self.allocator.free_extents
@@ -307,6 +328,7 @@ class HostPool:
             if not self._holders[extent]:
                 freed.append(extent)
         self.allocator.release(freed)
+        self.decisions = hash((self.decisions, 3, *extents))
         return freed
 
     def region(self, layer: int) -> LayerRegion:
@@ -317,6 +339,8 @@ class HostPool:
                    rows: torch.Tensor) -> None:
         """Copy `rows` `[T, W]` to tokens `start .. start+T-1` of a request holding `extents`,
         in `layer` (asynchronously from device memory)."""
+        if not self.writes_rows:
+            return  # a shared pool's reader: the writer rank writes these rows
         host, count = self.layers[layer], rows.shape[0]
         for token, row, length in token_runs(extents, self.extent_tokens, start, start + count):
             host[row : row + length].copy_(rows[token - start : token - start + length],
@@ -341,9 +365,18 @@ class HostPool:
 
     def close(self) -> None:
         """Free every buffer exactly once; safe to call again."""
+        if self.before_close is not None:
+            hook, self.before_close = self.before_close, None
+            hook()
         raw, self._raw = self._raw, []
         # Emptied in place: the engine's CacheTables.host_kv is this same list, and a view
         # left in it would keep its buffer's memory alive after close.
         self.layers.clear()
         for buffer in raw:
             self.backend.free_host(buffer)
+        segment, self.segment = self.segment, None
+        if segment is not None and not segment.closed:
+            try:
+                self.backend.unregister_shared_host(segment.mapping)
+            finally:
+                segment.close()

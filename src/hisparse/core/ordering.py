@@ -118,14 +118,21 @@ class HostRowGuard:
         self._step_end = step_end
         self.copies_in_flight = False
         self.rows_recycled = False
+        # A shared host pool (core/shared_pool.py): the writer rank rewrites freed rows only
+        # once every rank's last step that may read them has ended.
+        self.shared: Any | None = None
 
     def note_copies_in_flight(self) -> None:
         self.copies_in_flight = True
 
     def note_rows_recycled(self) -> None:
         self.rows_recycled = True
+        if self.shared is not None:
+            self.shared.rows_recycled(self._step_end.wait_on_host)
 
     def drain(self) -> None:
+        if self.shared is not None:
+            self.shared.before_write()  # the other ranks' reads of rows freed before
         if self.copies_in_flight:
             self._backend.synchronize(self._device)
         elif self.rows_recycled:

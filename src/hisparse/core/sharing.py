@@ -11,6 +11,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from hisparse.core.prefixes import PrefixHandle, PrefixRows
+from hisparse.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from hisparse.core.requests import RequestRecord
@@ -32,6 +33,7 @@ class PrefixSharing:
         `residency_map: position` (docs/integration.md)."""
         with self._lock:
             self._check_open()
+            self._refuse_on_shared_pool("retain a prefix")
             return self._prefixes.retain(source, num_tokens, self._requests, self._in_step)
 
     def release_prefix(self, handle: PrefixHandle) -> None:
@@ -46,7 +48,16 @@ class PrefixSharing:
     def _shared_prefix(self, prefix: Prefix, action: str) -> PrefixRows | None:
         if prefix is None:
             return None
+        self._refuse_on_shared_pool(action)
         return self._prefixes.resolve(prefix, self._requests, self._in_step, action)
+
+    def _refuse_on_shared_pool(self, action: str) -> None:
+        if self._shared is not None:
+            raise InvalidInputError(
+                f"cannot {action}: shared prefixes are not supported on a host pool shared by "
+                "tensor-parallel ranks yet (their boundary-row copies would need the same "
+                "one-writer ordering); admit the request without prefix=, or use a private "
+                "pool (no shared_pool=) where prefix sharing matters more")
 
     def _in_step(self, record: RequestRecord) -> bool:
         step = self._step

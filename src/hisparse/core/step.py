@@ -58,6 +58,7 @@ class DecodeContext:
     max_seq_len: int
     validate: bool
     prefetch_stream: Any | None  # where followers replay (None: inline)
+    shared: Any | None = None  # a shared host pool's SharedPoolSync (core/shared_pool.py)
 
     @classmethod
     def build(cls, config: HiSparseConfig, backend: Backend, device: torch.device,
@@ -155,6 +156,8 @@ class DecodeStep:
         upload (a device out of memory) leaves nothing changed and the step retryable.
         """
         c = context
+        if c.shared is not None:
+            c.shared.before_read()  # swap-in reads the writer's rows of every earlier step
         plan = BatchPlan(records, c.tables, c.max_seq_len)
         if plan.full:
             raise InvalidInputError(
@@ -282,9 +285,11 @@ class DecodeStep:
                 )
             for replay in self._anchored:
                 replay.replay_owed()
+            shared = self._enter_shared(c, "end")
             c.order.backup.issue(self._launch_backup)
             c.traffic.backed_up_tokens += self.batch_size
             self._close(c, StepState.ENDED)
+            self._exit_shared(c, shared, "end", wrote=True)
 
     def cancel(self) -> None:
         """Undo the step's token append, for a forward pass that failed part way.
@@ -299,10 +304,31 @@ class DecodeStep:
             if c is None:
                 raise self._refusal("cancel_decode_step")
             self._settle_replays()
+            shared = self._enter_shared(c, "cancel")
             # The device first: a failure leaves the step open and the call retryable.
             self._restore_newest_slots(c)
             self._undo_append(c)
             self._close(c, StepState.CANCELLED)
+            self._exit_shared(c, shared, "cancel", wrote=False)
+
+    def _enter_shared(self, c: DecodeContext, action: str) -> Any | None:
+        """On a shared host pool, an end or cancel is an operation of its own: refused on a
+        failed pool; an end's backup (the writer's) waits for readers of recycled rows, a
+        cancel's restore (every rank's) for the writer's rows."""
+        shared = c.shared
+        if shared is not None:
+            shared.begin_op()
+            shared.before_write() if action == "end" else shared.before_read()
+        return shared
+
+    def _exit_shared(self, c: DecodeContext, shared: Any | None, action: str,
+                     wrote: bool) -> None:
+        if shared is None:
+            return
+        if wrote and c.pool.writes_rows:
+            shared.wrote(c.order.backup.stream)  # published once the backup has landed
+        # The batch's ids were hashed at its begin: its size is enough here.
+        shared.end_op(action, self.batch_size)
 
     def _settle_replays(self) -> None:
         """Before a cancel: every follower holds the rows its anchor's plan put in the group's
@@ -332,6 +358,8 @@ class DecodeStep:
     def _launch_backup(self) -> None:
         c = self._context
         assert c is not None
+        if not c.pool.writes_rows:
+            return  # a shared pool's reader: the writer rank backs the token up
         b = c.buffers
         c.kernels.launch_backup(c.tables, b.newest_rows, b.newest_host_rows, b.num_real)
 

@@ -258,10 +258,12 @@ class VerifyStep(DecodeStep):
                     "for every layer first")
             for replay in self._anchored:
                 replay.replay_owed()
+            shared = self._enter_shared(c, "end")
             backups, commits = self._settle(c, counts)
             c.order.backup.issue(lambda: self._launch_commit(c, backups, commits))
             c.traffic.backed_up_tokens += backups
             self._close(c, StepState.ENDED)
+            self._exit_shared(c, shared, f"end{counts}", wrote=True)  # `accepted` counts
 
     def cancel(self) -> None:
         """Roll back all S tokens of every request; the newest slot gets its token back."""
@@ -270,9 +272,11 @@ class VerifyStep(DecodeStep):
             if c is None:
                 raise self._refusal("cancel_decode_step")
             self._settle_replays()
+            shared = self._enter_shared(c, "cancel")
             self._restore_newest_slot(c)
             self._settle(c, [0] * self.batch_size)
             self._close(c, StepState.CANCELLED)
+            self._exit_shared(c, shared, "cancel", wrote=False)
 
     def _check_accepted(self, accepted: Sequence[int] | torch.Tensor | None) -> list[int]:
         S, B = self.num_tokens, self.batch_size
@@ -326,8 +330,9 @@ class VerifyStep(DecodeStep):
         """Back the accepted tokens up from their draft slots, then move the rows that must
         live elsewhere: after the backup, since the newest slot H is draft slot 0."""
         block = self._verify.end_block
-        c.kernels.launch_backup(c.tables, block.field("backup_rows"),
-                                block.field("backup_host"), block.field("backup_count"))
+        if c.pool.writes_rows:  # (a shared pool's reader leaves the backup to the writer)
+            c.kernels.launch_backup(c.tables, block.field("backup_rows"),
+                                    block.field("backup_host"), block.field("backup_count"))
         if commits:
             kv = c.tables.device_kv
             kv[:, block.field("commit_dst", commits)] = kv[:, block.field("commit_src", commits)]

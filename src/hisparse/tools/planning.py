@@ -80,6 +80,9 @@ class PlanSettings:
     reserved_slots: int = 1
     shared_prefix_tokens: int = 0  # P: a prefix that `sharing_requests` of the requests share
     sharing_requests: int | None = None  # N; None = every request the plan fits
+    # Tensor-parallel ranks of one node that hold the same requests (MLA's latent KV is the
+    # same on each): host memory per node is tp pools, or one shared pool (issue 23).
+    tp_ranks: int = 1
 
     @property
     def available_bytes(self) -> int:
@@ -122,6 +125,9 @@ class ContextPlan:
     d2h_bytes_per_step: int
     sharing_requests: int = 0  # requests of the plan that share the prefix (N, at most all)
     host_bytes_saved: int = 0  # host pool bytes the shared prefix saves: (N - 1) * P_E * L * W
+    tp_ranks: int = 1
+    host_node_bytes_private: int = 0  # tp_ranks pools, one per rank (no shared pool)
+    host_node_bytes_shared: int = 0  # one pool the ranks share, plus its metadata header
 
     @property
     def gain(self) -> float | None:
@@ -247,7 +253,20 @@ def plan_context(shape: ModelShape, settings: PlanSettings, context_tokens: int)
         d2h_bytes_per_step=requests * shape.num_layers * shape.row_bytes,
         sharing_requests=_sharing(settings, requests),
         host_bytes_saved=requests * host_bytes - pool_bytes,
+        tp_ranks=settings.tp_ranks,
+        host_node_bytes_private=settings.tp_ranks * pool_bytes,
+        host_node_bytes_shared=pool_bytes + shared_pool_metadata_bytes(settings.tp_ranks),
     )
+
+
+def shared_pool_metadata_bytes(tp_ranks: int) -> int:
+    """The header of a shared pool's segment (core/shared_segment.py): layout, rank slots
+    and decision-hash rings; 0 for one rank, which keeps a private pool."""
+    if tp_ranks <= 1:
+        return 0
+    from hisparse.core.shared_segment import SegmentLayout
+
+    return SegmentLayout(1, 1, 1, 1, tp_ranks, 0).header_bytes
 
 
 def _sharing(settings: PlanSettings, requests: int) -> int:

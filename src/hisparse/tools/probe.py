@@ -162,6 +162,7 @@ def _run_checks(backend: Backend, index: int | None,
         for name, check in (
             ("host_buffer", _check_host_buffer),
             ("register_host", _check_register_host),
+            ("shared_host_pool", _check_shared_host_pool),
             ("swap_in_roundtrip", lambda b: _check_swap_in(b, config)),
         ):
             checks.append(_run_check(name, check, backend))
@@ -427,6 +428,43 @@ def _check_register_host(backend: Backend) -> str:
     finally:
         backend.unregister_host(buffer)
     return f"register_host of {HOST_CHECK_BYTES} bytes, read back byte-equal; unregistered"
+
+
+def _check_shared_host_pool(backend: Backend) -> str:
+    """Two mappings of one shared segment, as a writer rank and a reader rank hold them: each
+    registered for the device; bytes written through the first, read back on the device
+    through the second."""
+    from hisparse.core.shared_segment import SegmentLayout, SharedSegment, segment_path
+
+    support = backend.support(Feature.SHARED_HOST_POOL)
+    if not support.usable:
+        raise _Skip(f"shared_host_pool is {support.status} here: {support.reason}")
+    name = f"probe-{os.getpid()}-{int.from_bytes(os.urandom(4), 'little')}"
+    layout = SegmentLayout(1, HOST_CHECK_BYTES // 64, 64, 16, 2, 0)
+    writer = SharedSegment.create(name, layout, 0)
+    reader = None
+    try:
+        reader = SharedSegment.attach(name, layout, 1, timeout_s=5.0)
+        for segment in (writer, reader):
+            backend.register_shared_host(segment.mapping)
+        try:
+            expected = _random_bytes((layout.num_rows, 64), _generator())
+            writer.layers[0].copy_(expected)
+            if backend.supports(Feature.REGISTER_HOST_MEMORY) and not reader.layers[0].is_pinned():
+                raise AssertionError("the second mapping is not registered (is_pinned False)")
+            if not torch.equal(_read_back(backend, reader.layers[0]), expected):
+                raise AssertionError("bytes read through the second mapping differ")
+        finally:
+            for segment in (writer, reader):
+                backend.unregister_shared_host(segment.mapping)
+    finally:
+        for segment in (reader, writer):
+            if segment is not None:
+                segment.close()
+    if os.path.exists(segment_path(name)):
+        raise AssertionError(f"{segment_path(name)} was left behind after both closed")
+    return (f"two mappings of one {layout.total_bytes}-byte /dev/shm segment registered; "
+            "bytes written through one read back on the device through the other; unlinked")
 
 
 def _check_swap_in(backend: Backend, config: HiSparseConfig | None = None) -> str:

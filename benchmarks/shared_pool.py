@@ -1,0 +1,174 @@
+"""One host pool for the tensor-parallel ranks of a node (issue 23): memory, step cost, fuzz.
+
+For each group size in `--ranks`, one process per rank (hisparse.tools.shared_pool_run):
+
+* memory: every rank builds a cache of `--pool-tokens` rows per layer; the writer fills the
+  whole pool and every rank reads every row. Reported: the shared segment's allocated bytes,
+  each rank's private (RssAnon), shared (RssShmem) and proportional (Pss) resident memory
+  before and after, and the group's host memory (segment + private growth), against the
+  same group with a private pool per rank (today).
+* step cost: every rank decodes `--batch` long requests for `--steps` steps (begin, every
+  layer's write_newest and swap_in of a random top-k, end), the ranks starting each step
+  together as a TP group's collectives keep them; per-step host time (also without the time
+  spent waiting for the writer inside the step) and, on a GPU, device time (events around
+  the step). The ranks that do not write, against the ranks of a group of the same size with
+  private pools (today: every rank backs its own tokens up), and a single rank alone.
+* fuzz: `--fuzz-steps` decode steps per rank of random admit, PD, finish, abort, preempt,
+  resume and cancel, every row read checked byte for byte against the rows the seeds give.
+
+    PYTHONPATH=src python benchmarks/shared_pool.py --device cpu --ranks 2 4 \\
+        --output benchmarks/results/shared-pool-cpu.json
+    PYTHONPATH=src python benchmarks/shared_pool.py --device cuda --ranks 2 4 \\
+        --output benchmarks/results/shared-pool-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hisparse.cli._output import non_negative_int, positive_int
+from hisparse.tools.shared_pool_run import (
+    describe_failure,
+    fuzz_rank,
+    memory_rank,
+    run_group,
+    timing_rank,
+)
+
+
+def group(target: Any, name: str | None, ranks: int, timeout_s: float = 580.0,
+          **args: Any) -> list[dict[str, Any]]:
+    results = run_group(target, [dict(name=name, rank=r, ranks=ranks, **args)
+                                 for r in range(ranks)], timeout_s=timeout_s)
+    failure = describe_failure(results)
+    if failure or any("exitcode" in r for r in results):
+        raise SystemExit(f"a rank failed: {failure or results}")
+    return results
+
+
+def memory(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
+    name = f"bench-{os.getpid()}-mem{ranks}"
+    shared = group(memory_rank, name, ranks, pool_tokens=args.pool_tokens, device=args.device,
+                   layers=args.layers)
+    private = group(memory_rank, None, ranks, pool_tokens=args.pool_tokens, device=args.device,
+                    layers=args.layers)
+    pool = shared[0]["pool_bytes"]
+
+    def summary(results: list[dict[str, Any]], shm: int) -> dict[str, Any]:
+        grown = sum(max(0, r["private_delta"]) for r in results)
+        return {"shared_memory_bytes": shm, "private_growth_bytes_per_rank":
+                [r["private_delta"] for r in results],
+                "rss_after": [r["after"] for r in results],
+                "host_bytes_of_group": shm + grown, "pools": (shm + grown) / pool}
+
+    return {"pool_bytes": pool, "shared": summary(shared, shared[0]["shm_bytes"]),
+            "private": summary(private, 0)}
+
+
+def stats_of(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return {"median": statistics.median(ordered), "p90": ordered[int(0.9 * (len(ordered) - 1))],
+            "mean": statistics.fmean(ordered)}
+
+
+def timing(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
+    common = dict(steps=args.steps, batch=args.batch, device=args.device)
+    shared = group(timing_rank, f"bench-{os.getpid()}-time{ranks}", ranks, **common)
+    private = group(timing_rank, None, ranks, **common)
+    readers_host = [v for r in shared[1:] for v in r["host_us"]]
+    readers_busy = [v for r in shared[1:] for v in r["busy_us"]]
+    readers_device = [v for r in shared[1:] for v in r["device_ms"]]
+    private_host = [v for r in private for v in r["host_us"]]
+    private_device = [v for r in private for v in r["device_ms"]]
+    single = group(timing_rank, None, 1, **common)[0]
+    out = {"non_writer_host_us": stats_of(readers_host),
+           "non_writer_host_busy_us": stats_of(readers_busy),
+           "writer_host_us": stats_of(shared[0]["host_us"]),
+           "private_rank_host_us": stats_of(private_host),
+           "single_rank_alone_host_us": stats_of(single["host_us"]),
+           "single_rank_alone_device_ms": stats_of(single["device_ms"]),
+           "non_writer_device_ms": stats_of(readers_device),
+           "writer_device_ms": stats_of(shared[0]["device_ms"]),
+           "private_rank_device_ms": stats_of(private_device)}
+    out["non_writer_over_private_host"] = (out["non_writer_host_us"]["median"]
+                                           / out["private_rank_host_us"]["median"])
+    out["non_writer_busy_over_private_host"] = (out["non_writer_host_busy_us"]["median"]
+                                                / out["private_rank_host_us"]["median"])
+    if readers_device:
+        out["non_writer_over_private_device"] = (out["non_writer_device_ms"]["median"]
+                                                 / out["private_rank_device_ms"]["median"])
+    return out
+
+
+def environment(device: str) -> dict[str, Any]:
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "triton": triton_version, "cpu_count": os.cpu_count()}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["card"] = torch.cuda.get_device_name()
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (every rank on it)")
+    parser.add_argument("--ranks", type=positive_int, nargs="+", default=[2, 4],
+                        help="group sizes to run (default: 2 4)")
+    parser.add_argument("--pool-tokens", type=positive_int, default=1 << 18,
+                        help="host rows per layer of the memory run (default: 262144)")
+    parser.add_argument("--layers", type=positive_int, default=4,
+                        help="layers of the memory run (default: 4)")
+    parser.add_argument("--steps", type=positive_int, default=200,
+                        help="timed decode steps per rank (default: 200)")
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--fuzz-steps", type=non_negative_int, default=10000,
+                        help="fuzz decode steps per rank (default: 10000; 0: no fuzz)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args(argv)
+    result: dict[str, Any] = {
+        "command": "python benchmarks/shared_pool.py " + " ".join(
+            sys.argv[1:] if argv is None else argv),
+        **environment(args.device), "device": args.device, "groups": {}}
+    for ranks in args.ranks:
+        entry: dict[str, Any] = {"memory": memory(args, ranks), "timing": timing(args, ranks)}
+        if args.fuzz_steps:
+            fuzz = group(fuzz_rank, f"bench-{os.getpid()}-fuzz{ranks}", ranks, timeout_s=3600,
+                         seed=args.seed + ranks, steps=args.fuzz_steps, device=args.device)
+            entry["fuzz"] = fuzz
+            entry["fuzz_mismatches"] = sum(r["mismatches"] for r in fuzz)
+            entry["fuzz_steps_total"] = sum(r["steps"] for r in fuzz)
+        result["groups"][str(ranks)] = entry
+        m, t = entry["memory"], entry["timing"]
+        print(f"{ranks} ranks: host memory {m['shared']['pools']:.2f} pools shared vs "
+              f"{m['private']['pools']:.2f} private; non-writer step "
+              f"{t['non_writer_host_us']['median']:.0f} us host "
+              f"({t['non_writer_host_busy_us']['median']:.0f} us without waits) vs "
+              f"{t['private_rank_host_us']['median']:.0f} us private"
+              + (f"; fuzz {entry['fuzz_steps_total']} steps, {entry['fuzz_mismatches']} "
+                 "mismatches" if args.fuzz_steps else ""), flush=True)
+    result["load_average_1_5_15_min_at_end"] = list(os.getloadavg())
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if all(g.get("fuzz_mismatches", 0) == 0 for g in result["groups"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""One host pool for the tensor-parallel ranks of a node (docs/integration.md, "One host pool
+per node").
+
+MLA's latent KV is the same on every tensor-parallel rank, so the ranks of a group map one
+shared segment (`core.shared_segment`) instead of keeping a copy each. Every rank keeps its
+own device hot buffers, tables and allocator; the rules that make that safe:
+
+- **Same decisions, checked.** Every rank makes the same cache calls in the same order (the
+  ranks of a TP group run one scheduler's output), so every rank's allocator hands out the
+  same extents. Each counted call is an *operation*; after each, a rank chains a hash of
+  the call, its request id and its allocator's decisions, and publishes it. The writer
+  compares every reader's hash at every operation, each reader the writer's: whichever
+  reaches operation k second compares, and a mismatch fails the pool for every rank.
+- **One writer.** Only `writer_rank` writes host rows (prefill, the newest-token backup; a
+  PD transfer engine writes only the writer's reservation). The writer publishes
+  `written_through = k` once operation k's writes are complete (after a host wait on the
+  event of its asynchronous copies, on a publisher thread). A reader, before an operation
+  that reads host rows (seeding, a decode step, a cancel), waits until `written_through`
+  covers every operation before it (`complete_transfer`: that operation too).
+- **No write into rows still read.** A reader that frees rows (finish, abort, a cancel that
+  returns an extent) first waits on the host for its last step's end, then publishes
+  `reads_done`; the writer writes rows again only once every reader's `reads_done` covers
+  the operation that freed them.
+- **Faults.** Every wait checks that the ranks it waits for are alive (and every operation
+  checks all ranks at most every `LIVENESS_PERIOD_S`); a dead rank, a divergence or a
+  timeout marks the pool failed, and every rank's next operation raises SharedPoolError.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hisparse.backends.base import Backend
+from hisparse.backends.features import Feature
+from hisparse.core.host_pool import HostPool
+from hisparse.core.shared_segment import (
+    CLOSED,
+    F_FAILED,
+    F_WRITTEN,
+    MAX_RANKS,
+    RING,
+    S_HASH,
+    S_READS_DONE,
+    S_SEQ,
+    S_STATE,
+    SegmentLayout,
+    SharedSegment,
+)
+from hisparse.errors import FeatureDisabledWarning, InvalidInputError, SharedPoolError
+
+if TYPE_CHECKING:
+    from hisparse.config import HiSparseConfig
+
+LIVENESS_PERIOD_S = 0.25  # how often an operation checks that every rank still runs
+
+
+@dataclass(frozen=True)
+class SharedPoolSpec:
+    """How one rank joins its group's shared host pool; pass it as `shared_pool=` to
+    `HiSparseCache`. `writer_rank` creates the pool (reclaiming a stale one of that name);
+    the other ranks attach, waiting up to `attach_timeout_s` for it. A rank waits at most
+    `wait_timeout_s` for another rank before the pool fails."""
+
+    name: str
+    rank: int
+    ranks: int
+    writer_rank: int = 0
+    attach_timeout_s: float = 60.0
+    wait_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        def count(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        problems = []
+        if not count(self.ranks) or not 1 <= self.ranks <= MAX_RANKS:
+            problems.append(f"ranks={self.ranks!r} must be an int in 1..{MAX_RANKS}")
+        else:
+            for field in ("rank", "writer_rank"):
+                value = getattr(self, field)
+                if not count(value) or not 0 <= value < self.ranks:
+                    problems.append(f"{field}={value!r} must be an int in 0..{self.ranks - 1}")
+        for field in ("attach_timeout_s", "wait_timeout_s"):
+            value = getattr(self, field)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                problems.append(f"{field}={value!r} must be a positive number of seconds")
+        if problems:
+            raise InvalidInputError(
+                "bad SharedPoolSpec: " + "; ".join(problems) + "; pass the rank's index in "
+                "its tensor-parallel group, the group's size, and the writer's index")
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == self.writer_rank
+
+
+def build_host_pool(backend: Backend, config: HiSparseConfig, spec: SharedPoolSpec | None
+                    ) -> tuple[HostPool, SharedPoolSync | None]:
+    """The cache's host pool: private, or its rank's view of the group's shared one. A
+    backend that cannot share (Feature.SHARED_HOST_POOL) gets a private pool and one
+    FeatureDisabledWarning: correct, only without the memory saving."""
+    E = config.extent_tokens
+    num_extents = -(-config.host_pool_tokens // E)
+    if spec is not None and not isinstance(spec, SharedPoolSpec):
+        raise InvalidInputError(
+            f"shared_pool must be a SharedPoolSpec or None, got {type(spec).__name__} "
+            f"{spec!r:.80}; build one with SharedPoolSpec(name, rank, ranks)")
+    if spec is not None and not backend.supports(Feature.SHARED_HOST_POOL):
+        support = backend.support(Feature.SHARED_HOST_POOL)
+        warnings.warn(
+            f"shared_pool was requested but {Feature.SHARED_HOST_POOL} is {support.status} on "
+            f"the {backend.name} backend: {support.reason}; turning it off. Instead, "
+            f"{support.instead}.", FeatureDisabledWarning, stacklevel=3)
+        spec = None
+    if spec is None:
+        return HostPool(backend, config.num_layers, num_extents, E, config.row_bytes), None
+    layout = SegmentLayout(config.num_layers, num_extents * E, config.row_bytes, E,
+                           spec.ranks, spec.writer_rank)
+    segment = open_segment(spec, backend, layout)
+    pool = HostPool(backend, config.num_layers, num_extents, E, config.row_bytes,
+                    segment=segment, writes_rows=spec.is_writer)
+    sync = SharedPoolSync(segment, spec, backend, lambda: pool.decisions)
+    pool.before_close = sync.close
+    return pool, sync
+
+
+def open_segment(spec: SharedPoolSpec, backend: Backend, layout: SegmentLayout
+                 ) -> SharedSegment:
+    """Create (the writer) or attach (the others) the segment, registered for the device;
+    nothing is left behind when that fails."""
+    backend.require(Feature.SHARED_HOST_POOL)
+    if spec.is_writer:
+        segment = SharedSegment.create(spec.name, layout, spec.rank)
+    else:
+        segment = SharedSegment.attach(spec.name, layout, spec.rank, spec.attach_timeout_s)
+    try:
+        backend.register_shared_host(segment.mapping)
+    except BaseException:
+        segment.close()
+        raise
+    return segment
+
+
+class SharedPoolSync:
+    """One rank's side of the rules above, driven by the cache at each counted operation."""
+
+    def __init__(self, segment: SharedSegment, spec: SharedPoolSpec, backend: Backend,
+                 decisions: Callable[[], int]) -> None:
+        self.segment = segment
+        self.spec = spec
+        self.is_writer = spec.is_writer
+        self._backend = backend
+        self._decisions = decisions  # the allocator's running digest (HostPool.decisions)
+        self._header = segment.header
+        self._own = segment.slot(spec.rank)
+        self._own_ring = segment.ring(spec.rank)
+        self._writer_slot = segment.slot(spec.writer_rank)
+        self._writer_ring = segment.ring(spec.writer_rank)
+        self._readers = [r for r in range(spec.ranks) if r != spec.writer_rank]
+        self._reader_slots = [segment.slot(r) for r in self._readers]
+        self._reader_rings = {r: segment.ring(r) for r in self._readers}
+        self.seq = 0  # operations completed
+        self._hash = 0
+        self._next_liveness = time.monotonic() + LIVENESS_PERIOD_S
+        self._pending_event: Any | None = None
+        self._recycled_at = 0  # writer: the last operation that freed rows
+        self._reads_confirmed = 0  # writer: every reader's reads_done covers this
+        self._publisher = _Publisher(backend, self._header) if self.is_writer else None
+        self.skip_read_waits = False  # tests only: shows that a missing wait reads stale rows
+        self.waited_s = 0.0  # host time spent waiting for other ranks (for benchmarks)
+
+    # --- operations ------------------------------------------------------------------------
+    def begin_op(self) -> None:
+        """Refuse on a failed pool; now and then, check that every rank still runs."""
+        if self._header[F_FAILED]:
+            raise SharedPoolError(f"shared host pool {self.segment.path} failed: "
+                                  f"{self.segment.failure()}; rebuild the group's caches")
+        if time.monotonic() >= self._next_liveness:
+            self._next_liveness = time.monotonic() + LIVENESS_PERIOD_S
+            self._check_alive(range(self.spec.ranks))
+
+    def end_op(self, name: str, key: object) -> None:
+        """Operation `seq + 1` succeeded: chain and publish its hash, compare, publish the
+        writer's rows once its copies are done."""
+        seq = self.seq + 1
+        # A tuple of ints hashes alike in every process (str hashes are salted per process,
+        # so the call's text goes through crc32 first): cheap enough for every decode step.
+        call = zlib.crc32(f"{name}|{_short_repr(key)}".encode())
+        digest = hash((self._hash, call, self._decisions()))
+        row = self._own_ring[seq % RING]
+        row[0] = -1  # a peer reading the entry mid-update sees no operation
+        row[1] = digest
+        row[0] = seq
+        self._own[S_HASH], self._own[S_SEQ] = digest, seq
+        self.seq, self._hash = seq, digest
+        peers = self._readers if self.is_writer else [self.spec.writer_rank]
+        for peer in peers:
+            self._compare(peer, seq, digest, name, key)
+        if self._publisher is not None:
+            event, self._pending_event = self._pending_event, None
+            self._publisher.publish(seq, event)
+            self._limit_lead(seq)
+
+    def wrote(self, stream: Any | None = None) -> None:
+        """The writer issued host-row copies in this operation, on `stream` (None: the
+        current one): its publication waits for them."""
+        backend = self._backend
+        event = backend.new_event()
+        if event is not None:
+            with backend.stream_scope(stream):
+                backend.record_event(event)
+            self._pending_event = event
+
+    def before_read(self, current: bool = False) -> None:
+        """A reader waits until the writer's rows of every earlier operation (and of this one,
+        `current`: a PD landing) are complete."""
+        if self.is_writer or self.skip_read_waits:
+            return
+        need = self.seq + (1 if current else 0)
+        if self._header[F_WRITTEN] >= need:
+            return
+        self._wait(lambda: self._header[F_WRITTEN] >= need, [self.spec.writer_rank],
+                   f"the writer's host rows of operation {need}")
+
+    def before_write(self) -> None:
+        """The writer waits until every reader is done reading the rows freed last."""
+        if not self.is_writer or self._recycled_at <= self._reads_confirmed:
+            return
+        need = self._recycled_at
+        slots = self._reader_slots  # (a reader that closed reads nothing more)
+        self._wait(lambda: all(s[S_READS_DONE] >= need or s[S_STATE] == CLOSED for s in slots),
+                   self._readers,
+                   f"every reader to stop reading the rows freed at operation {need}")
+        self._reads_confirmed = need
+
+    def rows_recycled(self, reads_done: Callable[[], None]) -> None:
+        """Rows were freed in the operation under way; `reads_done` blocks the host until this
+        rank's device reads of them are over."""
+        if self.is_writer:
+            self._recycled_at = self.seq + 1
+        else:
+            reads_done()
+            self._own[S_READS_DONE] = self.seq + 1
+
+    def close(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
+
+    # --- internals -------------------------------------------------------------------------
+    def _compare(self, peer: int, seq: int, digest: int, name: str, key: object) -> None:
+        ring = self._reader_rings[peer] if self.is_writer else self._writer_ring
+        row = ring[seq % RING]
+        first, theirs, second = int(row[0]), int(row[1]), int(row[0])
+        if first == seq == second and theirs != digest:
+            reason = (f"rank {self.spec.rank}'s allocation decisions diverged from rank {peer}'s "
+                      f"at operation {seq} ({name} {_short_repr(key)}): every rank must make "
+                      "the same cache calls (admit, write_prefill, commit_prefill, decode "
+                      "steps, preempt, resume, finish, abort, PD) in the same order with the "
+                      "same request ids and lengths")
+            self._fail(reason)
+
+    def _limit_lead(self, seq: int) -> None:
+        """The writer keeps within RING - 1 operations of every reader, so that each
+        operation's hashes are still in the ring when the later rank compares them."""
+        slots = self._reader_slots
+        floor = seq - (RING - 2)
+        def caught_up() -> bool:
+            return all(s[S_SEQ] >= floor or s[S_STATE] == CLOSED for s in slots)
+
+        if caught_up():
+            return
+        self._wait(caught_up, self._readers,
+                   f"every reader to reach operation {floor}")
+
+    def _wait(self, done: Callable[[], bool], peers: list[int], what: str) -> None:
+        started = time.perf_counter()
+        try:
+            self._wait_until(done, peers, what)
+        finally:
+            self.waited_s += time.perf_counter() - started
+
+    def _wait_until(self, done: Callable[[], bool], peers: list[int], what: str) -> None:
+        deadline = time.monotonic() + self.spec.wait_timeout_s
+        next_check, spins = 0.0, 0
+        while not done():
+            if self._header[F_FAILED]:
+                self.begin_op()  # raises with the pool's failure
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.005
+                self._check_alive(peers)
+                if now > deadline:
+                    self._fail(f"rank {self.spec.rank} waited {self.spec.wait_timeout_s:g} s "
+                               f"for {what}; a rank is stuck or made other calls")
+            # A few yields, then sleeps: a spinning rank must not take the core its writer
+            # needs (ranks may share cores, as in CI).
+            spins += 1
+            if spins < 20:
+                os.sched_yield()
+            else:
+                time.sleep(min(1e-3, 2e-5 * (spins - 19)))
+
+    def _check_alive(self, ranks: Any) -> None:
+        writer = self.spec.writer_rank
+        if not self.is_writer and writer in ranks and self._writer_slot[S_STATE] == CLOSED:
+            self._fail(f"the writer (rank {writer}) closed its cache while rank "
+                       f"{self.spec.rank} still made calls; close every rank's cache together")
+        dead = [(r, pid) for r, pid in self.segment.dead_ranks() if r in ranks]
+        if dead:
+            rank, pid = dead[0]
+            role = "the writer" if rank == self.spec.writer_rank else "a reader"
+            self._fail(f"rank {rank} ({role}, pid {pid}) of the group exited without closing "
+                       "its cache (killed?); the rows it owed cannot be trusted")
+
+    def _fail(self, reason: str) -> None:
+        self.segment.mark_failed(reason)
+        raise SharedPoolError(f"shared host pool {self.segment.path} failed: "
+                              f"{self.segment.failure()}; rebuild the group's caches")
+
+
+class _Publisher:
+    """The writer's `written_through`, advanced in operation order once each operation's
+    copies are complete: inline when nothing is in flight, else on a thread that waits on
+    the copies' events (so the writer's host never blocks for its own backups)."""
+
+    def __init__(self, backend: Backend, header: Any) -> None:
+        self._backend = backend
+        self._header = header
+        self._queue: deque[tuple[int, Any]] = deque()
+        self._ready = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def publish(self, seq: int, event: Any | None) -> None:
+        with self._ready:
+            if event is None and not self._queue:
+                self._header[F_WRITTEN] = seq
+                return
+            self._queue.append((seq, event))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="hisparse-shared-pool-publisher")
+                self._thread.start()
+            self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._stopping:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                seq, event = self._queue[0]
+            if event is not None:
+                self._backend.synchronize_event(event)
+            with self._ready:
+                self._queue.popleft()
+                self._header[F_WRITTEN] = max(int(self._header[F_WRITTEN]), seq)
+                self._ready.notify_all()
+
+    def close(self) -> None:
+        """Publish everything still queued (readers may be waiting for it), then stop."""
+        with self._ready:
+            self._stopping = True
+            self._ready.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+
+def _short_repr(key: object) -> str:
+    """A call's arguments as text to hash: tensors by shape (their bytes are the writer's
+    business), the rest by repr."""
+    if isinstance(key, torch.Tensor):
+        return f"tensor{tuple(key.shape)}"
+    if isinstance(key, tuple) and any(isinstance(k, torch.Tensor) for k in key):
+        return "(" + ", ".join(_short_repr(k) for k in key) + ")"
+    text = repr(key)
+    return text if len(text) <= 200 else text[:200] + "..."

@@ -1,0 +1,425 @@
+"""Multi-process runs of one shared host pool: the fuzz, the memory measurement and the
+per-step timing that tests/test_shared_pool_processes.py and benchmarks/shared_pool.py drive.
+
+Every rank of a group is a process of its own (a forkserver child that has torch imported
+already) and runs the same seeded schedule of cache calls, as the ranks of a tensor-parallel
+group run one scheduler's output. The KV of token `p` of a request is a pure function of the
+request's seed, `p` and the layer (`kv_at`), so every rank knows what each row must hold
+without the rows ever crossing a pipe: what a non-writing rank finds can only have come
+through the shared pool.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from hisparse.core.host_pool import token_rows
+from hisparse.errors import PoolExhaustedError, SharedPoolError
+
+# The fuzz's cache: short extents and a tight pool, so requests span extents, the pool runs
+# out now and then, and most requests are long (more tokens than hot slots): their swap-ins
+# read host rows.
+FUZZ_CONFIG: dict[str, Any] = dict(
+    num_layers=3, row_bytes_by_dtype={"fp8": 32, "bf16": 64}, top_k=8, hot_slots=16,
+    index_group_size=1, max_requests=8, max_seq_len=160, host_pool_tokens=1024,
+    extent_tokens=16, validate=True)
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93)
+
+
+def kv_at(seeds: np.ndarray, positions: np.ndarray, layer: int, row_bytes: int) -> np.ndarray:
+    """uint8 `[*shape, W]`: the row of token `positions` of the requests with `seeds`, in
+    `layer` (a splitmix64 of the four, per byte)."""
+    with np.errstate(over="ignore"):
+        x = (np.asarray(seeds, np.uint64)[..., None] * np.uint64(_MIX[0])
+             + np.asarray(positions, np.uint64)[..., None] * np.uint64(_MIX[1])
+             + np.uint64(layer) * np.uint64(_MIX[2])
+             + np.arange(row_bytes, dtype=np.uint64) * np.uint64(_MIX[3]))
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(_MIX[1])
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(_MIX[2])
+        x ^= x >> np.uint64(31)
+    return (x & np.uint64(0xFF)).astype(np.uint8)
+
+
+def prompt_rows(seed: int, start: int, stop: int, num_layers: int, row_bytes: int
+                ) -> torch.Tensor:
+    """`[L, stop - start, W]` uint8: a request's rows of tokens start..stop-1."""
+    positions = np.arange(start, stop)
+    seeds = np.full_like(positions, seed)
+    return torch.from_numpy(np.stack([kv_at(seeds, positions, layer, row_bytes)
+                                      for layer in range(num_layers)]))
+
+
+# --- running a group ------------------------------------------------------------------------
+def run_group(target: Callable[..., dict[str, Any]], ranks_args: list[dict[str, Any]],
+              timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Run `target(barrier=..., **args)` in one process per entry; their results, in order.
+
+    A rank that raises reports `{"error": ...}`; one that dies (SIGKILL) reports
+    `{"exitcode": -9}`; none is left running after the timeout.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "hisparse.core.engine"])
+    queue, barrier = context.Queue(), context.Barrier(len(ranks_args))
+    processes = [context.Process(target=_entry, args=(target, index, args, queue, barrier),
+                                 daemon=True) for index, args in enumerate(ranks_args)]
+    for process in processes:
+        process.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < len(processes) and time.monotonic() < deadline:
+        try:
+            index, result = queue.get(timeout=0.1)
+            results[index] = result
+        except Exception:  # queue.Empty: see whether a rank died without a word
+            for index, process in enumerate(processes):
+                if index not in results and process.exitcode not in (None, 0):
+                    results[index] = {"exitcode": process.exitcode}
+    for index, process in enumerate(processes):
+        process.join(timeout=max(0.1, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+        results.setdefault(index, {"exitcode": process.exitcode, "error": "timed out"})
+    return [results[index] for index in range(len(processes))]
+
+
+def _entry(target: Callable[..., dict[str, Any]], index: int, args: dict[str, Any],
+           queue: Any, barrier: Any) -> None:
+    torch.set_num_threads(1)  # ranks share the host's cores, as a node's ranks do
+    try:
+        result = target(barrier=barrier, **args)
+    except BaseException as exc:  # reported to the parent, which asserts on it
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    queue.put((index, result))
+
+
+def _cache(name: str | None, rank: int, ranks: int, device: str,
+           overrides: dict[str, Any]) -> Any:
+    from hisparse import HiSparseCache, HiSparseConfig
+    from hisparse.core.shared_pool import SharedPoolSpec
+
+    config = HiSparseConfig.from_preset("tiny", **overrides)
+    spec = SharedPoolSpec(name, rank, ranks, wait_timeout_s=60.0) if name else None
+    return HiSparseCache(config, device=device, shared_pool=spec)
+
+
+# --- the fuzz -------------------------------------------------------------------------------
+class FuzzRank:
+    """One rank's run of the seeded schedule, checking every row it reads."""
+
+    def __init__(self, cache: Any, seed: int, writer: bool) -> None:
+        self.cache, self.writer = cache, writer
+        self.rng = random.Random(seed)
+        self.L, self.W = cache.num_layers, cache.row_bytes
+        self.seeds: dict[int, int] = {}  # request id -> its KV seed
+        self.length: dict[int, int] = {}  # tokens so far
+        self.state: dict[int, str] = {}  # running / preempted / reserved
+        self.next_id = 0
+        self.counts = dict(steps=0, cancels=0, checked_rows=0, mismatches=0, admits=0, pd=0,
+                           finishes=0, aborts=0, preempts=0, resumes=0, exhausted=0)
+
+    def ids(self, state: str) -> list[int]:
+        return [r for r, s in self.state.items() if s == state]
+
+    def run(self, steps: int) -> dict[str, Any]:
+        actions = [(self.admit, 3), (self.pd, 2), (self.finish, 1), (self.abort, 1),
+                   (self.preempt, 1), (self.resume, 2), (self.decode, 12)]
+        while self.counts["steps"] < steps:
+            action = self.rng.choices([a for a, _ in actions], [w for _, w in actions])[0]
+            try:
+                action()
+            except PoolExhaustedError:
+                self.counts["exhausted"] += 1  # the same on every rank: nothing changed
+        self.check_host_rows()
+        return self.counts
+
+    def _new(self, tokens: int) -> int:
+        request = self.next_id
+        self.next_id += 1
+        self.seeds[request] = self.rng.getrandbits(40)
+        self.length[request] = tokens
+        return request
+
+    def _forget(self, request: int) -> None:
+        for table in (self.seeds, self.length, self.state):
+            table.pop(request, None)
+
+    def admit(self) -> None:
+        tokens = self.rng.randint(1, 64)
+        request = self._new(tokens)
+        try:
+            self.cache.admit(request, tokens)
+        except PoolExhaustedError:
+            self._forget(request)
+            raise
+        rows = prompt_rows(self.seeds[request], 0, tokens, self.L, self.W)
+        split = self.rng.randint(0, tokens)  # in two calls, as a chunked prefill writes
+        # From the device, as a prefill's KV comes (on CPU that is the host).
+        rows = rows.to(self.cache.device)
+        if split:
+            self.cache.write_prefill(request, rows[:, :split], start=0)
+        if split < tokens:
+            self.cache.write_prefill(request, rows[:, split:], start=split)
+        self.cache.commit_prefill(request)
+        self.state[request] = "running"
+        self.counts["admits"] += 1
+
+    def pd(self) -> None:
+        """A PD transfer: every rank reserves the rows; the transfer engine writes only the
+        writer's reservation; every rank then completes."""
+        tokens = self.rng.randint(1, 64)
+        request = self._new(tokens)
+        try:
+            reservation = self.cache.reserve_host_slots(request, tokens)
+        except PoolExhaustedError:
+            self._forget(request)
+            raise
+        self.state[request] = "reserved"
+        if self.writer:
+            rows = prompt_rows(self.seeds[request], 0, tokens, self.L, self.W)
+            index = torch.from_numpy(reservation.rows)
+            for layer, host in enumerate(reservation.host_tensors):
+                host[index] = rows[layer]
+        self.cache.complete_transfer(request)  # no free slot: it stays reserved
+        self.state[request] = "running"
+        self.counts["pd"] += 1
+
+    def finish(self) -> None:
+        done = self.ids("running") + self.ids("preempted")
+        if done:
+            request = self.rng.choice(done)
+            self.cache.finish(request)
+            self._forget(request)
+            self.counts["finishes"] += 1
+
+    def abort(self) -> None:
+        if self.state:
+            request = self.rng.choice(sorted(self.state))
+            self.cache.abort(request)
+            self._forget(request)
+            self.counts["aborts"] += 1
+
+    def preempt(self) -> None:
+        running = self.ids("running")
+        if running:
+            request = self.rng.choice(running)
+            self.cache.preempt(request)
+            self.state[request] = "preempted"
+            self.counts["preempts"] += 1
+
+    def resume(self) -> None:
+        waiting = self.ids("preempted") + self.ids("reserved")
+        if waiting:
+            request = self.rng.choice(waiting)
+            if self.state[request] == "reserved":
+                self.cache.complete_transfer(request)
+            else:
+                self.cache.resume(request)
+            self.state[request] = "running"
+            self.counts["resumes"] += 1
+
+    def decode(self) -> None:
+        full = [r for r in self.ids("running") if self.length[r] >= self.cache.max_seq_len]
+        for request in full:
+            self.cache.finish(request)
+            self._forget(request)
+        running = self.ids("running")
+        if not running:
+            return
+        batch = self.rng.sample(running, self.rng.randint(1, len(running)))
+        step = self.cache.begin_decode_step(batch)
+        positions = np.array([self.length[r] for r in batch])
+        seeds = np.array([self.seeds[r] for r in batch])
+        K = self.cache.top_k
+        top_k = np.full((len(batch), K), -1, dtype=np.int64)
+        for b, position in enumerate(positions):
+            picks = self.rng.sample(range(position + 1), min(K, position + 1))
+            top_k[b, : len(picks)] = picks
+        device = self.cache.device
+        top = torch.from_numpy(top_k.astype(np.int32)).to(device)
+        for layer in range(self.L):
+            step.write_newest(layer, torch.from_numpy(kv_at(seeds, positions, layer,
+                                                            self.W)).to(device))
+            rows = step.swap_in(layer, top)
+            self.check(layer, rows, top_k, seeds)
+        if self.rng.random() < 0.1:
+            step.cancel()
+            self.counts["cancels"] += 1
+        else:
+            step.end()
+            for request in batch:
+                self.length[request] += 1
+        self.counts["steps"] += 1
+
+    def check(self, layer: int, rows: torch.Tensor, top_k: np.ndarray, seeds: np.ndarray
+              ) -> None:
+        """Every row swap_in returned holds the bytes of the token asked for, exactly."""
+        valid = top_k >= 0
+        device_rows = rows.cpu().numpy().astype(np.int64)
+        got = self.cache.device_kv(layer).cpu().numpy()[np.where(valid, device_rows, 0)]
+        expected = kv_at(np.broadcast_to(seeds[:, None], top_k.shape), np.where(valid, top_k, 0),
+                         layer, self.W)
+        wrong = valid & ((device_rows < 0) | (got != expected).any(axis=-1))
+        self.counts["checked_rows"] += int(valid.sum())
+        self.counts["mismatches"] += int(wrong.sum())
+
+    def check_host_rows(self) -> None:
+        """At the end: every live request's rows in the host pool, once the writer's copies
+        of every operation so far have landed."""
+        shared = self.cache._shared
+        if shared is not None:
+            shared.before_read()
+        host = self.cache.host_tensors()
+        for request, length in self.length.items():
+            record = self.cache._requests.get(request, "check")
+            rows = token_rows(record.extents, self.cache.extent_tokens, 0, length)
+            expected = prompt_rows(self.seeds[request], 0, length, self.L, self.W)
+            for layer in range(self.L):
+                wrong = (host[layer][torch.from_numpy(rows)] != expected[layer]).any(dim=-1)
+                self.counts["checked_rows"] += length
+                self.counts["mismatches"] += int(wrong.sum())
+
+
+def fuzz_rank(barrier: Any, name: str | None, rank: int, ranks: int, seed: int, steps: int,
+              device: str = "cpu", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One rank of the fuzz: the same schedule as every other rank of the group."""
+    cache = _cache(name, rank, ranks, device, {**FUZZ_CONFIG, **(overrides or {})})
+    barrier.wait()
+    started = time.perf_counter()
+    try:
+        counts = FuzzRank(cache, seed, writer=rank == 0).run(steps)
+    finally:
+        barrier.wait()  # no rank closes while another may still wait on its rows
+        cache.close()
+    return {**counts, "rank": rank, "seconds": time.perf_counter() - started}
+
+
+# --- memory ---------------------------------------------------------------------------------
+def memory_status() -> dict[str, int]:
+    """This process's resident memory, in bytes: private (RssAnon), shared-memory pages it
+    maps (RssShmem), and its proportional share of everything (Pss)."""
+    found: dict[str, int] = {}
+    for path, keys in (("/proc/self/status", ("RssAnon", "RssShmem", "VmRSS")),
+                       ("/proc/self/smaps_rollup", ("Pss",))):
+        try:
+            with open(path) as handle:
+                for line in handle:
+                    key, _, value = line.partition(":")
+                    if key in keys:
+                        found[key] = int(value.split()[0]) * 1024
+        except OSError:
+            continue
+    return found
+
+
+def memory_rank(barrier: Any, name: str | None, rank: int, ranks: int, pool_tokens: int,
+                device: str = "cpu", layers: int = 4) -> dict[str, Any]:
+    """Build a rank's cache of `pool_tokens` rows per layer, fill the whole pool (the
+    writer, or every rank on a private pool) and touch every row on the others; report the
+    memory before and after."""
+    overrides = dict(num_layers=layers, host_pool_tokens=pool_tokens, max_requests=8,
+                     max_seq_len=pool_tokens)
+    if device != "cpu":
+        torch.empty(1, device=device)  # the runtime's own host memory is not the pool's
+    before = memory_status()
+    barrier.wait()
+    cache = _cache(name, rank, ranks, device, overrides)
+    writer = name is None or rank == 0
+    barrier.wait()
+    request_tokens, chunk = pool_tokens // 4, 1024  # in chunks: few temporaries to measure
+    blank = torch.zeros(cache.num_layers, chunk, cache.row_bytes, dtype=torch.uint8)
+    for request in range(4):
+        cache.admit(request, request_tokens)
+        for start in range(0, request_tokens, chunk):
+            stop = min(start + chunk, request_tokens)
+            # A reader writes nothing, but makes the same calls as the writer.
+            rows = (prompt_rows(request, start, stop, cache.num_layers, cache.row_bytes)
+                    if writer else blank[:, : stop - start])
+            cache.write_prefill(request, rows.to(cache.device), start=start)
+        cache.commit_prefill(request)
+    checksum = sum(int(layer.sum()) for layer in cache.host_tensors())  # every page touched
+    after = memory_status()
+    barrier.wait()
+    segment = cache._pool.segment
+    shm_bytes = os.fstat(segment._fd).st_blocks * 512 if segment is not None else 0
+    pool_bytes = cache.num_layers * cache._pool.num_rows * cache.row_bytes
+    barrier.wait()
+    cache.close()
+    return {"rank": rank, "before": before, "after": after, "shm_bytes": shm_bytes,
+            "pool_bytes": pool_bytes, "checksum": checksum,
+            "private_delta": after.get("RssAnon", 0) - before.get("RssAnon", 0)}
+
+
+# --- timing ---------------------------------------------------------------------------------
+def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: int,
+                batch: int, device: str = "cpu", overrides: dict[str, Any] | None = None,
+                warmup: int = 20) -> dict[str, Any]:
+    """Per-step host time (begin, every layer's write_newest and swap_in, end) and, on a GPU,
+    device time (events around the step) of one rank decoding `batch` long requests. The
+    ranks start each step together, as a TP group's collectives keep them (the barrier is
+    not timed); `busy_us` leaves out the time a rank waited for another inside the step."""
+    config = dict(num_layers=8, max_requests=batch, max_seq_len=4096, host_pool_tokens=
+                  batch * 4096, **(overrides or {}))
+    cache = _cache(name, rank, ranks, device, config)
+    prompt = 2 * cache.hot_slots + 64  # long: most of the top-k is swapped in
+    for request in range(batch):
+        cache.admit(request, prompt)
+        cache.write_prefill(request, prompt_rows(request, 0, prompt, cache.num_layers,
+                                                 cache.row_bytes).to(cache.device))
+        cache.commit_prefill(request)
+    generator = torch.Generator().manual_seed(rank * 0 + 7)  # the same top-k on every rank
+    kv = torch.zeros(batch, cache.row_bytes, dtype=torch.uint8, device=cache.device)
+    cuda = cache.device.type == "cuda"
+    host, busy, device_ms = [], [], []
+    shared = cache._shared
+    barrier.wait()
+    for step_index in range(warmup + steps):
+        barrier.wait()  # lockstep, untimed
+        waited = shared.waited_s if shared is not None else 0.0
+        length = prompt + step_index
+        top_k = torch.randint(0, length, (batch, cache.top_k), generator=generator,
+                              dtype=torch.int32).to(cache.device)
+        if cuda:
+            start_event, end_event = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start_event.record()
+        started = time.perf_counter()
+        step = cache.begin_decode_step(list(range(batch)))
+        for layer in range(cache.num_layers):
+            step.write_newest(layer, kv)
+            step.swap_in(layer, top_k)
+        step.end()
+        elapsed = time.perf_counter() - started
+        if cuda:
+            end_event.record()
+            end_event.synchronize()
+            device_ms.append(start_event.elapsed_time(end_event))
+        if step_index >= warmup:
+            host.append(elapsed * 1e6)
+            waited = (shared.waited_s if shared is not None else 0.0) - waited
+            busy.append((elapsed - waited) * 1e6)
+    barrier.wait()
+    cache.close()
+    return {"rank": rank, "host_us": host, "busy_us": busy, "device_ms": device_ms[warmup:]}
+
+
+def describe_failure(results: list[dict[str, Any]]) -> str:
+    """The first rank's error (with its traceback) in a result list, for an assert message."""
+    for result in results:
+        if "error" in result:
+            return f"rank error: {result['error']}\n{result.get('traceback', '')}"
+    return ""
+
+
+__all__ = ["FUZZ_CONFIG", "FuzzRank", "SharedPoolError", "describe_failure", "fuzz_rank",
+           "kv_at", "memory_rank", "memory_status", "prompt_rows", "run_group", "timing_rank"]

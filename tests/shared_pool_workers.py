@@ -1,0 +1,105 @@
+"""Rank processes for tests/test_shared_pool_processes.py: the ordering check against a
+writer whose backups land late, and the SIGKILL scenarios. Run through
+`hisparse.tools.shared_pool_run.run_group`, one process per rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from fakes.delayed_writer import DelayedBackupBackend
+from hisparse import HiSparseCache, HiSparseConfig
+from hisparse.backends.cpu import CpuBackend
+from hisparse.core.shared_pool import SharedPoolSpec
+from hisparse.core.shared_segment import segment_path
+from hisparse.errors import SharedPoolError
+from hisparse.tools.shared_pool_run import kv_at, prompt_rows
+
+CONFIG = dict(num_layers=2, top_k=4, hot_slots=8, index_group_size=1, max_requests=2,
+              max_seq_len=256, host_pool_tokens=512, extent_tokens=16)
+PROMPT = 24  # more tokens than hot slots: the previous token is read from the host
+
+
+def _start(name: str, rank: int, ranks: int, backend: Any) -> tuple[HiSparseCache, int]:
+    config = HiSparseConfig.from_preset("tiny", **CONFIG)
+    cache = HiSparseCache(config, backend, shared_pool=SharedPoolSpec(
+        name, rank, ranks, wait_timeout_s=20.0))
+    cache.admit("r", PROMPT)
+    cache.write_prefill("r", prompt_rows(1, 0, PROMPT, cache.num_layers, cache.row_bytes))
+    cache.commit_prefill("r")
+    return cache, PROMPT
+
+
+def _step(cache: HiSparseCache, length: int) -> int:
+    """Decode token `length`, asking for token `length - 1` (backed up by the step before):
+    returns how many layers' rows of it were not its bytes."""
+    step = cache.begin_decode_step(["r"])
+    top_k = torch.tensor([[length - 1, -1, -1, -1]], dtype=torch.int32)
+    stale = 0
+    for layer in range(cache.num_layers):
+        step.write_newest(layer, torch.from_numpy(kv_at(np.array([1]), np.array([length]),
+                                                        layer, cache.row_bytes)))
+        rows = step.swap_in(layer, top_k)
+        got = cache.device_kv(layer)[int(rows[0, 0])]
+        expected = kv_at(np.array(1), np.array(length - 1), layer, cache.row_bytes)
+        stale += not np.array_equal(got.numpy(), expected)
+    step.end()
+    return stale
+
+
+def ordering_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, delay_s: float,
+                  skip_waits: bool = False, early_publish: bool = False) -> dict[str, Any]:
+    """Rank 0's backups land `delay_s` late; rank 1 counts the stale rows it reads: with the
+    read wait, without it (`skip_waits`), or with a writer that publishes its rows without
+    waiting for its copies to complete (`early_publish`)."""
+    backend = DelayedBackupBackend(delay_s) if rank == 0 else CpuBackend()
+    cache, length = _start(name, rank, ranks, backend)
+    cache._shared.skip_read_waits = skip_waits
+    if early_publish and rank == 0:
+        cache._shared.wrote = lambda stream=None: None  # publish at once, copies in flight
+    barrier.wait()
+    stale = 0
+    for _ in range(steps):
+        stale_here = _step(cache, length)
+        stale += stale_here if rank else 0  # the writer reads its own late rows: not checked
+        length += 1
+    barrier.wait()
+    cache.close()
+    return {"rank": rank, "stale": stale}
+
+
+def killed_rank(barrier: Any, name: str, rank: int, ranks: int, victim: int) -> dict[str, Any]:
+    """Every rank decodes two steps; then `victim` dies by SIGKILL, and each survivor tries
+    to go on: what it gets is reported."""
+    cache, length = _start(name, rank, ranks, CpuBackend())
+    for _ in range(2):
+        _step(cache, length)
+        length += 1
+    barrier.wait()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.4)  # past LIVENESS_PERIOD_S: the next call checks the group
+    outcome, stale = "no error", 0
+    try:
+        for _ in range(3):
+            stale += _step(cache, length)
+            length += 1
+    except SharedPoolError as exc:
+        outcome = str(exc)
+    cache.close()
+    return {"rank": rank, "outcome": outcome, "stale": stale,
+            "exists_after_close": os.path.exists(segment_path(name))}
+
+
+def all_killed_rank(barrier: Any, name: str, rank: int, ranks: int) -> dict[str, Any]:
+    """Attach, then die without closing: the whole group is gone, its file left behind."""
+    _start(name, rank, ranks, CpuBackend())
+    barrier.wait()
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {}
+

@@ -1,0 +1,144 @@
+"""One host pool shared by tensor-parallel ranks (issue 23), each rank a process of its own.
+
+The ranks are forkserver children (torch imported once), driven by
+`hisparse.tools.shared_pool_run.run_group`; each derives every row it expects from seeds
+(`kv_at`), so what a non-writing rank reads can only have come through the shared pool.
+CI runs these on CPU; `--backend cuda` adds the GPU variants (several ranks on one GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import shared_pool_workers as workers
+from hisparse.core.shared_segment import segment_path
+from hisparse.tools.shared_pool_run import (
+    describe_failure,
+    fuzz_rank,
+    memory_rank,
+    run_group,
+)
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                   reason="needs a CUDA GPU (several ranks share one)")
+
+
+@pytest.fixture
+def pool_name(request: pytest.FixtureRequest) -> str:
+    name = f"proc-{os.getpid()}-{request.node.name}"[:120].replace("[", "-").replace("]", "")
+    yield name
+    leaked = os.path.exists(segment_path(name))
+    if leaked:
+        os.unlink(segment_path(name))
+    assert not leaked, f"{segment_path(name)} was left behind"
+
+
+def ranks_of(name: str, ranks: int, **args: object) -> list[dict[str, object]]:
+    return [dict(name=name, rank=rank, ranks=ranks, **args) for rank in range(ranks)]
+
+
+@pytest.mark.parametrize("broken", [None, "skip_waits", "early_publish"])
+def test_a_reader_reads_the_writers_late_rows_only_through_the_wait(
+        pool_name: str, broken: str | None) -> None:
+    """The writer's backups land 40 ms after it launches them. A reader that skips the wait
+    on the writer's published sequence, or a writer that publishes before its copies have
+    landed, lets the reader read the previous token's row before it lands (stale); with
+    both rules kept, never."""
+    flags = {broken: True} if broken else {}
+    results = run_group(workers.ordering_rank, ranks_of(
+        pool_name, 2, steps=6, delay_s=0.04, **flags), timeout_s=120)
+    assert not describe_failure(results), describe_failure(results)
+    stale = results[1]["stale"]
+    assert (stale > 0) if broken else (stale == 0), stale
+
+
+@pytest.mark.parametrize("victim", [0, 2], ids=["writer", "reader"])
+def test_a_rank_killed_by_sigkill_fails_the_survivors_and_leaks_nothing(
+        pool_name: str, victim: int) -> None:
+    results = run_group(workers.killed_rank, ranks_of(pool_name, 3, victim=victim),
+                        timeout_s=120)
+    assert results[victim] == {"exitcode": -9}
+    role = "the writer" if victim == 0 else "a reader"
+    for rank, result in enumerate(results):
+        if rank == victim:
+            continue
+        assert not describe_failure([result]), describe_failure([result])
+        assert f"rank {victim} ({role}, pid " in result["outcome"], result
+        assert "exited without closing its cache" in result["outcome"]
+        assert result["stale"] == 0  # no wrong row before the error
+    assert not os.path.exists(segment_path(pool_name))  # the last survivor unlinked it
+
+
+def test_a_group_killed_whole_is_reclaimed_by_the_next_writer(pool_name: str) -> None:
+    results = run_group(workers.all_killed_rank, ranks_of(pool_name, 2), timeout_s=120)
+    assert results == [{"exitcode": -9}] * 2
+    assert os.path.exists(segment_path(pool_name))  # nobody was left to unlink it
+    from hisparse import HiSparseCache, HiSparseConfig
+    from hisparse.core.shared_pool import SharedPoolSpec
+
+    config = HiSparseConfig.from_preset("tiny", **workers.CONFIG)
+    HiSparseCache(config, "cpu", shared_pool=SharedPoolSpec(pool_name, 0, 2)).close()
+    assert not os.path.exists(segment_path(pool_name))
+
+
+def check_memory(name: str | None, ranks: int, device: str, pool_tokens: int = 1 << 17
+                 ) -> list[dict[str, object]]:
+    results = run_group(memory_rank, [dict(name=name, rank=r, ranks=ranks, device=device,
+                                           pool_tokens=pool_tokens) for r in range(ranks)],
+                        timeout_s=180)
+    assert not describe_failure(results), describe_failure(results)
+    return results
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_group_holds_one_pool_in_host_memory(pool_name: str, ranks: int) -> None:
+    """n ranks: one pool's worth of shared memory and almost nothing private each; n private
+    pools (today) take n pools of private memory."""
+    shared = check_memory(pool_name, ranks, "cpu")
+    pool = shared[0]["pool_bytes"]  # 4 layers x 128k rows x 64 B = 32 MiB
+    assert {r["checksum"] for r in shared} == {shared[0]["checksum"]} != {0}
+    assert pool <= shared[0]["shm_bytes"] <= pool + (1 << 20)
+    assert all(r["private_delta"] < pool // 8 for r in shared), [r["private_delta"]
+                                                               for r in shared]
+    private = check_memory(None, 2, "cpu")
+    assert all(r["private_delta"] > 0.9 * pool for r in private)
+
+
+def test_multi_process_fuzz_is_byte_exact_on_every_rank(pool_name: str) -> None:
+    """Random admits, PD transfers, finishes, aborts, preempts, resumes, decode steps and
+    cancels, the same on both ranks: every row either rank reads is the token's bytes.
+    (benchmarks/shared_pool.py --fuzz-steps runs the 10,000-step version.)"""
+    seed = int(torch.randint(0, 2**31, (1,)))
+    results = run_group(fuzz_rank, ranks_of(pool_name, 2, seed=seed, steps=500),
+                        timeout_s=240)
+    assert not describe_failure(results), describe_failure(results)
+    assert results[0]["mismatches"] == results[1]["mismatches"] == 0, (seed, results)
+    counts = [{k: v for k, v in r.items() if k not in ("rank", "seconds")} for r in results]
+    assert counts[0] == counts[1] and counts[0]["checked_rows"] > 10000, (seed, counts)
+
+
+@requires_cuda
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_gpu_fuzz_with_ranks_sharing_one_gpu(pool_name: str, ranks: int) -> None:
+    results = run_group(fuzz_rank, ranks_of(pool_name, ranks, seed=ranks, steps=2500,
+                                            device="cuda"), timeout_s=580)
+    assert not describe_failure(results), describe_failure(results)
+    assert all(r["mismatches"] == 0 and r["steps"] == 2500 for r in results), results
+
+
+@requires_cuda
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_gpu_group_holds_one_registered_pool(pool_name: str, ranks: int) -> None:
+    """On one GPU: each rank's private growth is a pool smaller than with private pools
+    (the device runtime's own host memory is in both), and the segment is one pool."""
+    shared = check_memory(pool_name, ranks, "cuda", pool_tokens=1 << 20)
+    private = check_memory(None, ranks, "cuda", pool_tokens=1 << 20)
+    pool = shared[0]["pool_bytes"]  # 256 MiB
+    assert pool <= shared[0]["shm_bytes"] <= pool + (1 << 20)
+    assert {r["checksum"] for r in shared} == {shared[0]["checksum"]} != {0}
+    worst_shared = max(r["private_delta"] for r in shared)
+    least_private = min(r["private_delta"] for r in private)
+    assert worst_shared < least_private - 0.8 * pool, (worst_shared, least_private, pool)

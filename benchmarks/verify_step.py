@@ -92,14 +92,19 @@ def query_rows(rng: np.random.Generator, previous: np.ndarray, bound: int, hot: 
 
 
 def union_rows(rows: np.ndarray) -> np.ndarray:
-    """`[B, S*K]` each request's distinct positions, ascending, then -1 (vectorised)."""
+    """`[B, S*K]` each request's distinct positions in first-occurrence order (s-major, then
+    k: the union kernels' order, so both caches' swap-ins see identical rows), then -1."""
     B = rows.shape[0]
-    flat = np.sort(rows.reshape(B, -1), axis=1)
-    repeat = np.zeros_like(flat, dtype=bool)
-    repeat[:, 1:] = flat[:, 1:] == flat[:, :-1]
-    # Repeats sort after every position; then they become -1.
-    keyed = np.sort(np.where(repeat, np.iinfo(np.int64).max, flat), axis=1)
-    return np.where(keyed == np.iinfo(np.int64).max, -1, keyed).astype(np.int32)
+    flat = rows.reshape(B, -1)
+    order = np.argsort(flat, axis=1, kind="stable")
+    ordered = np.take_along_axis(flat, order, axis=1)
+    distinct = np.ones_like(ordered, dtype=bool)
+    distinct[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    # Stable: a run's first sorted element is its first entry; those entries, ascending.
+    missing = np.iinfo(np.int64).max
+    entries = np.sort(np.where(distinct, order, missing), axis=1)
+    taken = np.take_along_axis(flat, np.where(entries == missing, 0, entries), axis=1)
+    return np.where(entries == missing, -1, taken).astype(np.int32)
 
 
 class Timing:

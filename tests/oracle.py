@@ -195,9 +195,11 @@ class CacheModel:
     def verify_swap_in(self, layer: int, batch: Sequence[Hashable], first: Sequence[int],
                        top_k: Sequence[Sequence[Sequence[int]]]) -> list[list[list[int]]]:
         """Slots (within each request) for `top_k[b][s][k]`: the distinct positions before
-        the step's first token, ascending, go through one ordinary swap-in (one step's use of
-        the LRU); query token s's selections of the step's own tokens (up to its own) are the
-        draft slots H + offset; anything else is -1 and counted invalid."""
+        the step's first token, in first-occurrence order (s-major, then k: the union
+        kernels' order, which the LRU's slot assignment follows), go through one ordinary
+        swap-in (one step's use of the LRU); query token s's selections of the step's own
+        tokens (up to its own) are the draft slots H + offset; anything else is -1 and
+        counted invalid."""
         group, offset = divmod(layer, self.group_size)
         if offset:
             delta = self._last_delta[group]
@@ -206,7 +208,7 @@ class CacheModel:
         delta = LayerCounts()
         result = []
         for request_id, n0, rows in zip(batch, first, top_k, strict=True):
-            union = sorted({p for row in rows for p in row if 0 <= p < n0})
+            union = list(dict.fromkeys(p for row in rows for p in row if 0 <= p < n0))
             slot_of = dict(zip(union, self._swap_in_row(group, request_id, union, delta),
                                strict=True))
             drafts = set()

@@ -6,6 +6,8 @@ replay with another real count); without one under TRITON_INTERPRET=1 at small s
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -44,15 +46,28 @@ def random_inputs(S: int, K: int, B: int, gen: torch.Generator
             num_real.to(torch.int32).to(DEVICE))
 
 
-def run_both(S: int, K: int, B: int, seed: int) -> None:
+def fresh_table(cap: int, first: torch.Tensor, S: int) -> torch.Tensor:
+    """A presence table past every position of `first`'s requests (max_seq_len + D)."""
+    return reference.presence_table(cap, int(first.max()) + S + 8, DEVICE)
+
+
+def assert_table_empty(table: torch.Tensor) -> None:
+    """A code left in the table would corrupt the next step's plan."""
+    assert bool((table == reference.SENTINEL).all()), "the plan left its table dirty"
+
+
+def run_both(S: int, K: int, B: int, seed: int, top_k: torch.Tensor | None = None) -> None:
     gen = torch.Generator().manual_seed(seed)
-    top_k, first, num_real = random_inputs(S, K, B, gen)
+    drawn, first, num_real = random_inputs(S, K, B, gen)
+    top_k = drawn if top_k is None else top_k
     cap, U = B + 1, S * K
+    table = fresh_table(cap, first, S)
+    triton_plan = functools.partial(union_triton.union_plan_triton, table=table)
     union_rows = torch.randint(0, 10**6, (B, U), generator=gen).to(torch.int32).to(DEVICE)
     draft_base = (torch.arange(cap) * 10**7).to(DEVICE)
     got = []
     for plan, scatter in ((reference.union_plan_reference, reference.union_scatter_reference),
-                          (union_triton.union_plan_triton, union_triton.union_scatter_triton)):
+                          (triton_plan, union_triton.union_scatter_triton)):
         union_top_k = torch.full((cap, U), 77, dtype=torch.int32, device=DEVICE)
         inverse = torch.full((cap, U), 99, dtype=torch.int32, device=DEVICE)
         out = torch.full((B, S, K), 55, dtype=torch.int32, device=DEVICE)
@@ -62,6 +77,7 @@ def run_both(S: int, K: int, B: int, seed: int) -> None:
         got.append([t.cpu() for t in (union_top_k, inverse, out, counters)])
     for name, want, have in zip(("union", "inverse", "out", "counters"), *got, strict=True):
         assert torch.equal(want, have), (name, S, K, B, seed)
+    assert_table_empty(table)
     # The padding row past B is untouched.
     assert bool((got[1][0][B] == 77).all()) and bool((got[1][1][B] == 99).all())
 
@@ -70,6 +86,38 @@ def run_both(S: int, K: int, B: int, seed: int) -> None:
 def test_union_kernels_equal_the_reference(S: int, K: int, B: int, seed: int) -> None:
     for trial in range(2 if ON_GPU else 1):
         run_both(S, K, B, seed * 1000 + S * 100 + K + B + trial)
+
+
+def test_all_duplicate_and_nothing_older_rows(seed: int) -> None:
+    """Rows of one repeated position, rows all -1 and rows all draft tokens."""
+    S, K, B = (8, 2048, 6) if ON_GPU else (3, 8, 4)
+    gen = torch.Generator().manual_seed(seed)
+    _, first, _ = random_inputs(S, K, B, gen)
+    first = first.cpu()
+    first[:B] = first[:B].clamp(min=1)
+    top_k = torch.full((B, S, K), -1, dtype=torch.int32)
+    top_k[0] = int(first[0]) - 1  # one position, every entry
+    top_k[1, :, ::2] = 0  # one position, every other entry
+    top_k[2] = int(first[2])  # the step's first token only: every entry a draft
+    if B > 3:
+        top_k[3, -1] = torch.arange(K) % max(1, int(first[3]))  # repeats only in the last row
+    run_both(S, K, B, seed, top_k.to(DEVICE))
+
+
+def test_union_is_in_first_occurrence_order() -> None:
+    """The union row lists the distinct older positions by their first entry (s, then k)."""
+    top_k = torch.tensor([[[9, 3, 9, -1], [7, 3, 1, 12]]], dtype=torch.int32, device=DEVICE)
+    first = torch.tensor([10, 0], device=DEVICE)
+    num_real = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    for plan in (reference.union_plan_reference,
+                 functools.partial(union_triton.union_plan_triton,
+                                   table=reference.presence_table(2, 16, DEVICE))):
+        union_top_k = torch.zeros(2, 8, dtype=torch.int32, device=DEVICE)
+        inverse = torch.zeros_like(union_top_k)
+        plan(top_k, first, num_real, union_top_k, inverse)
+        assert union_top_k[0].tolist() == [9, 3, 7, 1, -1, -1, -1, -1]
+        # 12 > own position 11: invalid (U + 1); -1: nothing (U).
+        assert inverse[0].tolist() == [0, 1, 0, 8, 2, 1, 3, 9]
 
 
 def test_reference_codes_follow_build_union(seed: int) -> None:
@@ -99,13 +147,16 @@ def launchers(S: int, K: int, cap: int, groups: int, layers: int
     first = torch.randint(0, 3 * K, (cap,)).to(DEVICE)
     draft_base = (torch.arange(cap) * 10**7).to(DEVICE)
     num_real = torch.tensor([cap], dtype=torch.int32, device=DEVICE)
+    table = reference.presence_table(cap, 3 * K + S + 8, DEVICE)
     for kind in (union_triton.UnionLauncher, reference.ReferenceUnionLauncher):
         b = {"union_top_k": torch.full((cap, S * K), -1, dtype=torch.int32, device=DEVICE),
              "union_out": torch.zeros(groups, cap, S * K, dtype=torch.int32, device=DEVICE),
              "rows": torch.full((groups, cap, S, K), -1, dtype=torch.int32, device=DEVICE),
              "counters": torch.zeros(layers, 3, dtype=torch.int64, device=DEVICE),
              "num_real": num_real.clone()}
-        extra = {"direct": ON_GPU} if kind is union_triton.UnionLauncher else {}
+        extra = ({"direct": ON_GPU, "table": lambda: table}
+                 if kind is union_triton.UnionLauncher else {})
+        b["table"] = table
         made.append(kind(S, K, first, draft_base, b["num_real"], b["union_top_k"],
                          b["union_out"], b["rows"], b["counters"], **extra))
         buffers.append(b)
@@ -129,6 +180,7 @@ def test_bound_launcher_rebinds_top_k_and_follows_num_real(seed: int) -> None:
         for name in ("union_top_k", "rows", "counters"):
             want, have = buffers[1][name], buffers[0][name]
             assert torch.equal(want.cpu(), have.cpu()), (name, call)
+        assert_table_empty(buffers[0]["table"])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="graph capture needs a GPU")
@@ -155,3 +207,4 @@ def test_captured_union_replays_with_another_real_count(seed: int) -> None:
         ref.scatter(0, 0, cap)  # type: ignore[attr-defined]
         for name in ("union_top_k", "rows", "counters"):
             assert torch.equal(buffers[0][name].cpu(), buffers[1][name].cpu()), (name, real)
+        assert_table_empty(buffers[0]["table"])

@@ -79,8 +79,9 @@ def test_union_lists_each_older_position_once_and_maps_every_entry(tokens: int) 
     union = build_union(top_k, first, real)
     for b in range(B):
         own = [int(first[b]) + s for s in range(tokens)]
-        older = sorted({int(p) for s in range(tokens) for p in top_k[b, s] if
-                        0 <= p < first[b]}) if real[b] else []
+        # First-occurrence order: s-major, then k (the union kernels' order).
+        older = list(dict.fromkeys(int(p) for s in range(tokens) for p in top_k[b, s] if
+                                   0 <= p < first[b])) if real[b] else []
         row = union.positions[b].tolist()
         assert row == older + [-1] * (tokens * K - len(older))
         for s in range(tokens):

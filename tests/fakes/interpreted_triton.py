@@ -10,6 +10,7 @@ before a GPU run. Import it before anything else from `hisparse.kernels` (it imp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ class InterpretedTritonCpu(CpuBackend):
     def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
                        draft_base: torch.Tensor, num_real: torch.Tensor,
                        union_top_k: torch.Tensor, union_out: torch.Tensor, rows: torch.Tensor,
-                       counters: torch.Tensor) -> Any:
+                       counters: torch.Tensor, *, table: Callable[[], torch.Tensor]) -> Any:
         return union_triton.UnionLauncher(tokens, top_k, first, draft_base, num_real,
-                                          union_top_k, union_out, rows, counters, direct=False)
+                                          union_top_k, union_out, rows, counters, direct=False,
+                                          table=table)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -140,12 +141,12 @@ class AcceleratorBackend(Backend):
     def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
                        draft_base: torch.Tensor, num_real: torch.Tensor,
                        union_top_k: torch.Tensor, union_out: torch.Tensor, rows: torch.Tensor,
-                       counters: torch.Tensor) -> Any:
+                       counters: torch.Tensor, *, table: Callable[[], torch.Tensor]) -> Any:
         launcher = bind_triton_kernel("UnionLauncher")
         if launcher is None:  # no triton: the reference, as for every kernel
             return super().union_launcher(tokens, top_k, first, draft_base, num_real,
-                                          union_top_k, union_out, rows, counters)
+                                          union_top_k, union_out, rows, counters, table=table)
         return launcher(tokens, top_k, first, draft_base, num_real, union_top_k, union_out,
-                        rows, counters,
+                        rows, counters, table=table,
                         direct=self.kernel_traits(union_top_k.device).direct_launch)
 

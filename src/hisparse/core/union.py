@@ -2,8 +2,9 @@
 
 A verify step hands `swap_in` a `[B, S, K]` top-k. Per request the S x K entries are reduced
 to the distinct older positions (those before the step's first token) in one `[B, U]` row,
-U = S * K, padded with -1; the ordinary swap-in kernel runs over that row (so a position is
-looked up once, missed at most once and held in one slot, and the LRU sees one step's use),
+U = S * K, in first-occurrence order (s-major, then k), padded with -1; the ordinary
+swap-in kernel runs over that row (so a position is looked up once, missed at most once and
+held in one slot, and the LRU sees one step's use; the misses take slots in that order),
 and its `[B, U]` rows are scattered back to `[B, S, K]` through the inverse index. The
 step's own tokens (its draft positions) never enter the union: they are served from the
 request's draft slots. The union plan and the scatter are one launch each, on the device
@@ -17,6 +18,7 @@ out buffer of width U (`backend.swap_in_launcher`), its own miss plans and group
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,9 +98,11 @@ class UnionWidth:
 def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: CacheTables,
                 req_slots: torch.Tensor, num_real: torch.Tensor, first: torch.Tensor,
                 draft_base: torch.Tensor, top_k: int, num_layers: int, group_size: int,
-                skip_io: bool, zero_copy: bool, prefetch_stream: Any | None) -> UnionWidth:
+                skip_io: bool, zero_copy: bool, prefetch_stream: Any | None,
+                table: Callable[[], torch.Tensor]) -> UnionWidth:
     """The launchers, buffers, miss plans and group replays for verify steps of `tokens`;
-    `first` and `draft_base` are the begin block's persistent `[Bcap]` int64 fields."""
+    `first` and `draft_base` are the begin block's persistent `[Bcap]` int64 fields, `table`
+    hands the cache's presence table to a launcher that needs it."""
     capacity = int(req_slots.shape[0])
     device = tables.seq_lens.device
     num_groups = -(-num_layers // group_size)
@@ -121,7 +125,8 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
     union_top_k = torch.full((capacity, width), -1, **i32)
     rows = torch.full((num_groups, capacity, tokens, top_k), -1, **i32)
     kernels.union = backend.union_launcher(tokens, top_k, first, draft_base, num_real,
-                                           union_top_k, union_out, rows, tables.counters)
+                                           union_top_k, union_out, rows, tables.counters,
+                                           table=table)
     return UnionWidth(tokens=tokens, union_top_k=union_top_k, union_out=union_out, rows=rows,
                       kernels=kernels, replays=replays)
 

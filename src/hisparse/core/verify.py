@@ -29,6 +29,7 @@ from hisparse.core.step import DecodeContext, DecodeStep, StepState, host_row_of
 from hisparse.core.union import DeviceBlock, UnionWidth, build_width
 from hisparse.core.validation import as_rows, check_batch_rows, check_layer, check_tensor
 from hisparse.errors import InvalidInputError, RequestStateError
+from hisparse.kernels.union_reference import presence_table
 
 
 @dataclass(eq=False)
@@ -44,7 +45,9 @@ class VerifyContext:
     zero_copy: bool
     begin_block: DeviceBlock
     end_block: DeviceBlock
+    table_shape: tuple[int, int]  # (Bcap, max_seq_len + D): the presence table's
     widths: dict[int, UnionWidth] = field(default_factory=dict)
+    _table: torch.Tensor | None = None
 
     @classmethod
     def build(cls, config: Any, backend: Backend, c: DecodeContext) -> VerifyContext:
@@ -67,7 +70,15 @@ class VerifyContext:
         ], c.device)
         return cls(backend=backend, max_draft_tokens=D, top_k=config.top_k,
                    group_size=config.index_group_size, skip_io=config.skip_io,
-                   zero_copy=bool(config.zero_copy_swap_in), begin_block=begin, end_block=end)
+                   zero_copy=bool(config.zero_copy_swap_in), begin_block=begin, end_block=end,
+                   table_shape=(cap, c.max_seq_len + D))
+
+    def table(self) -> torch.Tensor:
+        """The Triton union plan's presence table (`union_reference.presence_table`), made at
+        the first launcher that asks: one for every S (their plans run in stream order)."""
+        if self._table is None:
+            self._table = presence_table(*self.table_shape, self.begin_block.field("first").device)
+        return self._table
 
     def width(self, c: DecodeContext, tokens: int) -> UnionWidth:
         width = self.widths.get(tokens)
@@ -77,7 +88,7 @@ class VerifyContext:
                 tokens, self.backend, c.kernels, c.tables, c.buffers.req_slots,
                 c.buffers.num_real, block.field("first"), block.field("draft_base"),
                 self.top_k, c.num_layers, self.group_size, self.skip_io, self.zero_copy,
-                c.prefetch_stream)
+                c.prefetch_stream, self.table)
         return width
 
 

@@ -3,7 +3,8 @@
 A verify step's `[B, S, K]` top-k is swapped in as one de-duplicated `[B, U]` row per request
 (U = S * K; `core.union`). Around the ordinary swap-in two calls do the rest:
 * `union_plan_reference` writes each request's distinct older positions (before the step's
-  first token), ascending, then -1, into the union row, and the inverse code of every entry;
+  first token), in first-occurrence order (by the index s * K + k of the first entry that
+  selects each), then -1, into the union row, and the inverse code of every entry;
 * `union_scatter_reference`, after the swap-in, writes `[B, S, K]` rows back from the union's
   rows (or the draft slots) and adds what the swap-in did not count to the layer's counters.
 
@@ -21,13 +22,16 @@ import torch
 
 # Sorts after every real position (positions are < 2**31).
 _ABSENT = 2**62
+# An empty entry of the Triton plan's presence table: above every entry index, so the
+# table's atomic minimum keeps each position's first entry.
+SENTINEL = 2**31 - 1
 
 
 @dataclass(frozen=True)
 class Union:
     """One `[B, S, K]` top-k, reduced: see `build_union`."""
 
-    positions: torch.Tensor  # [B, U] int64 distinct older positions, ascending, then -1
+    positions: torch.Tensor  # [B, U] int64 distinct older positions, by first entry, then -1
     inverse: torch.Tensor  # [B, S*K] int64 union column of each entry; U = not in the union
     draft: torch.Tensor  # [B, S, K] bool: the entry selects one of the step's own tokens
     invalid: torch.Tensor  # [B, S, K] bool: below -1, or after the query token's own position
@@ -51,13 +55,29 @@ def build_union(top_k: torch.Tensor, first: torch.Tensor, real: torch.Tensor) ->
     present = ordered < _ABSENT
     distinct = present.clone()
     distinct[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
-    rank = distinct.long().cumsum(1) - 1  # duplicates share their first occurrence's column
+    rank = distinct.long().cumsum(1) - 1  # ascending rank of each run of equal positions
+    # Stable: a run's first sorted element is its first entry. The columns follow those
+    # entries (the kernel's first-occurrence order): sort the runs by them.
+    first_entry = torch.full((B, U + 1), U, dtype=torch.long, device=pos.device)
+    first_entry.scatter_(1, torch.where(distinct, rank, U), torch.where(distinct, order, U))
+    by_entry = first_entry[:, :U].sort(dim=1).indices  # column j holds run by_entry[j]
+    column_of_run = torch.empty_like(by_entry).scatter_(
+        1, by_entry, torch.arange(U, device=pos.device).expand(B, U).contiguous())
+    column = column_of_run.gather(1, rank.clamp(min=0))  # duplicates share their first's
     # Column U collects what is not written anywhere; it is dropped.
     positions = torch.full((B, U + 1), -1, dtype=torch.long, device=pos.device)
-    positions.scatter_(1, torch.where(distinct, rank, U), torch.where(distinct, ordered, -1))
-    inverse = torch.empty_like(order).scatter_(1, order, torch.where(present, rank, U))
+    positions.scatter_(1, torch.where(distinct, column, U), torch.where(distinct, ordered, -1))
+    inverse = torch.empty_like(order).scatter_(1, order, torch.where(present, column, U))
     return Union(positions=positions[:, :U], inverse=inverse, draft=selected & ~older,
                  invalid=real & ((pos < -1) | (pos > own)))
+
+
+def presence_table(rows: int, positions: int, device: torch.device | str) -> torch.Tensor:
+    """The Triton plan's `[rows, positions]` int32 scratch, all SENTINEL (between calls
+    too): rows = the batch capacity, positions > every position a request may select
+    (max_seq_len + D). 4 bytes an entry, max_batch x (max_seq_len + D) x 4 bytes in all (32
+    MiB at 64 x 128k), made once per cache at its first verify step and shared by every S."""
+    return torch.full((rows, positions), SENTINEL, dtype=torch.int32, device=device)
 
 
 def union_plan_reference(

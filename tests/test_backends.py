@@ -322,7 +322,7 @@ def test_gpu_backends_bind_the_triton_kernels(fake_env) -> None:
     backend = hisparse.get_backend()
     assert backend.swap_in_kernel() is triton_kernels.swap_in_triton
     assert backend.copy_planned_kernel() is triton_kernels.copy_planned_triton
-    assert backend.backup_kernel() is backup_kernels.backup_newest_triton
+    assert isinstance(backend.backup_kernel(), backup_kernels.BackupLauncher)
 
 
 def test_without_triton_gpu_backends_fall_back_and_say_so_once(

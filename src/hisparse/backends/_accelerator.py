@@ -25,6 +25,7 @@ _KERNELS = {
     "backup_newest_triton": ("hisparse.kernels.backup_triton",
                              backup_reference.backup_newest_reference),
     "SwapInLauncher": (TRITON_KERNELS, None),
+    "BackupLauncher": ("hisparse.kernels.backup_triton", None),
 }
 _warned_no_triton = False
 
@@ -124,7 +125,11 @@ class AcceleratorBackend(Backend):
         return bind_triton_kernel("copy_planned_triton")
 
     def backup_kernel(self) -> BackupFn:
-        return bind_triton_kernel("backup_newest_triton")
+        # A launcher per call (per cache): it binds its launch to that cache's buffers once.
+        launcher = bind_triton_kernel("BackupLauncher")
+        if launcher is None:  # no triton: the reference, as for every kernel
+            return backup_reference.backup_newest_reference
+        return launcher(direct=self.direct_kernel_launch)
 
     def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
                          out: torch.Tensor, *, plans: Any = None, skip_io: bool = False

@@ -113,6 +113,9 @@ class AcceleratorBackend(Backend):
     def synchronize(self, device: torch.device | None = None) -> None:
         self.module.synchronize(device)
 
+    def event_done(self, event: Any | None) -> bool:
+        return event is None or bool(event.query())
+
     def synchronize_event(self, event: Any | None) -> None:
         if event is not None:
             event.synchronize()

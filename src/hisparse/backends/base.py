@@ -146,6 +146,11 @@ class Backend(abc.ABC):
     def synchronize(self, device: torch.device | None = None) -> None:
         """Wait for all work on `device` (None: the current device)."""
 
+    def event_done(self, event: Any | None) -> bool:
+        """Whether the work recorded before `event` is done, without waiting (True where
+        events are None, and for an event never recorded)."""
+        return True
+
     def synchronize_event(self, event: Any | None) -> None:
         """Block the host until the work recorded before `event` is done (no-op where events
         are None: work on the CPU has run by the time the call returns)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -17,7 +19,12 @@ import torch
 from hisparse.core.requests import RequestRecord
 from hisparse.layout.tables import CacheTables
 
+if TYPE_CHECKING:
+    from hisparse.backends.base import Backend
+
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16}
+_NUM_TOKENS, _SLOT, _EXTENTS = (attrgetter(name) for name in ("num_tokens", "slot", "extents"))
+_LAST = itemgetter(-1)
 _ALIGN = 16  # bytes: every field starts where a kernel's vector loads may assume it does
 
 
@@ -55,7 +62,8 @@ class BatchBuffers:
     """
 
     def __init__(self, capacity: int, top_k: int, num_groups: int, padding_row: int,
-                 resident_dtype: torch.dtype, device: torch.device) -> None:
+                 resident_dtype: torch.dtype, device: torch.device,
+                 backend: Backend | None = None) -> None:
         i64, i32 = torch.int64, torch.int32
         every_step = [
             ("newest_rows_long", i64, padding_row), ("batch_slots", i64, 0),
@@ -77,10 +85,14 @@ class BatchBuffers:
             if name == "num_real":
                 self._every_step_bytes = offset
         self._block = torch.zeros(offset, dtype=torch.uint8, device=device)
+        # The two lengths an upload sends: the every-step fields, or the whole block.
+        self._block_prefix = {offset: self._block,
+                              self._every_step_bytes: self._block[: self._every_step_bytes]}
         # What the host sends before the step's values go in: every field's padding.
         self._template = np.zeros(offset, dtype=np.uint8)
-        for name, field in self._fields.items():
-            self._host_view(self._template, name)[:] = field.padding
+        for name in self._fields:
+            self._host_view(self._template, name)[:] = self._fields[name].padding
+        self._staging = _StagingRing(self, backend, device)
         self.req_slots = self.field("req_slots")
         self.num_real = self.field("num_real")
         self.newest_rows = self.field("newest_rows")
@@ -102,12 +114,15 @@ class BatchBuffers:
         same for the other fields) in one host-to-device copy; every other row of the
         every-step fields gets its padding. Without updates the copy stops before them."""
         size = self._block.numel() if updates else self._every_step_bytes
-        host = self._template[:size].copy()
+        staged = self._staging.take()
+        np.copyto(staged.host[:size], self._template[:size])
+        views = staged.views
         for name, values in columns.items():
-            self._host_view(host, name)[: len(values)] = values
+            views[name][: len(values)] = values
         for name, values in (updates or {}).items():
-            self._host_view(host, name)[: len(values)] = values
-        self._block[:size].copy_(torch.from_numpy(host), non_blocking=True)
+            views[name][: len(values)] = values
+        self._block_prefix[size].copy_(staged.prefix[size], non_blocking=True)
+        self._staging.sent(staged)
 
     def upload_columns(self, columns: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Int32 columns on the device in one copy, each its own tensor (for rare updates)."""
@@ -138,6 +153,55 @@ class BatchBuffers:
         return host[field.offset : field.offset + nbytes].view(_NUMPY[field.dtype])
 
 
+@dataclass(eq=False)
+class _Staged:
+    """One host copy of the block: numpy views of its fields, the tensor prefixes an upload
+    sends, and the event after its last copy (None: never sent, or no events here)."""
+
+    host: np.ndarray
+    views: dict[str, np.ndarray]
+    prefix: dict[int, torch.Tensor]
+    event: Any = None
+
+
+class _StagingRing:
+    """The host copies uploads go from. On an accelerator they are pinned, so a copy is one DMA
+    the driver queues without staging it, and a copy is written again only once its last
+    upload has landed (its event); while every copy is in flight the ring grows by one, so an
+    upload never waits for the device. On the CPU the copy is done when `copy_` returns: one
+    pageable copy serves every upload."""
+
+    def __init__(self, buffers: BatchBuffers, backend: Backend | None,
+                 device: torch.device) -> None:
+        self._buffers = buffers
+        self._backend = backend if device.type != "cpu" else None
+        self._device = device
+        self._ring: list[_Staged] = []
+        self._next = 0
+
+    def take(self) -> _Staged:
+        ring, backend = self._ring, self._backend
+        if ring and (backend is None or backend.event_done(ring[self._next].event)):
+            return ring[self._next]
+        ring.insert(self._next, self._new())
+        return ring[self._next]
+
+    def sent(self, staged: _Staged) -> None:
+        if self._backend is not None:
+            if staged.event is None:
+                staged.event = self._backend.new_event()
+            self._backend.record_event(staged.event, self._device)
+            self._next = (self._next + 1) % len(self._ring)
+
+    def _new(self) -> _Staged:
+        b = self._buffers
+        size = b._template.size
+        tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self._backend is not None)
+        host = tensor.numpy()
+        return _Staged(host, {name: b._host_view(host, name) for name in b._fields},
+                       {n: tensor[:n] for n in b._block_prefix})
+
+
 class BatchPlan:
     """Where each new token of a step goes, before anything changes: its position, device row
     (slot `H`, or its own slot while the request is short) and host row, and the table
@@ -154,24 +218,29 @@ class BatchPlan:
                  max_seq_len: int) -> None:
         self._tables = tables
         E = tables.extent_tokens
-        slots: list[int | None] = []
-        positions: list[int] = []
-        host_rows: list[int] = []
-        self.grow: list[tuple[RequestRecord, int]] = []  # (record, its batch row)
-        for record in records:  # locals only: this loop is most of the step's host time
-            position, extents = record.num_tokens, record.extents
-            page = position // E
-            slots.append(record.slot)
-            positions.append(position)
-            if page < len(extents):
-                host_rows.append(extents[page] * E + position % E)
-            else:
-                self.grow.append((record, len(host_rows)))
-                host_rows.append(-1)
+        # The records' fields through C-level maps (a Python loop over a batch of 128 took
+        # most of the step's host time), the rest in numpy over the batch.
+        positions = list(map(_NUM_TOKENS, records))
+        extents = list(map(_EXTENTS, records))
         self.positions = tuple(positions)
-        self.slots = np.array(slots, dtype=np.int64)
+        self.slots = np.array(list(map(_SLOT, records)), dtype=np.int64)
         self._positions = np.array(positions, dtype=np.int64)
-        self.host_rows = np.array(host_rows, dtype=np.int64)
+        pages = self._positions // E
+        # Almost always the new token lands in its request's last extent, or starts the next.
+        last = (np.fromiter(map(_LAST, extents), dtype=np.int64, count=len(extents))
+                if all(extents) else np.array([e[-1] if e else -1 for e in extents]))
+        self.host_rows = last * E + self._positions % E
+        self.grow: list[tuple[RequestRecord, int]] = []  # (record, its batch row)
+        counts = np.fromiter(map(len, extents), dtype=np.int64, count=len(extents))
+        elsewhere = pages != counts - 1
+        if elsewhere.any():  # an extent before the last (a verify step's), or a new one
+            for b in np.flatnonzero(elsewhere).tolist():
+                page = int(pages[b])
+                if page < len(extents[b]):
+                    self.host_rows[b] = extents[b][page] * E + positions[b] % E
+                else:
+                    self.host_rows[b] = -1
+                    self.grow.append((records[b], b))
         self.full = ([records[b].request_id for b in np.flatnonzero(self._positions >= max_seq_len)]
                      if positions and max(positions) >= max_seq_len else [])
 
@@ -198,8 +267,10 @@ class BatchPlan:
             updates["page_index"] = (self.slots[grown] * t.page_table.shape[1]
                                      + self._positions[grown] // t.extent_tokens)
             updates["page_extent"] = self.host_rows[grown] // t.extent_tokens
-        short = self._positions < t.hot_slots  # the token's own slot, tracked for the switch
-        if short.any():
+        # The token's own slot, tracked for the switch (a list's min: no numpy for the usual
+        # step, whose requests are all long).
+        if min(self.positions) < t.hot_slots:
+            short = self._positions < t.hot_slots
             slot, hot = self.slots[short], self._positions[short]
             key = (slot * t.positions_per_request + hot if t.residency_map == "position"
                    else self.host_rows[short])

@@ -7,6 +7,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
@@ -159,7 +160,7 @@ class RequestTable:
             records = [live[i] for i in request_ids]
         except (KeyError, TypeError):
             records = None
-        if records is None or any(r.state is not allowed for r in records):
+        if records is None or set(map(_STATE, records)) != {allowed}:
             return [self.expect(i, action, (allowed,)) for i in request_ids]
         return records
 
@@ -193,6 +194,9 @@ _NEXT_STEP = {
     RequestState.RUNNING: "it is decoding: call preempt(id) to park it or finish(id) to free it",
     RequestState.PREEMPTED: "call resume(id) to give it a device slot again",
 }
+
+
+_STATE = attrgetter("state")
 
 
 def _hashable(value: object) -> bool:

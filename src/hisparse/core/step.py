@@ -69,7 +69,7 @@ class DecodeContext:
         num_groups = -(-L // size)
         padding_row = int(tables.device_kv.shape[1]) - 1
         buffers = BatchBuffers(capacity, config.top_k, num_groups, padding_row,
-                               tables.resident.dtype, device)
+                               tables.resident.dtype, device, backend)
         plans = [MissPlan.empty(capacity, config.top_k, device) if size > 1 else None
                  for _ in range(num_groups)]
         kernels = DecodeKernels(backend, config.skip_io, config.zero_copy_swap_in, tables,

@@ -20,6 +20,7 @@ if not ON_GPU:
 pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
 
 from hisparse.kernels import backup_triton  # noqa: E402
+from hisparse.kernels import newest_triton  # noqa: E402
 from hisparse.kernels import swap_in as swap_in_triton  # noqa: E402, F401 (for the tests)
 from hisparse.kernels.swap_in import select  # noqa: E402
 
@@ -32,6 +33,8 @@ if not ON_GPU:
             importlib.reload(importlib.import_module(f"hisparse.kernels.swap_in.{name}"))
     if type(backup_triton._backup_kernel).__name__ != "InterpretedFunction":
         backup_triton = importlib.reload(backup_triton)
+    if type(newest_triton._write_newest_kernel).__name__ != "InterpretedFunction":
+        newest_triton = importlib.reload(newest_triton)
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # The marker of every test in a kernel test module (`pytestmark = KERNEL_MARK`).

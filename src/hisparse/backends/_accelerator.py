@@ -26,6 +26,7 @@ _KERNELS = {
                              backup_reference.backup_newest_reference),
     "SwapInLauncher": (TRITON_KERNELS, None),
     "BackupLauncher": ("hisparse.kernels.backup_triton", None),
+    "NewestWriterTriton": ("hisparse.kernels.newest_triton", None),
 }
 _warned_no_triton = False
 
@@ -133,6 +134,14 @@ class AcceleratorBackend(Backend):
         if launcher is None:  # no triton: the reference, as for every kernel
             return backup_reference.backup_newest_reference
         return launcher(direct=self.direct_kernel_launch)
+
+    def newest_writer(self, device_kv: torch.Tensor, newest_rows: torch.Tensor,
+                      newest_rows_long: torch.Tensor) -> Any:
+        writer = bind_triton_kernel("NewestWriterTriton")
+        if writer is None:  # no triton: the reference's index_copy_
+            return super().newest_writer(device_kv, newest_rows, newest_rows_long)
+        return writer(device_kv, newest_rows, newest_rows_long,
+                      direct=self.direct_kernel_launch)
 
     def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
                          out: torch.Tensor, *, plans: Any = None, skip_io: bool = False

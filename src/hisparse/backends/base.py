@@ -198,6 +198,15 @@ class Backend(abc.ABC):
         """The copy of every layer's newest rows back to the host at the end of a step."""
         return backup_newest_reference
 
+    def newest_writer(self, device_kv: torch.Tensor, newest_rows: torch.Tensor,
+                      newest_rows_long: torch.Tensor) -> Callable[[int, torch.Tensor], None]:
+        """`write_newest`'s copy, `writer(layer, rows [B, W] uint8)`, bound to the batch
+        buffers' device rows (`newest_rows` int32, its int64 twin): an `index_copy_` here; the
+        GPU backends bind a Triton launch."""
+        from hisparse.kernels.newest_reference import NewestWriterReference
+
+        return NewestWriterReference(device_kv, newest_rows, newest_rows_long)
+
     # --- the shell -------------------------------------------------------------------------
     def supports(self, feature: Feature) -> bool:
         return self.features[Feature(feature)].usable

@@ -172,10 +172,11 @@ class _StagingRing:
     pageable copy serves every upload."""
 
     def __init__(self, buffers: BatchBuffers, backend: Backend | None,
-                 device: torch.device) -> None:
+                 device: torch.device, pin: bool | None = None) -> None:
         self._buffers = buffers
         self._backend = backend if device.type != "cpu" else None
         self._device = device
+        self._pin = self._backend is not None if pin is None else pin
         self._ring: list[_Staged] = []
         self._next = 0
 
@@ -196,7 +197,7 @@ class _StagingRing:
     def _new(self) -> _Staged:
         b = self._buffers
         size = b._template.size
-        tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self._backend is not None)
+        tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
         host = tensor.numpy()
         return _Staged(host, {name: b._host_view(host, name) for name in b._fields},
                        {n: tensor[:n] for n in b._block_prefix})

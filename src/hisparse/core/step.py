@@ -73,7 +73,8 @@ class DecodeContext:
         plans = [MissPlan.empty(capacity, config.top_k, device) if size > 1 else None
                  for _ in range(num_groups)]
         kernels = DecodeKernels(backend, config.skip_io, config.zero_copy_swap_in, tables,
-                                buffers.req_slots, buffers.num_real, buffers.out, plans)
+                                buffers.req_slots, buffers.num_real, buffers.out, plans,
+                                (buffers.newest_rows, buffers.newest_rows_long))
         backup_stream = backend.backup_stream() if config.async_backup else None
         prefetch = config.shared_index_prefetch and size > 1
         prefetch_stream = backend.prefetch_stream() if prefetch else None
@@ -192,11 +193,18 @@ class DecodeStep:
         c = self._usable("write_newest")
         if type(layer) is not int or not 0 <= layer < c.num_layers:
             check_layer(layer, c.num_layers)
-        rows = as_rows("kv", kv, c.row_bytes, 2, device=c.device)
+        # The usual call (dense uint8 rows on our device) passes five attribute reads; any
+        # other goes through `as_rows`, which views other dtypes as bytes or says what is wrong.
+        if (type(kv) is torch.Tensor and kv.dtype is torch.uint8 and kv.dim() == 2
+                and kv.layout is torch.strided and not kv.is_nested
+                and kv.shape[1] == c.row_bytes and kv.device == c.device):
+            rows = kv
+        else:
+            rows = as_rows("kv", kv, c.row_bytes, 2, device=c.device)
         count = rows.shape[0]
         if not self.batch_size <= count <= c.batch_capacity:
             check_batch_rows("kv", count, self.batch_size, c.batch_capacity)
-        c.layer_kv[layer].index_copy_(0, c.buffers.views(count).newest_rows_long, rows)
+        c.kernels.write_newest(layer, rows)
         self._written.add(layer)
 
     def swap_in(self, layer: int, top_k: torch.Tensor | None = None) -> torch.Tensor:

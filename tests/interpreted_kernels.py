@@ -19,8 +19,7 @@ if not ON_GPU:
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
 
-from hisparse.kernels import backup_triton  # noqa: E402
-from hisparse.kernels import newest_triton  # noqa: E402
+from hisparse.kernels import backup_triton, newest_triton  # noqa: E402
 from hisparse.kernels import swap_in as swap_in_triton  # noqa: E402, F401 (for the tests)
 from hisparse.kernels.swap_in import select  # noqa: E402
 

@@ -475,6 +475,10 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self._order.host_rows.note_rows_recycled()
 
     def _open_step(self, action: str) -> DecodeStep:
+        # Every verb of the step refuses on its own once a kernel failed (cancel excepted).
+        step = self._last_step
+        if not self._closed and step is not None and step.is_open:
+            return step
         self._check_open()
         if action != "cancel_decode_step":
             self._decode.kernels.check_usable(action)

@@ -32,7 +32,7 @@ class DecodeKernels:
     def __init__(self, backend: Backend, skip_io: bool, zero_copy: bool, tables: CacheTables,
                  req_slots: torch.Tensor, num_real: torch.Tensor, out: torch.Tensor,
                  plans: Sequence[MissPlan | None],
-                 newest_rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+                 newest_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.skip_io = skip_io
         # Asked for by name so that a backend without the feature raises here.
         if skip_io:
@@ -45,7 +45,9 @@ class DecodeKernels:
         self.backup: BackupFn = backend.backup_kernel()
         # `write_newest(layer, rows)`: the new tokens' rows into the batch's newest device rows
         # (int32 rows and their int64 twin); a torch op, so a failure leaves the tables alone.
-        self.write_newest = backend.newest_writer(tables.device_kv, *newest_rows)
+        # None for a launcher that writes no newest rows (a verify step's union widths).
+        self.write_newest = (backend.newest_writer(tables.device_kv, *newest_rows)
+                             if newest_rows is not None else None)
         self.failure: str | None = None
 
     def launch_swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:

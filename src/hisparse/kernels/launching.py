@@ -41,6 +41,10 @@ def _knobs() -> Any | None:
 
 DIRECT_LAUNCH_AVAILABLE = _triton_version() >= _DIRECT_FROM
 _RUNTIME_KNOBS = _knobs()
+# Triton 3.5+ keeps a `HookChain` (its `calls` list) in the knobs; older ones None.
+_EMPTY_CHAIN_TYPE = (type(_RUNTIME_KNOBS.launch_enter_hook)
+                     if _RUNTIME_KNOBS is not None
+                     and hasattr(_RUNTIME_KNOBS.launch_enter_hook, "calls") else None)
 
 
 def _hook_set(hook: Any) -> bool:
@@ -50,12 +54,17 @@ def _hook_set(hook: Any) -> bool:
 
 
 def _hooks_installed() -> bool:
+    """Read on every launch (a profiler may install a hook at any time); the usual answer,
+    two empty chains, costs two attribute reads."""
     if _RUNTIME_KNOBS is None:
         from triton.compiler.compiler import CompiledKernel
 
         return _hook_set(getattr(CompiledKernel, "launch_enter_hook", None))
-    return _hook_set(_RUNTIME_KNOBS.launch_enter_hook) or _hook_set(
-        _RUNTIME_KNOBS.launch_exit_hook)
+    enter, leave = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
+    if (type(enter) is _EMPTY_CHAIN_TYPE and type(leave) is _EMPTY_CHAIN_TYPE
+            and not enter.calls and not leave.calls):
+        return False
+    return _hook_set(enter) or _hook_set(leave)
 
 
 def _current_stream(device_index: int) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,8 +22,6 @@ if TYPE_CHECKING:
     from hisparse.backends.base import Backend
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16}
-_NUM_TOKENS, _SLOT, _EXTENTS = (attrgetter(name) for name in ("num_tokens", "slot", "extents"))
-_LAST = itemgetter(-1)
 _ALIGN = 16  # bytes: every field starts where a kernel's vector loads may assume it does
 
 
@@ -219,29 +216,24 @@ class BatchPlan:
                  max_seq_len: int) -> None:
         self._tables = tables
         E = tables.extent_tokens
-        # The records' fields through C-level maps (a Python loop over a batch of 128 took
-        # most of the step's host time), the rest in numpy over the batch.
-        positions = list(map(_NUM_TOKENS, records))
-        extents = list(map(_EXTENTS, records))
-        self.positions = tuple(positions)
-        self.slots = np.array(list(map(_SLOT, records)), dtype=np.int64)
-        self._positions = np.array(positions, dtype=np.int64)
-        pages = self._positions // E
-        # Almost always the new token lands in its request's last extent, or starts the next.
-        last = (np.fromiter(map(_LAST, extents), dtype=np.int64, count=len(extents))
-                if all(extents) else np.array([e[-1] if e else -1 for e in extents]))
-        self.host_rows = last * E + self._positions % E
+        slots: list[int | None] = []
+        positions: list[int] = []
+        host_rows: list[int] = []
         self.grow: list[tuple[RequestRecord, int]] = []  # (record, its batch row)
-        counts = np.fromiter(map(len, extents), dtype=np.int64, count=len(extents))
-        elsewhere = pages != counts - 1
-        if elsewhere.any():  # an extent before the last (a verify step's), or a new one
-            for b in np.flatnonzero(elsewhere).tolist():
-                page = int(pages[b])
-                if page < len(extents[b]):
-                    self.host_rows[b] = extents[b][page] * E + positions[b] % E
-                else:
-                    self.host_rows[b] = -1
-                    self.grow.append((records[b], b))
+        for record in records:  # locals only: this loop is most of the step's host time
+            position, extents = record.num_tokens, record.extents
+            page = position // E
+            slots.append(record.slot)
+            positions.append(position)
+            if page < len(extents):
+                host_rows.append(extents[page] * E + position % E)
+            else:
+                self.grow.append((record, len(host_rows)))
+                host_rows.append(-1)
+        self.positions = tuple(positions)
+        self.slots = np.array(slots, dtype=np.int64)
+        self._positions = np.array(positions, dtype=np.int64)
+        self.host_rows = np.array(host_rows, dtype=np.int64)
         self.full = ([records[b].request_id for b in np.flatnonzero(self._positions >= max_seq_len)]
                      if positions and max(positions) >= max_seq_len else [])
 

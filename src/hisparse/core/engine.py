@@ -523,7 +523,9 @@ def _batch_records(requests: RequestTable, ids: list[Hashable],
             "the batch or raise max_batch"
         )
     records = requests.expect_all(ids, "decode", RequestState.RUNNING)
-    if len(set(map(id, records))) != len(records):
+    # Equal ids are one record, and one record is filed under one id: a repeated record is a
+    # repeated id (a set of the ids is 2 us at B=128, of the records' id()s 12 us).
+    if len(set(ids)) != len(records):
         raise InvalidInputError(
             f"request ids repeat in the decode batch {ids!r}; list each request once"
         )

@@ -7,7 +7,6 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 import numpy as np
 
@@ -160,7 +159,8 @@ class RequestTable:
             records = [live[i] for i in request_ids]
         except (KeyError, TypeError):
             records = None
-        if records is None or set(map(_STATE, records)) != {allowed}:
+        # (a list's count compares by identity first: ~20 ns a record, no generator frames)
+        if records is None or [r.state for r in records].count(allowed) != len(records):
             return [self.expect(i, action, (allowed,)) for i in request_ids]
         return records
 
@@ -194,9 +194,6 @@ _NEXT_STEP = {
     RequestState.RUNNING: "it is decoding: call preempt(id) to park it or finish(id) to free it",
     RequestState.PREEMPTED: "call resume(id) to give it a device slot again",
 }
-
-
-_STATE = attrgetter("state")
 
 
 def _hashable(value: object) -> bool:

@@ -87,8 +87,8 @@ class BatchBuffers:
                               self._every_step_bytes: self._block[: self._every_step_bytes]}
         # What the host sends before the step's values go in: every field's padding.
         self._template = np.zeros(offset, dtype=np.uint8)
-        for name in self._fields:
-            self._host_view(self._template, name)[:] = self._fields[name].padding
+        for name, field in self._fields.items():
+            self._host_view(self._template, name)[:] = field.padding
         self._staging = _StagingRing(self, backend, device)
         self.req_slots = self.field("req_slots")
         self.num_real = self.field("num_real")

@@ -137,8 +137,10 @@ class AcceleratorBackend(Backend):
 
     def newest_writer(self, device_kv: torch.Tensor, newest_rows: torch.Tensor,
                       newest_rows_long: torch.Tensor) -> Any:
-        writer = bind_triton_kernel("NewestWriterTriton")
-        if writer is None:  # no triton: the reference's index_copy_
+        # The Triton writer only where its bound launches go straight to the driver (about
+        # 5 us): through triton's dispatch (15-30 us) it would cost more than the index_copy_.
+        writer = bind_triton_kernel("NewestWriterTriton") if self.direct_kernel_launch else None
+        if writer is None:  # no triton, or no direct launches: the reference's index_copy_
             return super().newest_writer(device_kv, newest_rows, newest_rows_long)
         return writer(device_kv, newest_rows, newest_rows_long,
                       direct=self.direct_kernel_launch)

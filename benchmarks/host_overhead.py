@@ -12,6 +12,8 @@ layer draws its own top-k (DeepSeek-V3.2 has an indexer per layer).
 Besides the medians per call, `--breakdown` times every Triton launch the calls make (a wrapper
 around `triton.runtime.jit.JITFunction.run`), which tells the launch cost from the Python
 around it; it adds the wrapper's own cost, so its step figures are not the headline ones.
+`--profile` runs one more pass per cell under cProfile, one profile per call, and keeps each
+call's top 20 functions by own time (in the JSON and on stdout): what is left of each call.
 
     PYTHONPATH=src python benchmarks/host_overhead.py --device cuda \
         --output benchmarks/results/host-overhead-h200.json
@@ -21,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -101,6 +105,44 @@ def launch_timer(record: dict[str, list[float]]) -> Iterator[None]:
         jit.JITFunction.run = original
 
 
+class Profiled:
+    """The cache, with each call of `CALLS` run under its own profiler (every other attribute
+    is the cache's)."""
+
+    def __init__(self, cache: hisparse.HiSparseCache) -> None:
+        self._cache = cache
+        self.profiles = {name: cProfile.Profile() for name in CALLS}
+        self.calls = dict.fromkeys(CALLS, 0)
+        for name in CALLS:
+            setattr(self, name, self._wrap(name, getattr(cache, name)))
+
+    def _wrap(self, name: str, call: callable) -> callable:
+        profile = self.profiles[name]
+
+        def profiled(*args: object, **kwargs: object) -> object:
+            self.calls[name] += 1
+            return profile.runcall(call, *args, **kwargs)
+
+        return profiled
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._cache, name)
+
+    def top(self, count: int = 20) -> dict[str, list[str]]:
+        """Each call's `count` costliest functions by own time, in us per call of it (pstats
+        prints milliseconds at best); cProfile's own cost inflates every row alike."""
+        tables = {}
+        for name, profile in self.profiles.items():
+            stats = pstats.Stats(profile).stats
+            per_call = 1e6 / max(self.calls[name], 1)
+            rows = sorted(stats.items(), key=lambda item: -item[1][2])[:count]
+            tables[name] = [f"{'own us':>8} {'cum us':>8} {'calls':>6}  function"] + [
+                f"{tt * per_call:8.2f} {ct * per_call:8.2f} {nc / max(self.calls[name], 1):6.1f}"
+                f"  {Path(file).name}:{line}({func})"
+                for (file, line, func), (_, nc, tt, ct, _) in rows]
+        return tables
+
+
 def run_trace(cache: hisparse.HiSparseCache, ids: list[str], trace: TopK, kv: torch.Tensor,
               warmup: int, steps: int, sync: callable) -> dict[str, object]:
     times: dict[str, list[float]] = defaultdict(list)
@@ -142,9 +184,11 @@ def run_trace(cache: hisparse.HiSparseCache, ids: list[str], trace: TopK, kv: to
 
 
 def measure(device: str, batches: list[int], churns: list[float], seq_len: int, warmup: int,
-            steps: int, layers: int | None, breakdown: bool, seed: int) -> dict[str, object]:
+            steps: int, layers: int | None, breakdown: bool, profile: bool, seed: int,
+            ) -> dict[str, object]:
+    passes = 1 + breakdown + profile
     cache = make_cache(device, max(batches), seq_len, len(batches) * len(churns) *
-                       (warmup + steps) * (2 if breakdown else 1), layers)
+                       (warmup + steps) * passes, layers)
     dev = cache.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (
         (lambda: torch.xpu.synchronize(dev)) if dev.type == "xpu" else (lambda: None))
@@ -165,6 +209,13 @@ def measure(device: str, batches: list[int], churns: list[float], seq_len: int, 
                 cell["triton_launches"] = {
                     name: {"median_us": statistics.median(v), "calls": len(v)}
                     for name, v in sorted(launches.items())}
+            if profile:
+                profiled = Profiled(cache)
+                run_trace(profiled, ids[:batch], trace, kv, 1, steps, sync)
+                cell["profile_top20"] = profiled.top()
+                for name, table in cell["profile_top20"].items():
+                    print(f"--- cProfile, B={batch} churn={churn}: {name} ({steps} steps, "
+                          "per call)\n" + "\n".join(table), flush=True)
             stats = cache.stats().to_dict()
             cell["hit_rate_so_far"] = stats.get("hit_rate")
             cells.append(cell)
@@ -186,7 +237,20 @@ def environment(device: str) -> dict[str, object]:
     if torch.cuda.is_available() and device.startswith("cuda"):
         info["card"] = torch.cuda.get_device_name()
         info["cuda_runtime"] = torch.version.cuda
+    with contextlib.suppress(Exception):  # versions are context, never a reason to fail
+        info.update(hisparse.get_backend(device).runtime_versions())
+    info["hisparse_commit"] = _git_commit()
     return info
+
+
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _nop_kernel() -> object:
@@ -263,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each Triton JIT launch (an extra pass per cell)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile each call (cProfile top 20 per call, an extra pass)")
     parser.add_argument("--floors", action="store_true",
                         help="also time the primitives (a Triton launch, a torch copy, ...)")
     parser.add_argument("--seed", type=int, default=0)
@@ -278,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(device),
         "targets_us": TARGETS_US,
         **measure(device, args.batches, args.churns, args.seq_len, args.warmup, args.steps,
-                  args.layers, args.breakdown, args.seed),
+                  args.layers, args.breakdown, args.profile, args.seed),
     }
     if args.floors:
         try:

@@ -19,7 +19,7 @@ if not ON_GPU:
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
 
-from hisparse.kernels import backup_triton, union_triton  # noqa: E402
+from hisparse.kernels import backup_triton, newest_triton, union_triton  # noqa: E402
 from hisparse.kernels import swap_in as swap_in_triton  # noqa: E402, F401 (for the tests)
 from hisparse.kernels.swap_in import select  # noqa: E402
 
@@ -34,6 +34,8 @@ if not ON_GPU:
         backup_triton = importlib.reload(backup_triton)
     if type(union_triton.union_plan_kernel).__name__ != "InterpretedFunction":
         union_triton = importlib.reload(union_triton)
+    if type(newest_triton._write_newest_kernel).__name__ != "InterpretedFunction":
+        newest_triton = importlib.reload(newest_triton)
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # The marker of every test in a kernel test module (`pytestmark = KERNEL_MARK`).

@@ -322,7 +322,25 @@ def test_gpu_backends_bind_the_triton_kernels(fake_env) -> None:
     backend = hisparse.get_backend()
     assert backend.swap_in_kernel() is triton_kernels.swap_in_triton
     assert backend.copy_planned_kernel() is triton_kernels.copy_planned_triton
-    assert backend.backup_kernel() is backup_kernels.backup_newest_triton
+    assert isinstance(backend.backup_kernel(), backup_kernels.BackupLauncher)
+
+
+@needs_module("triton", "triton")
+def test_the_newest_writer_is_triton_only_with_direct_launches(fake_env, monkeypatch) -> None:
+    """Through triton's dispatch a launch costs more than the `index_copy_` it replaces."""
+    from hisparse.kernels.newest_reference import NewestWriterReference
+    from hisparse.kernels.newest_triton import NewestWriterTriton
+
+    fake_env("cuda")
+    backend = hisparse.get_backend()
+    device_kv = torch.zeros(2, 9, 16, dtype=torch.uint8)
+    rows = torch.zeros(4, dtype=torch.int32)
+    assert isinstance(backend.newest_writer(device_kv, rows, rows.long()), NewestWriterTriton)
+    monkeypatch.setenv("HISPARSE_DIRECT_LAUNCH", "0")
+    assert isinstance(backend.newest_writer(device_kv, rows, rows.long()),
+                      NewestWriterReference)
+    assert isinstance(CpuBackend().newest_writer(device_kv, rows, rows.long()),
+                      NewestWriterReference)
 
 
 def test_without_triton_gpu_backends_fall_back_and_say_so_once(

@@ -186,3 +186,32 @@ def test_graph_replay_with_changing_real_counts(rng: torch.Generator) -> None:
         for layer in range(layers):
             assert torch.equal(got.host_kv[layer], plain[layer]), f"layer {layer}"
     assert len(set(counts)) > 1, "replays never changed num_real"
+
+
+def test_the_bound_launcher_replays_its_launch_and_rebinds_for_other_tensors(
+        rng: torch.Generator) -> None:
+    """The engine's `BackupLauncher`: the same persistent buffers every step (refilled in
+    place) give the reference's rows through the launch bound at the first call; other
+    tensors are checked and bound anew, and a call that fails its checks leaves nothing
+    bound to replay."""
+    layers, device_rows, host_rows, row_bytes, batch_cap = SIZES[0]
+    got = make_tables(layers, device_rows, host_rows, row_bytes, rng, with_addresses=True)
+    want = twin(got)
+    launcher = backup_triton.BackupLauncher(direct=True)
+    newest, targets, num_real = random_step(batch_cap, device_rows, host_rows, rng)
+    for step in range(4):
+        if step == 2:  # new buffers: a fresh bind
+            newest, targets, num_real = (t.clone() for t in (newest, targets, num_real))
+        fresh = random_step(batch_cap, device_rows, host_rows, rng)
+        for buffer, values in zip((newest, targets, num_real), fresh, strict=True):
+            buffer.copy_(values)  # in place, as begin_decode_step uploads into its buffers
+        launcher(got, newest, targets, num_real)
+        backup_newest_reference(want, newest, targets, num_real)
+        if ON_GPU:
+            torch.cuda.synchronize()
+        for layer in range(layers):
+            assert torch.equal(got.host_kv[layer], want.host_kv[layer]), (step, layer)
+        refill(got.device_kv, rng)
+    with pytest.raises(InvalidInputError, match="num_real"):
+        launcher(got, newest, targets, num_real.to(torch.int64))
+    assert launcher._launch is None and launcher._last == ()

@@ -124,3 +124,24 @@ def test_a_missing_constexpr_is_refused_when_bound() -> None:
     with pytest.raises(TypeError, match=r"no value bound for \['X'\]"):
         launching.BoundLaunch(FakeKernel(None), (1,), (None, None, 1), {},
                               device=torch.device("cpu"))
+
+
+def test_a_stream_handed_in_is_the_one_launched_on_and_rebind_is_in_place(
+        no_hooks: None) -> None:
+    """`_run` reads the current stream once per swap-in and hands it to each launch; a
+    rebound tensor replaces its entry without rebuilding the argument lists."""
+    compiled = FakeCompiled()
+    kernel = FakeKernel(compiled)
+    a, b = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    launch = launching.BoundLaunch(kernel, (2,), (a, b, 7), {"X": 3},
+                                   device=torch.device("cpu"))
+    launch()  # through triton: keeps the compiled kernel
+    flat = launch._flat
+    launch(99)
+    assert compiled.calls[-1][3] == 99
+    launch()
+    assert compiled.calls[-1][3] == 1234  # read from the current stream
+    launch.rebind(0, b)
+    assert launch._flat is flat and launch.address(0) == b.data_ptr()
+    launch(5)
+    assert compiled.calls[-1][-4] == b.data_ptr()

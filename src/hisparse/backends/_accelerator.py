@@ -27,6 +27,8 @@ _KERNELS = {
                              backup_reference.backup_newest_reference),
     "SwapInLauncher": (TRITON_KERNELS, None),
     "UnionLauncher": ("hisparse.kernels.union_triton", None),
+    "BackupLauncher": ("hisparse.kernels.backup_triton", None),
+    "NewestWriterTriton": ("hisparse.kernels.newest_triton", None),
 }
 _warned_no_triton = False
 
@@ -114,6 +116,9 @@ class AcceleratorBackend(Backend):
     def synchronize(self, device: torch.device | None = None) -> None:
         self.module.synchronize(device)
 
+    def event_done(self, event: Any | None) -> bool:
+        return event is None or bool(event.query())
+
     def synchronize_event(self, event: Any | None) -> None:
         if event is not None:
             event.synchronize()
@@ -126,7 +131,21 @@ class AcceleratorBackend(Backend):
         return bind_triton_kernel("copy_planned_triton")
 
     def backup_kernel(self) -> BackupFn:
-        return bind_triton_kernel("backup_newest_triton")
+        # A launcher per call (per cache): it binds its launch to that cache's buffers once.
+        launcher = bind_triton_kernel("BackupLauncher")
+        if launcher is None:  # no triton: the reference, as for every kernel
+            return backup_reference.backup_newest_reference
+        return launcher(direct=self.direct_kernel_launch)
+
+    def newest_writer(self, device_kv: torch.Tensor, newest_rows: torch.Tensor,
+                      newest_rows_long: torch.Tensor) -> Any:
+        # The Triton writer only where its bound launches go straight to the driver (about
+        # 5 us): through triton's dispatch (15-30 us) it would cost more than the index_copy_.
+        writer = bind_triton_kernel("NewestWriterTriton") if self.direct_kernel_launch else None
+        if writer is None:  # no triton, or no direct launches: the reference's index_copy_
+            return super().newest_writer(device_kv, newest_rows, newest_rows_long)
+        return writer(device_kv, newest_rows, newest_rows_long,
+                      direct=self.direct_kernel_launch)
 
     def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
                          out: torch.Tensor, *, plans: Any = None, skip_io: bool = False

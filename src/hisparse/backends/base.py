@@ -169,6 +169,11 @@ class Backend(abc.ABC):
     def synchronize(self, device: torch.device | None = None) -> None:
         """Wait for all work on `device` (None: the current device)."""
 
+    def event_done(self, event: Any | None) -> bool:
+        """Whether the work recorded before `event` is done, without waiting (True where
+        events are None, and for an event never recorded)."""
+        return True
+
     def synchronize_event(self, event: Any | None) -> None:
         """Block the host until the work recorded before `event` is done (no-op where events
         are None: work on the CPU has run by the time the call returns)."""
@@ -215,6 +220,15 @@ class Backend(abc.ABC):
     def backup_kernel(self) -> BackupFn:
         """The copy of every layer's newest rows back to the host at the end of a step."""
         return backup_newest_reference
+
+    def newest_writer(self, device_kv: torch.Tensor, newest_rows: torch.Tensor,
+                      newest_rows_long: torch.Tensor) -> Callable[[int, torch.Tensor], None]:
+        """`write_newest`'s copy, `writer(layer, rows [B, W] uint8)`, bound to the batch
+        buffers' device rows (`newest_rows` int32, its int64 twin): an `index_copy_` here; the
+        GPU backends bind a Triton launch."""
+        from hisparse.kernels.newest_reference import NewestWriterReference
+
+        return NewestWriterReference(device_kv, newest_rows, newest_rows_long)
 
     # --- the shell -------------------------------------------------------------------------
     def supports(self, feature: Feature) -> bool:

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from hisparse.core.requests import RequestRecord
 from hisparse.layout.tables import CacheTables
+
+if TYPE_CHECKING:
+    from hisparse.backends.base import Backend
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16}
 _ALIGN = 16  # bytes: every field starts where a kernel's vector loads may assume it does
@@ -55,7 +59,8 @@ class BatchBuffers:
     """
 
     def __init__(self, capacity: int, top_k: int, num_groups: int, padding_row: int,
-                 resident_dtype: torch.dtype, device: torch.device) -> None:
+                 resident_dtype: torch.dtype, device: torch.device,
+                 backend: Backend | None = None) -> None:
         i64, i32 = torch.int64, torch.int32
         every_step = [
             ("newest_rows_long", i64, padding_row), ("batch_slots", i64, 0),
@@ -77,10 +82,14 @@ class BatchBuffers:
             if name == "num_real":
                 self._every_step_bytes = offset
         self._block = torch.zeros(offset, dtype=torch.uint8, device=device)
+        # The two lengths an upload sends: the every-step fields, or the whole block.
+        self._block_prefix = {offset: self._block,
+                              self._every_step_bytes: self._block[: self._every_step_bytes]}
         # What the host sends before the step's values go in: every field's padding.
         self._template = np.zeros(offset, dtype=np.uint8)
         for name, field in self._fields.items():
             self._host_view(self._template, name)[:] = field.padding
+        self._staging = _StagingRing(self, backend, device)
         self.req_slots = self.field("req_slots")
         self.num_real = self.field("num_real")
         self.newest_rows = self.field("newest_rows")
@@ -102,12 +111,15 @@ class BatchBuffers:
         same for the other fields) in one host-to-device copy; every other row of the
         every-step fields gets its padding. Without updates the copy stops before them."""
         size = self._block.numel() if updates else self._every_step_bytes
-        host = self._template[:size].copy()
+        staged = self._staging.take()
+        np.copyto(staged.host[:size], self._template[:size])
+        views = staged.views
         for name, values in columns.items():
-            self._host_view(host, name)[: len(values)] = values
+            views[name][: len(values)] = values
         for name, values in (updates or {}).items():
-            self._host_view(host, name)[: len(values)] = values
-        self._block[:size].copy_(torch.from_numpy(host), non_blocking=True)
+            views[name][: len(values)] = values
+        self._block_prefix[size].copy_(staged.prefix[size], non_blocking=True)
+        self._staging.sent(staged)
 
     def upload_columns(self, columns: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Int32 columns on the device in one copy, each its own tensor (for rare updates)."""
@@ -136,6 +148,56 @@ class BatchBuffers:
         field = self._fields[name]
         nbytes = field.length * field.dtype.itemsize
         return host[field.offset : field.offset + nbytes].view(_NUMPY[field.dtype])
+
+
+@dataclass(eq=False)
+class _Staged:
+    """One host copy of the block: numpy views of its fields, the tensor prefixes an upload
+    sends, and the event after its last copy (None: never sent, or no events here)."""
+
+    host: np.ndarray
+    views: dict[str, np.ndarray]
+    prefix: dict[int, torch.Tensor]
+    event: Any = None
+
+
+class _StagingRing:
+    """The host copies uploads go from. On an accelerator they are pinned, so a copy is one DMA
+    the driver queues without staging it, and a copy is written again only once its last
+    upload has landed (its event); while every copy is in flight the ring grows by one, so an
+    upload never waits for the device. On the CPU the copy is done when `copy_` returns: one
+    pageable copy serves every upload."""
+
+    def __init__(self, buffers: BatchBuffers, backend: Backend | None,
+                 device: torch.device, pin: bool | None = None) -> None:
+        self._buffers = buffers
+        self._backend = backend if device.type != "cpu" else None
+        self._device = device
+        self._pin = self._backend is not None if pin is None else pin
+        self._ring: list[_Staged] = []
+        self._next = 0
+
+    def take(self) -> _Staged:
+        ring, backend = self._ring, self._backend
+        if ring and (backend is None or backend.event_done(ring[self._next].event)):
+            return ring[self._next]
+        ring.insert(self._next, self._new())
+        return ring[self._next]
+
+    def sent(self, staged: _Staged) -> None:
+        if self._backend is not None:
+            if staged.event is None:
+                staged.event = self._backend.new_event()
+            self._backend.record_event(staged.event, self._device)
+            self._next = (self._next + 1) % len(self._ring)
+
+    def _new(self) -> _Staged:
+        b = self._buffers
+        size = b._template.size
+        tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
+        host = tensor.numpy()
+        return _Staged(host, {name: b._host_view(host, name) for name in b._fields},
+                       {n: tensor[:n] for n in b._block_prefix})
 
 
 class BatchPlan:
@@ -198,8 +260,10 @@ class BatchPlan:
             updates["page_index"] = (self.slots[grown] * t.page_table.shape[1]
                                      + self._positions[grown] // t.extent_tokens)
             updates["page_extent"] = self.host_rows[grown] // t.extent_tokens
-        short = self._positions < t.hot_slots  # the token's own slot, tracked for the switch
-        if short.any():
+        # The token's own slot, tracked for the switch (a list's min: no numpy for the usual
+        # step, whose requests are all long).
+        if min(self.positions) < t.hot_slots:
+            short = self._positions < t.hot_slots
             slot, hot = self.slots[short], self._positions[short]
             key = (slot * t.positions_per_request + hot if t.residency_map == "position"
                    else self.host_rows[short])

@@ -3,8 +3,9 @@
 This is the one place that knows the kernels' interfaces, so that they can be re-pointed
 without touching the step: the backend's swap-in launcher (`backend.swap_in_launcher`: its
 `swap_in(layer, group, rows, top_k)` and `replay(layer, group, rows)`, bound to the tables,
-the batch buffers and the groups' miss plans once) and `backup(tables, newest_rows,
-host_rows, num_real)` (`hisparse.backends.base`).
+the batch buffers and the groups' miss plans once), `backup(tables, newest_rows,
+host_rows, num_real)` and `write_newest(layer, rows)` (`backend.newest_writer`, bound to the
+batch buffers' newest rows) (`hisparse.backends.base`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class DecodeKernels:
 
     def __init__(self, backend: Backend, skip_io: bool, zero_copy: bool, tables: CacheTables,
                  req_slots: torch.Tensor, num_real: torch.Tensor, out: torch.Tensor,
-                 plans: Sequence[MissPlan | None]) -> None:
+                 plans: Sequence[MissPlan | None],
+                 newest_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.skip_io = skip_io
         # Asked for by name so that a backend without the feature raises here.
         if skip_io:
@@ -41,6 +43,11 @@ class DecodeKernels:
                                                       plans=plans, skip_io=skip_io)
         # The GPU backends bind the fused kernel; `Backend` gives every other the reference.
         self.backup: BackupFn = backend.backup_kernel()
+        # `write_newest(layer, rows)`: the new tokens' rows into the batch's newest device rows
+        # (int32 rows and their int64 twin); a torch op, so a failure leaves the tables alone.
+        # None for a launcher that writes no newest rows (a verify step's union widths).
+        self.write_newest = (backend.newest_writer(tables.device_kv, *newest_rows)
+                             if newest_rows is not None else None)
         self.failure: str | None = None
 
     def launch_swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:

@@ -159,7 +159,8 @@ class RequestTable:
             records = [live[i] for i in request_ids]
         except (KeyError, TypeError):
             records = None
-        if records is None or any(r.state is not allowed for r in records):
+        # (a list's count compares by identity first: ~20 ns a record, no generator frames)
+        if records is None or [r.state for r in records].count(allowed) != len(records):
             return [self.expect(i, action, (allowed,)) for i in request_ids]
         return records
 

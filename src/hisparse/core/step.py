@@ -70,11 +70,12 @@ class DecodeContext:
         num_groups = -(-L // size)
         padding_row = int(tables.device_kv.shape[1]) - 1
         buffers = BatchBuffers(capacity, config.top_k, num_groups, padding_row,
-                               tables.resident.dtype, device)
+                               tables.resident.dtype, device, backend)
         plans = [MissPlan.empty(capacity, config.top_k, device) if size > 1 else None
                  for _ in range(num_groups)]
         kernels = DecodeKernels(backend, config.skip_io, config.zero_copy_swap_in, tables,
-                                buffers.req_slots, buffers.num_real, buffers.out, plans)
+                                buffers.req_slots, buffers.num_real, buffers.out, plans,
+                                (buffers.newest_rows, buffers.newest_rows_long))
         backup_stream = backend.backup_stream() if config.async_backup else None
         prefetch = config.shared_index_prefetch and size > 1
         prefetch_stream = backend.prefetch_stream() if prefetch else None
@@ -195,11 +196,18 @@ class DecodeStep:
         c = self._usable("write_newest")
         if type(layer) is not int or not 0 <= layer < c.num_layers:
             check_layer(layer, c.num_layers)
-        rows = as_rows("kv", kv, c.row_bytes, 2, device=c.device)
+        # The usual call (dense uint8 rows on our device) passes five attribute reads; any
+        # other goes through `as_rows`, which views other dtypes as bytes or says what is wrong.
+        if (type(kv) is torch.Tensor and kv.dtype is torch.uint8 and kv.dim() == 2
+                and kv.layout is torch.strided and not kv.is_nested
+                and kv.shape[1] == c.row_bytes and kv.device == c.device):
+            rows = kv
+        else:
+            rows = as_rows("kv", kv, c.row_bytes, 2, device=c.device)
         count = rows.shape[0]
         if not self.batch_size <= count <= c.batch_capacity:
             check_batch_rows("kv", count, self.batch_size, c.batch_capacity)
-        c.layer_kv[layer].index_copy_(0, c.buffers.views(count).newest_rows_long, rows)
+        c.kernels.write_newest(layer, rows)
         self._written.add(layer)
 
     def swap_in(self, layer: int, top_k: torch.Tensor | None = None) -> torch.Tensor:
@@ -258,6 +266,14 @@ class DecodeStep:
         return replay.ready_rows(layer)
 
     def _check_top_k(self, c: DecodeContext, top_k: object) -> int:
+        # The usual call (a dense int32 [B, K] on our device) passes attribute reads only, ~1 us
+        # instead of `check_tensor`'s 3-4; anything else gets the full checks and messages.
+        if (type(top_k) is torch.Tensor and top_k.dtype is torch.int32 and top_k.dim() == 2
+                and top_k.layout is torch.strided and not top_k.is_nested
+                and top_k.device == c.device and top_k.is_contiguous()):
+            rows, columns = top_k.shape
+            if columns == c.top_k_columns and self.batch_size <= rows <= c.batch_capacity:
+                return rows
         top_k = check_tensor("top_k", top_k, dtype=torch.int32, device=c.device, ndim=2)
         rows, columns = top_k.shape
         check_batch_rows("top_k", rows, self.batch_size, c.batch_capacity)

@@ -146,12 +146,19 @@ class DeviceBlock:
             offset += -(-length * dtype.itemsize // _ALIGN) * _ALIGN
         self._block = torch.zeros(offset, dtype=torch.uint8, device=device)
         self._template = np.zeros(offset, dtype=np.uint8)
+        self._whole: dict[str, torch.Tensor] = {}
         for name, _, _, padding in fields:
             self._host_view(self._template, name)[:] = padding
 
     def field(self, name: str, count: int | None = None) -> torch.Tensor:
-        dtype, offset, length = self._fields[name]
-        count = length if count is None else count
+        """The device view of a field (its first `count` entries). A whole field is the same
+        tensor every call: a launch bound to it (the backup's) is replayed, not bound again."""
+        if count is None:
+            whole = self._whole.get(name)
+            if whole is None:
+                whole = self._whole[name] = self.field(name, self._fields[name][2])
+            return whole
+        dtype, offset, _ = self._fields[name]
         return self._block[offset : offset + count * dtype.itemsize].view(dtype)
 
     def upload(self, values: dict[str, Any]) -> None:

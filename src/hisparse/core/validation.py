@@ -178,6 +178,8 @@ def check_current_device(current: torch.device | None, device: torch.device) -> 
 
 def as_batch_ids(request_ids: Sequence[Hashable]) -> list[Hashable]:
     """A decode batch as a list; a set or a mapping has no order to give the batch rows."""
+    if type(request_ids) is list or type(request_ids) is tuple:  # the usual: no ABC checks
+        return list(request_ids)
     try:
         unordered = isinstance(request_ids, str | bytes | AbstractSet | Mapping)
         ids = None if unordered else list(request_ids)

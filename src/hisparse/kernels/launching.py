@@ -41,6 +41,10 @@ def _knobs() -> Any | None:
 
 DIRECT_LAUNCH_AVAILABLE = _triton_version() >= _DIRECT_FROM
 _RUNTIME_KNOBS = _knobs()
+# Triton 3.5+ keeps a `HookChain` (its `calls` list) in the knobs; older ones None.
+_EMPTY_CHAIN_TYPE = (type(_RUNTIME_KNOBS.launch_enter_hook)
+                     if _RUNTIME_KNOBS is not None
+                     and hasattr(_RUNTIME_KNOBS.launch_enter_hook, "calls") else None)
 
 
 def _hook_set(hook: Any) -> bool:
@@ -50,12 +54,17 @@ def _hook_set(hook: Any) -> bool:
 
 
 def _hooks_installed() -> bool:
+    """Read on every launch (a profiler may install a hook at any time); the usual answer,
+    two empty chains, costs two attribute reads."""
     if _RUNTIME_KNOBS is None:
         from triton.compiler.compiler import CompiledKernel
 
         return _hook_set(getattr(CompiledKernel, "launch_enter_hook", None))
-    return _hook_set(_RUNTIME_KNOBS.launch_enter_hook) or _hook_set(
-        _RUNTIME_KNOBS.launch_exit_hook)
+    enter, leave = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
+    if (type(enter) is _EMPTY_CHAIN_TYPE and type(leave) is _EMPTY_CHAIN_TYPE
+            and not enter.calls and not leave.calls):
+        return False
+    return _hook_set(enter) or _hook_set(leave)
 
 
 def _current_stream(device_index: int) -> int:
@@ -79,7 +88,7 @@ class BoundLaunch:
                  addresses: Mapping[int, int] | None = None, direct: bool = True) -> None:
         self._kernel = kernel
         self._grid = tuple(grid) + (1,) * (3 - len(grid))
-        self._args = tuple(args)
+        self._args = list(args)  # lists: `rebind` replaces one entry in place
         self._constants = dict(constants)
         self._device_index = device.index if device.index is not None else 0
         self._direct = direct and DIRECT_LAUNCH_AVAILABLE
@@ -90,8 +99,8 @@ class BoundLaunch:
             raise TypeError(f"{kernel.__name__}: no value bound for {missing}")
         values = [*self._args, *(self._constants[n] for n in names[len(self._args):])]
         addresses = addresses or {}
-        self._flat = tuple(addresses.get(i, v.data_ptr()) if isinstance(v, torch.Tensor) else v
-                           for i, v in enumerate(values))
+        self._flat = [addresses.get(i, v.data_ptr()) if isinstance(v, torch.Tensor) else v
+                      for i, v in enumerate(values)]
         self._pointer_slots = {i for i, v in enumerate(values) if isinstance(v, torch.Tensor)}
 
     @property
@@ -99,13 +108,20 @@ class BoundLaunch:
         """Whether calls after the first skip triton's dispatch."""
         return self._compiled is not None
 
-    def __call__(self) -> None:
+    def __call__(self, stream: int | None = None) -> None:
+        """Launch; `stream`: the current stream's handle when the caller has it already (a
+        call of several launches reads it once)."""
         compiled = self._compiled
         if compiled is None or _hooks_installed():
             self._launch_through_triton()
             return
-        compiled.run(*self._grid, _current_stream(self._device_index), compiled.function,
-                     compiled.packed_metadata, None, None, None, *self._flat)
+        compiled.run(*self._grid,
+                     _current_stream(self._device_index) if stream is None else stream,
+                     compiled.function, compiled.packed_metadata, None, None, None, *self._flat)
+
+    def current_stream(self) -> int:
+        """The handle of the stream a launch now goes to (triton's view of the current one)."""
+        return _current_stream(self._device_index)
 
     def address(self, index: int) -> int:
         """The address (or value) positional argument `index` is launched with."""
@@ -113,14 +129,14 @@ class BoundLaunch:
 
     def rebind(self, index: int, tensor: torch.Tensor) -> None:
         """Replace positional argument `index` by `tensor` (same dtype), in place: per call
-        when a caller's top-k tensor moves, so two tuple rebuilds and nothing else. The
+        when a caller's top-k tensor moves, so two list stores and nothing else. The
         compiled kernel stays where the address's 16-byte alignment, the only property of a
         pointer triton specializes on, is unchanged."""
         address = tensor.data_ptr()
         if (self._flat[index] % 16 == 0) != (address % 16 == 0):
             self._compiled = None
-        self._args = (*self._args[:index], tensor, *self._args[index + 1:])
-        self._flat = (*self._flat[:index], address, *self._flat[index + 1:])
+        self._args[index] = tensor
+        self._flat[index] = address
 
     def _launch_through_triton(self) -> None:
         kernel = self._kernel[self._grid](*self._args, **self._constants)

@@ -217,14 +217,17 @@ def _bind_copy(tables: CacheTables, layer: int, copy: CopyPlan, plan: MissPlan, 
 
 
 def _run(launches: tuple[BoundLaunch, ...], scratch: Scratch) -> None:
-    launches[0]()
+    # Read once for the call's two or three launches (None: each reads its own, as triton's
+    # own path does before the first call has compiled, and under the interpreter).
+    stream = launches[0].current_stream() if launches[0].direct else None
+    launches[0](stream)
     try:
-        launches[1]()
+        launches[1](stream)
     except BaseException:
         scratch.reset_counts()
         raise
     for launch in launches[2:]:
-        launch()
+        launch(stream)
 
 
 # Positions of the top-k tensor among the lookup's and the selection's arguments.

@@ -163,11 +163,11 @@ def run_pair(args: argparse.Namespace, S: int, B: int, cells: list[tuple[float, 
     verify = build(device, K, hot, S, B, args.seq_len, W, growth, kv)
     single = build(device, S * K, hot, 1, B, args.seq_len, W, growth, kv)
     timer = StepTimer(verify.backend, verify.device, queued=True)
-    peer_cache, peer_run, peer_error = None, None, None
+    peer_cache, peer_run, peer_pad, peer_error = None, None, None, None
     if peer is not None:
         peer_cache = build(device, S * K, hot, 1, B, args.seq_len, W, growth, kv)
         try:  # e.g. a union wider than the kernel's shared memory holds: say so, go on
-            peer_run = peer(peer_cache, B, S * K)
+            peer_run, peer_pad = peer(peer_cache, B, S * K)
         except Exception as exc:
             peer_error = f"{type(exc).__name__}: {exc}"
     dev = verify.device
@@ -185,7 +185,8 @@ def run_pair(args: argparse.Namespace, S: int, B: int, cells: list[tuple[float, 
             rows = query_rows(rng, previous, args.seq_len, hot, S, churn, overlap)
             previous = rows[:, 0]
             top_k = torch.from_numpy(rows.astype(np.int32)).to(dev)
-            flat = torch.from_numpy(union_rows(rows)).to(dev)
+            union = union_rows(rows)
+            flat = torch.from_numpy(union).to(dev)
             timed = step >= args.warmup
             verify.begin_decode_step(list(range(B)), num_tokens=S)
             verify.write_newest(0, zeros_v)
@@ -204,16 +205,14 @@ def run_pair(args: argparse.Namespace, S: int, B: int, cells: list[tuple[float, 
                         wrong["single"] += wrong_rows(single, got["single"], flat, truth)
                 single.end_decode_step()
             if peer_run is not None:
-                # SGLang's kernel reads every entry as a position (a -1 would index before its
-                # tables): the union's padding goes in as the newest token, which it serves
-                # from its newest slot with no lookup or copy, the nearest it has to "none".
-                peer_flat = torch.where(flat < 0, args.seq_len - 1, flat)
                 try:
+                    peer_flat = peer_pad(union)
                     kinds["sglang"].call(
                         None, lambda f=peer_flat, p=peer_run: got.update(sglang=p(f)), timed)
                     if step == steps - 1:
-                        wrong["sglang"] += wrong_rows(peer_cache, got["sglang"], flat, truth)
-                except Exception as exc:  # a launch refused at this width
+                        wrong["sglang"] += wrong_rows(peer_cache, got["sglang"], peer_flat,
+                                                      truth)
+                except Exception as exc:  # a launch refused at this width, a row unfilled
                     peer_run, peer_error = None, f"{type(exc).__name__}: {exc}"
         cell: dict[str, Any] = {"S": S, "overlap": overlap, "churn": churn, "B": B,
                                 "wrong_rows": dict(wrong)}
@@ -266,7 +265,24 @@ def sglang_peer(args: argparse.Namespace, record: dict[str, Any]) -> Any:
             kernel(cache.tables, 0, 0, req_slots, flat, num_real, out)
             return out
 
-        return run
+        def pad(union: np.ndarray) -> torch.Tensor:
+            # SGLang's kernel takes exactly U distinct positions: it counts U - hits misses
+            # and copies that many (a -1 or a repeat runs it past its misses, reading garbage
+            # host locations: the fault in results/h200-verification-13.txt). Each union row's
+            # padding is filled with positions its own hot buffer holds and the row lacks,
+            # which it serves as hits: lookups, no copies, the same misses as the union's.
+            held = kernel.peer.buffer_tokens[:, : cache.hot_slots].cpu().numpy()
+            rows = union.copy()
+            for b in range(B):
+                n = int((rows[b] >= 0).sum())
+                spare = np.setdiff1d(held[b][held[b] >= 0], rows[b, :n])
+                if len(spare) < U - n:
+                    raise ValueError(f"row {b}: {len(spare)} resident positions to pad "
+                                     f"{U - n} entries")
+                rows[b, n:] = spare[: U - n]
+            return torch.from_numpy(rows).to(dev)
+
+        return run, pad
 
     return make
 

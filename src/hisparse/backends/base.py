@@ -9,25 +9,25 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from hisparse.backends.features import Feature, FeatureTable, Support
+from hisparse.backends.reference_kernels import (
+    BackupFn,
+    CopyPlannedFn,
+    ReferenceKernelBindings,
+    SwapInFn,
+)
 from hisparse.errors import UnsupportedFeatureError
-from hisparse.kernels.backup_reference import backup_newest_reference
 from hisparse.kernels.swap_in.plan import DeviceTraits
 
-# swap_in(tables, layer, group, req_slots, top_k, num_real, out, plan=None, skip_io=False)
-SwapInFn = Callable[..., None]
-# copy_planned(tables, layer, plan)
-CopyPlannedFn = Callable[..., None]
-# backup(tables, newest_rows, host_rows, num_real)
-BackupFn = Callable[..., None]
+__all__ = ["FEATURE_ENTRY_POINTS", "Backend", "BackupFn", "CopyPlannedFn", "SwapInFn"]
 
 
-class Backend(abc.ABC):
+class Backend(ReferenceKernelBindings, abc.ABC):
     """One device type. Subclasses set the class attributes and implement the hooks."""
 
     name: str  # registry key: "cuda", "rocm", "xpu", "cpu", or an out-of-tree name
@@ -76,30 +76,6 @@ class Backend(abc.ABC):
     def device_has_pdl(self, device: torch.device) -> bool:
         """Beyond the feature table: whether this device and triton have PDL."""
         return False
-
-    def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
-                         out: torch.Tensor, *, plans: Any = None, skip_io: bool = False
-                         ) -> Any:
-        """The engine's swap-in over its tables and batch buffers: the torch reference here;
-        the GPU backends bind the Triton launcher."""
-        from hisparse.kernels.swap_in.reference import ReferenceSwapInLauncher
-
-        return ReferenceSwapInLauncher(tables, req_slots, num_real, out,
-                                       plans=plans, skip_io=skip_io,
-                                       swap_in=self.swap_in_kernel(),
-                                       copy_planned=self.copy_planned_kernel())
-
-    def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
-                       draft_base: torch.Tensor, num_real: torch.Tensor,
-                       union_top_k: torch.Tensor, union_out: torch.Tensor, rows: torch.Tensor,
-                       counters: torch.Tensor, *, table: Callable[[], torch.Tensor]) -> Any:
-        """A verify width's union plan and scatter (`kernels.union_reference`): the torch
-        reference here (it never calls `table`); the GPU backends bind the Triton launcher,
-        which takes the cache's presence table from `table()` (one for every width)."""
-        from hisparse.kernels.union_reference import ReferenceUnionLauncher
-
-        return ReferenceUnionLauncher(tokens, top_k, first, draft_base, num_real, union_top_k,
-                                      union_out, rows, counters)
 
     def runtime_versions(self) -> dict[str, str | None]:
         """Driver and runtime versions the probe reports (e.g. {"cuda_runtime": "12.8"})."""
@@ -216,19 +192,6 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def copy_planned_kernel(self) -> CopyPlannedFn:
         """The copy-only replay of a miss plan."""
-
-    def backup_kernel(self) -> BackupFn:
-        """The copy of every layer's newest rows back to the host at the end of a step."""
-        return backup_newest_reference
-
-    def newest_writer(self, device_kv: torch.Tensor, newest_rows: torch.Tensor,
-                      newest_rows_long: torch.Tensor) -> Callable[[int, torch.Tensor], None]:
-        """`write_newest`'s copy, `writer(layer, rows [B, W] uint8)`, bound to the batch
-        buffers' device rows (`newest_rows` int32, its int64 twin): an `index_copy_` here; the
-        GPU backends bind a Triton launch."""
-        from hisparse.kernels.newest_reference import NewestWriterReference
-
-        return NewestWriterReference(device_kv, newest_rows, newest_rows_long)
 
     # --- the shell -------------------------------------------------------------------------
     def supports(self, feature: Feature) -> bool:

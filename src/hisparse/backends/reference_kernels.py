@@ -1,0 +1,65 @@
+"""The kernel bindings every backend starts from: the torch references.
+
+`Backend` inherits them and the GPU backends (`backends/_accelerator.py`) override each with
+its Triton launcher, so the engine asks one object for every kernel it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hisparse.kernels.backup_reference import backup_newest_reference
+
+# swap_in(tables, layer, group, req_slots, top_k, num_real, out, plan=None, skip_io=False)
+SwapInFn = Callable[..., None]
+# copy_planned(tables, layer, plan)
+CopyPlannedFn = Callable[..., None]
+# backup(tables, newest_rows, host_rows, num_real)
+BackupFn = Callable[..., None]
+
+
+class ReferenceKernelBindings:
+    """The launchers and kernels of the torch reference (a mixin of `Backend`)."""
+
+    swap_in_kernel: Callable[[], SwapInFn]
+    copy_planned_kernel: Callable[[], CopyPlannedFn]
+
+    def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
+                         out: torch.Tensor, *, plans: Any = None, skip_io: bool = False
+                         ) -> Any:
+        """The engine's swap-in over its tables and batch buffers: the torch reference here;
+        the GPU backends bind the Triton launcher."""
+        from hisparse.kernels.swap_in.reference import ReferenceSwapInLauncher
+
+        return ReferenceSwapInLauncher(tables, req_slots, num_real, out,
+                                       plans=plans, skip_io=skip_io,
+                                       swap_in=self.swap_in_kernel(),
+                                       copy_planned=self.copy_planned_kernel())
+
+    def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
+                       draft_base: torch.Tensor, num_real: torch.Tensor,
+                       union_top_k: torch.Tensor, union_out: torch.Tensor, rows: torch.Tensor,
+                       counters: torch.Tensor, *, table: Callable[[], torch.Tensor]) -> Any:
+        """A verify width's union plan and scatter (`kernels.union_reference`): the torch
+        reference here (it never calls `table`); the GPU backends bind the Triton launcher,
+        which takes the cache's presence table from `table()` (one for every width)."""
+        from hisparse.kernels.union_reference import ReferenceUnionLauncher
+
+        return ReferenceUnionLauncher(tokens, top_k, first, draft_base, num_real, union_top_k,
+                                      union_out, rows, counters)
+
+    def backup_kernel(self) -> BackupFn:
+        """The copy of every layer's newest rows back to the host at the end of a step."""
+        return backup_newest_reference
+
+    def newest_writer(self, device_kv: torch.Tensor, newest_rows: torch.Tensor,
+                      newest_rows_long: torch.Tensor) -> Callable[[int, torch.Tensor], None]:
+        """`write_newest`'s copy, `writer(layer, rows [B, W] uint8)`, bound to the batch
+        buffers' device rows (`newest_rows` int32, its int64 twin): an `index_copy_` here; the
+        GPU backends bind a Triton launch."""
+        from hisparse.kernels.newest_reference import NewestWriterReference
+
+        return NewestWriterReference(device_kv, newest_rows, newest_rows_long)

@@ -334,7 +334,7 @@ def test_quickstart_repairs_a_venv_left_without_pip(tmp_path: Path) -> None:
 
 # --- GPU-only entry points without a GPU ----------------------------------------------------
 @NO_CUDA
-@pytest.mark.parametrize("script", ["gpu-check", "gpu-kernel-check"])
+@pytest.mark.parametrize("script", ["gpu-check", "gpu-kernel-check", "gpu-issue-runs"])
 def test_gpu_scripts_refuse_at_once_without_cuda(tmp_path: Path, script: str) -> None:
     # Before, gpu-check ran its stages anyway (a 200 s CPU fuzz among them) and failed after.
     process = subprocess.Popen(

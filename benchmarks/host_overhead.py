@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import cProfile
 import json
-import platform
 import pstats
 import statistics
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 
 import hisparse
+from hisparse.tools.benchmarking import run_environment
 
 CALLS = ("begin_decode_step", "write_newest", "swap_in", "end_decode_step")
 
@@ -226,33 +226,6 @@ def measure(device: str, batches: list[int], churns: list[float], seq_len: int, 
     return {"cells": cells}
 
 
-def environment(device: str) -> dict[str, object]:
-    info: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if torch.cuda.is_available() and device.startswith("cuda"):
-        info["card"] = torch.cuda.get_device_name()
-        info["cuda_runtime"] = torch.version.cuda
-    with contextlib.suppress(Exception):  # versions are context, never a reason to fail
-        info.update(hisparse.get_backend(device).runtime_versions())
-    info["hisparse_commit"] = _git_commit()
-    return info
-
-
-def _git_commit() -> str | None:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _nop_kernel() -> object:
     import triton
     import triton.language as tl
@@ -341,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             argv if argv is not None else sys.argv[1:]),
         "mode": "eager calls (no graph), host wall time per call; device synchronised "
                 "between steps only",
-        "environment": environment(device),
+        "environment": run_environment(device),
         "targets_us": TARGETS_US,
         **measure(device, args.batches, args.churns, args.seq_len, args.warmup, args.steps,
                   args.layers, args.breakdown, args.profile, args.seed),

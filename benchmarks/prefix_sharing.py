@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ import torch
 
 import hisparse
 from hisparse.cli._output import non_negative_int, positive_int
+from hisparse.tools.benchmarking import run_environment
 
 
 def make_cache(args: argparse.Namespace) -> hisparse.HiSparseCache:
@@ -164,20 +164,6 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def environment(device: str) -> dict[str, Any]:
-    try:
-        import triton
-
-        triton_version: str | None = triton.__version__
-    except ImportError:
-        triton_version = None
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "triton": triton_version}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["card"] = torch.cuda.get_device_name()
-    return info
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="backend or device (default: cpu)")
@@ -213,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": "python benchmarks/prefix_sharing.py " + " ".join(
             sys.argv[1:] if argv is None else argv),
-        **environment(args.device),
+        **run_environment(args.device),
         "device": args.device,
         "preset": args.preset, "num_layers": L, "row_bytes": W,
         "extent_tokens": config.extent_tokens, "hot_slots": config.hot_slots

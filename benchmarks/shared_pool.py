@@ -27,15 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hisparse.cli._output import non_negative_int, positive_int
+from hisparse.tools.benchmarking import run_environment
 from hisparse.tools.shared_pool_run import (
     describe_failure,
     fuzz_rank,
@@ -111,20 +109,6 @@ def timing(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     return out
 
 
-def environment(device: str) -> dict[str, Any]:
-    try:
-        import triton
-
-        triton_version: str | None = triton.__version__
-    except ImportError:
-        triton_version = None
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "triton": triton_version, "cpu_count": os.cpu_count()}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["card"] = torch.cuda.get_device_name()
-    return info
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (every rank on it)")
@@ -145,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "command": "python benchmarks/shared_pool.py " + " ".join(
             sys.argv[1:] if argv is None else argv),
-        **environment(args.device), "device": args.device, "groups": {}}
+        **run_environment(args.device), "device": args.device, "groups": {}}
     for ranks in args.ranks:
         entry: dict[str, Any] = {"memory": memory(args, ranks), "timing": timing(args, ranks)}
         if args.fuzz_steps:

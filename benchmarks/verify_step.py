@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 import hisparse
-from hisparse.tools.benchmarking import StepTimer
+from hisparse.tools.benchmarking import StepTimer, run_environment
 
 # A verify swap-in enqueues five launches on the GPU backends since the eighteenth pass (union
 # plan, three swap-in kernels, scatter), ~30 before (the union's torch ops) and still on the
@@ -319,8 +319,7 @@ def main() -> None:
         "benchmark": "SW-2 verify step (benchmarks/verify_step.py)",
         "command": "PYTHONPATH=src python benchmarks/verify_step.py " + " ".join(sys.argv[1:]),
         "device": args.device, "machine": platform.processor() or platform.machine(),
-        "card": (torch.cuda.get_device_name() if args.device.startswith("cuda") else None),
-        "torch": torch.__version__, "triton": _triton_version(), "grid": args.grid,
+        **run_environment(args.device), "grid": args.grid,
         "top_k": args.top_k, "seq_len": args.seq_len, "row_bytes": args.row_bytes,
         "steps": args.steps, "warmup": args.warmup,
         "timing": {"device_us": "median of device events queued behind a device-side sleep "
@@ -344,14 +343,6 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return str(triton.__version__)
 
 
 if __name__ == "__main__":

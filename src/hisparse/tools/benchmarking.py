@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -515,3 +518,28 @@ def copy_only_tables(pool: torch.Tensor, rows: int, device: torch.device) -> Cac
         hot_slots=1,
         extent_tokens=1,
     )
+
+
+def run_environment(device: str) -> dict[str, object]:
+    """What produced a benchmark's numbers, for its JSON: python, torch, triton, cores, the
+    card and its runtime versions, and the commit of the hisparse checkout (where git knows)."""
+    info: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__,
+                               "triton": None, "cpu_count": os.cpu_count()}
+    with contextlib.suppress(ImportError):
+        import triton
+
+        info["triton"] = triton.__version__
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["card"] = torch.cuda.get_device_name()
+        info["cuda_runtime"] = torch.version.cuda
+    with contextlib.suppress(Exception):  # versions are context, never a reason to fail
+        from hisparse.backends.registry import get_backend
+
+        info.update(get_backend(device).runtime_versions())
+    try:
+        info["hisparse_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        info["hisparse_commit"] = None
+    return info

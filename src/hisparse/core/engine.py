@@ -37,7 +37,7 @@ from hisparse.core.validation import (
     check_current_device,
     check_layer,
     check_prefill_rows,
-    is_count,
+    check_request_length,
 )
 from hisparse.core.verify import VerifyContext, VerifyStep, check_num_tokens
 from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
@@ -198,7 +198,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         """
         self._check_open()
         self._requests.check_new(request_id, "admit")
-        self._check_length(num_tokens, "admit")
+        check_request_length(num_tokens, self.max_seq_len, "admit")
         action = f"admit request {request_id!r}"
         shared = self._shared_prefix(prefix, action)
         self._slots.check_free(f"admitting request {request_id!r}")
@@ -221,7 +221,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         """
         self._check_open()
         self._requests.check_new(request_id, "reserve host slots for")
-        self._check_length(num_tokens, "reserve host slots for")
+        check_request_length(num_tokens, self.max_seq_len, "reserve host slots for")
         action = f"reserve host slots for request {request_id!r}"
         shared = self._shared_prefix(prefix, action)
         self._prefixes.check_room(shared, num_tokens, action)
@@ -531,14 +531,6 @@ class HiSparseCache(PrefixSharing, RequestQueries):
             raise RequestStateError(
                 f"cannot {action} request {record.request_id!r} during the decode step it is "
                 "part of; call end_decode_step() first"
-            )
-
-    def _check_length(self, num_tokens: int, action: str) -> None:
-        if not is_count(num_tokens) or not 1 <= num_tokens <= self.max_seq_len:
-            raise InvalidInputError(
-                f"cannot {action} a request of {num_tokens!r} tokens: it must be an int in "
-                f"1..{self.max_seq_len} (max_seq_len); pass the token count as an int, or raise "
-                "max_seq_len for longer requests"
             )
 
     def _check_open(self) -> None:

@@ -191,3 +191,13 @@ def as_batch_ids(request_ids: Sequence[Hashable]) -> list[Hashable]:
             f"{type(request_ids).__name__} {request_ids!r}; wrap a single id in a list"
         )
     return ids
+
+
+def check_request_length(num_tokens: object, max_seq_len: int, action: str) -> None:
+    """A request's token count: an int in 1..max_seq_len."""
+    if not is_count(num_tokens) or not 1 <= num_tokens <= max_seq_len:  # type: ignore[operator]
+        raise InvalidInputError(
+            f"cannot {action} a request of {num_tokens!r} tokens: it must be an int in "
+            f"1..{max_seq_len} (max_seq_len); pass the token count as an int, or raise "
+            "max_seq_len for longer requests"
+        )

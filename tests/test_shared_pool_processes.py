@@ -120,6 +120,25 @@ def test_multi_process_fuzz_is_byte_exact_on_every_rank(pool_name: str) -> None:
     assert counts[0] == counts[1] and counts[0]["checked_rows"] > 10000, (seed, counts)
 
 
+def test_multi_process_fuzz_with_shared_prefixes_is_byte_exact_and_leaks_nothing(
+        pool_name: str) -> None:
+    """The fuzz with prefix sharing on (residency_map: position): retains and releases,
+    admits and PD reservations on a retained prefix or a live request's first tokens, random
+    finish order, preempt/resume, cancel, and decoding requests sent to a private copy of a
+    retained tail's extent. Both ranks read every token's bytes (their origin's, across the
+    prefix), and once everything is released every extent is free again on both."""
+    seed = int(torch.randint(0, 2**31, (1,)))
+    results = run_group(fuzz_rank, ranks_of(pool_name, 2, seed=seed, steps=300,
+                                            overrides=dict(residency_map="position")),
+                        timeout_s=240)
+    assert not describe_failure(results), describe_failure(results)
+    counts = [{k: v for k, v in r.items() if k not in ("rank", "seconds")} for r in results]
+    assert counts[0] == counts[1], (seed, counts)
+    assert counts[0]["mismatches"] == counts[0]["leaked_extents"] == 0, (seed, counts)
+    assert min(counts[0][k] for k in ("retains", "releases", "shared_admits",
+                                      "private_copies")) > 0, (seed, counts)
+
+
 @requires_cuda
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_gpu_fuzz_with_ranks_sharing_one_gpu(pool_name: str, ranks: int) -> None:

@@ -55,6 +55,20 @@ def test_a_reader_reads_the_writers_late_rows_only_through_the_wait(
     assert (stale > 0) if broken else (stale == 0), stale
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["waits", "skip_waits"])
+def test_a_reader_reads_the_writers_prefix_copies_only_through_the_wait(
+        pool_name: str, broken: bool) -> None:
+    """Prefix sharing's host copies (an admit's boundary tail, a decoding request's private
+    copy) are the writer's alone, made once the late backups of their rows have landed: a
+    reader that skips the wait on the writer's published sequence reads both stale."""
+    results = run_group(workers.prefix_ordering_rank, ranks_of(
+        pool_name, 2, delay_s=0.04, skip_waits=broken), timeout_s=120)
+    assert not describe_failure(results), describe_failure(results)
+    stale = results[1]
+    assert (stale["boundary"] > 0 and stale["private"] > 0) if broken else (
+        stale["boundary"] == stale["private"] == 0), stale
+
+
 @pytest.mark.parametrize("victim", [0, 2], ids=["writer", "reader"])
 def test_a_rank_killed_by_sigkill_fails_the_survivors_and_leaks_nothing(
         pool_name: str, victim: int) -> None:

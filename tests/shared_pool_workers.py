@@ -25,8 +25,9 @@ CONFIG = dict(num_layers=2, top_k=4, hot_slots=8, index_group_size=1, max_reques
 PROMPT = 24  # more tokens than hot slots: the previous token is read from the host
 
 
-def _start(name: str, rank: int, ranks: int, backend: Any) -> tuple[HiSparseCache, int]:
-    config = HiSparseConfig.from_preset("tiny", **CONFIG)
+def _start(name: str, rank: int, ranks: int, backend: Any, **overrides: Any
+           ) -> tuple[HiSparseCache, int]:
+    config = HiSparseConfig.from_preset("tiny", **{**CONFIG, **overrides})
     cache = HiSparseCache(config, backend, shared_pool=SharedPoolSpec(
         name, rank, ranks, wait_timeout_s=20.0))
     cache.admit("r", PROMPT)
@@ -35,19 +36,23 @@ def _start(name: str, rank: int, ranks: int, backend: Any) -> tuple[HiSparseCach
     return cache, PROMPT
 
 
-def _step(cache: HiSparseCache, length: int) -> int:
-    """Decode token `length`, asking for token `length - 1` (backed up by the step before):
-    returns how many layers' rows of it were not its bytes."""
-    step = cache.begin_decode_step(["r"])
-    top_k = torch.tensor([[length - 1, -1, -1, -1]], dtype=torch.int32)
+def _step(cache: HiSparseCache, length: int, request: str = "r", seed: int = 1,
+          picks: list[int] | None = None, origin: int = 1) -> int:
+    """Decode token `length` of `request` (KV seed `seed`), asking for tokens `picks`
+    (default: token `length - 1`, backed up by the step before), whose KV has seed
+    `origin`: returns how many of their rows, over the layers, were not their bytes."""
+    step = cache.begin_decode_step([request])
+    picks = picks or [length - 1]
+    top_k = torch.tensor([picks + [-1] * (cache.top_k - len(picks))], dtype=torch.int32)
     stale = 0
     for layer in range(cache.num_layers):
-        step.write_newest(layer, torch.from_numpy(kv_at(np.array([1]), np.array([length]),
+        step.write_newest(layer, torch.from_numpy(kv_at(np.array([seed]), np.array([length]),
                                                         layer, cache.row_bytes)))
         rows = step.swap_in(layer, top_k)
-        got = cache.device_kv(layer)[int(rows[0, 0])]
-        expected = kv_at(np.array(1), np.array(length - 1), layer, cache.row_bytes)
-        stale += not np.array_equal(got.numpy(), expected)
+        for index, position in enumerate(picks):
+            got = cache.device_kv(layer)[int(rows[0, index])]
+            expected = kv_at(np.array(origin), np.array(position), layer, cache.row_bytes)
+            stale += not np.array_equal(got.numpy(), expected)
     step.end()
     return stale
 
@@ -71,6 +76,44 @@ def ordering_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, de
     barrier.wait()
     cache.close()
     return {"rank": rank, "stale": stale}
+
+
+def prefix_ordering_rank(barrier: Any, name: str, rank: int, ranks: int, delay_s: float,
+                         skip_waits: bool = False) -> dict[str, Any]:
+    """The copies prefix sharing makes, against a writer whose backups land `delay_s` late
+    (so its copies of the rows they back up wait for them): rank 1 counts the stale rows it
+    reads of an admit's boundary copy, and of a decoding request's private copy of the
+    extent a retained prefix's tail holds, with or without (`skip_waits`) the read wait."""
+    backend = DelayedBackupBackend(delay_s) if rank == 0 else CpuBackend()
+    cache, length = _start(name, rank, ranks, backend, residency_map="position")
+    cache._shared.skip_read_waits = skip_waits
+    E = cache.extent_tokens
+    _step(cache, length)  # token 24's backup lands late on the writer
+    length += 1
+    barrier.wait()
+    # "s" is the first 25 tokens of "r": 16 shared, rows 16..24 copied by the writer once
+    # the late backup landed; seeding "s" reads them (its hot rows) at once.
+    cache.admit("s", length, prefix=("r", length))
+    cache.commit_prefill("s")
+    boundary = _step(cache, length, "s", 2, picks=[16, 18, 20, 24])
+    barrier.wait()
+    for request in ("r", "s"):
+        cache.finish(request)
+    # "p": 46 tokens, its last extent's rows 32..45 more than the hot slots hold, so that
+    # a swap-in of rows 32..35 reads the host through the page table.
+    cache.admit("p", 46)
+    cache.write_prefill("p", prompt_rows(3, 0, 46, cache.num_layers, cache.row_bytes))
+    cache.commit_prefill("p")
+    _step(cache, 46, "p", 3, origin=3)  # token 46's backup lands late
+    barrier.wait()
+    cache.retain_prefix("p", 47)  # its tail is in p's last extent: p copies before writing
+    before = cache._requests.get("p", "x").extents[-1]
+    private = _step(cache, 47, "p", 3, picks=[2 * E, 2 * E + 1, 2 * E + 2, 2 * E + 3],
+                    origin=3)
+    assert cache._requests.get("p", "x").extents[-1] != before  # the private copy
+    barrier.wait()
+    cache.close()
+    return {"rank": rank, "boundary": boundary if rank else 0, "private": private if rank else 0}
 
 
 def killed_rank(barrier: Any, name: str, rank: int, ranks: int, victim: int) -> dict[str, Any]:

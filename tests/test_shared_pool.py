@@ -206,15 +206,75 @@ def test_exhaustion_is_the_same_on_every_rank_and_changes_nothing(pool_name: str
     on_all(caches, "close")
 
 
-def test_prefix_sharing_is_refused_on_a_shared_pool(pool_name: str) -> None:
-    writer, reader = group(pool_name, 2)
-    writer.admit("a", 40)
-    with pytest.raises(InvalidInputError, match="shared prefixes are not supported on a host "
-                       "pool shared by tensor-parallel ranks"):
-        writer.retain_prefix("a", 32)
-    with pytest.raises(InvalidInputError, match="admit the request without prefix="):
-        writer.admit("b", 50, prefix=("a", 32))
-    assert "b" not in writer._requests
+def test_shared_prefixes_keep_every_rank_byte_exact_and_give_every_extent_back(
+        pool_name: str, rng: torch.Generator) -> None:
+    """Sharing on a shared pool: "b" is admitted on a retained prefix of "a" that ends inside
+    an extent (its tail copied, by the writer only), and "a", decoding on, moves to a private
+    copy of that extent at its next step (again copied by the writer only). Every rank reads
+    every token's bytes, holds the same extents and page table, and gets every extent back."""
+    caches = group(pool_name, 2, residency_map="position")
+    L, W, E = caches[0].num_layers, caches[0].row_bytes, caches[0].extent_tokens
+    kv = {r: random_bytes((L, 64, W), rng) for r in "ab"}
+    on_all(caches, "admit", "a", 40)
+    on_all(caches, "write_prefill", "a", kv["a"][:, :40])
+    on_all(caches, "commit_prefill", "a")
+    handles = on_all(caches, "retain_prefix", "a", 40)  # 40 = 2 extents + an 8-row tail
+    assert handles[0].handle_id == handles[1].handle_id and repr(handles[0]) == repr(handles[1])
+    for cache, handle in zip(caches, handles, strict=True):
+        cache.admit("b", 50, prefix=handle)
+    kv["b"][:, :40] = kv["a"][:, :40]  # b's first 40 tokens are a's
+    on_all(caches, "write_prefill", "b", kv["b"][:, 40:50], start=40)
+    on_all(caches, "commit_prefill", "b")
+    lengths = {"a": 40, "b": 50}
+
+    def step(ids: list[str]) -> None:
+        top_k = torch.stack([torch.randperm(lengths[r] + 1, generator=rng)[:8]
+                             for r in ids]).to(torch.int32)
+        newest = torch.stack([kv[r][:, lengths[r]] for r in ids], dim=1)
+        for rank_rows in decode(caches, ids, newest, top_k):
+            for layer, rows in enumerate(rank_rows):
+                for b, r in enumerate(ids):
+                    assert torch.equal(rows[b], kv[r][layer, top_k[b].long()]), (r, layer)
+        for r in ids:
+            lengths[r] += 1
+
+    tail = caches[0]._requests.get("a", "x").extents[2]  # the extent the handle's tail is in
+    step(["a", "b"])  # a's next token lands in the retained tail's extent: a private copy
+    records = [{r: c._requests.get(r, "x").extents for r in "ab"} for c in caches]
+    assert records[0] == records[1] and records[0]["a"][2] != tail
+    assert [c._pool.holders(tail) for c in caches] == [1, 1]  # the handle's alone now
+    assert torch.equal(caches[0].tables.page_table, caches[1].tables.page_table)
+    assert caches[1].stats().occupancy == caches[0].stats().occupancy
+    for _ in range(3):
+        step(["a", "b"])
+    for cache, handle in zip(caches, handles, strict=True):
+        cache.release_prefix(handle)
+    on_all(caches, "finish", "a")  # b keeps the two extents it shares
+    step(["b"])
+    rows = torch.from_numpy(token_rows(records[1]["b"], E, 0, lengths["b"]))
+    for cache in caches:
+        assert all(torch.equal(cache.host_tensors()[layer][rows], kv["b"][layer, :lengths["b"]])
+                   for layer in range(L))
+    on_all(caches, "finish", "b")
+    assert [c._pool.allocator.free_extents for c in caches] == [c._pool.num_extents
+                                                                 for c in caches]
+    assert caches[0]._shared.seq == caches[1]._shared.seq
+    on_all(caches, "close")
+
+
+def test_a_rank_that_retains_what_the_writer_did_not_fails_the_group(pool_name: str) -> None:
+    writer, reader = group(pool_name, 2, residency_map="position")
+    for cache in (writer, reader):
+        cache.admit("a", 40)
+        cache.write_prefill("a", torch.zeros(cache.num_layers, 40, cache.row_bytes,
+                                             dtype=torch.uint8))
+        cache.commit_prefill("a")
+    writer.retain_prefix("a", 32)
+    with pytest.raises(SharedPoolError, match=r"diverged from rank 0's at operation 4 "
+                       r"\(retain_prefix \('a', 16\)\)"):
+        reader.retain_prefix("a", 16)
+    with pytest.raises(SharedPoolError, match="diverged"):
+        writer.finish("a")
     writer.close()
     reader.close()
 

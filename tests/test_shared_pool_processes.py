@@ -55,6 +55,20 @@ def test_a_reader_reads_the_writers_late_rows_only_through_the_wait(
     assert (stale > 0) if broken else (stale == 0), stale
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["waits", "skip_waits"])
+def test_a_reader_reads_the_writers_prefix_copies_only_through_the_wait(
+        pool_name: str, broken: bool) -> None:
+    """Prefix sharing's host copies (an admit's boundary tail, a decoding request's private
+    copy) are the writer's alone, made once the late backups of their rows have landed: a
+    reader that skips the wait on the writer's published sequence reads both stale."""
+    results = run_group(workers.prefix_ordering_rank, ranks_of(
+        pool_name, 2, delay_s=0.04, skip_waits=broken), timeout_s=120)
+    assert not describe_failure(results), describe_failure(results)
+    stale = results[1]
+    assert (stale["boundary"] > 0 and stale["private"] > 0) if broken else (
+        stale["boundary"] == stale["private"] == 0), stale
+
+
 @pytest.mark.parametrize("victim", [0, 2], ids=["writer", "reader"])
 def test_a_rank_killed_by_sigkill_fails_the_survivors_and_leaks_nothing(
         pool_name: str, victim: int) -> None:
@@ -118,6 +132,25 @@ def test_multi_process_fuzz_is_byte_exact_on_every_rank(pool_name: str) -> None:
     assert results[0]["mismatches"] == results[1]["mismatches"] == 0, (seed, results)
     counts = [{k: v for k, v in r.items() if k not in ("rank", "seconds")} for r in results]
     assert counts[0] == counts[1] and counts[0]["checked_rows"] > 10000, (seed, counts)
+
+
+def test_multi_process_fuzz_with_shared_prefixes_is_byte_exact_and_leaks_nothing(
+        pool_name: str) -> None:
+    """The fuzz with prefix sharing on (residency_map: position): retains and releases,
+    admits and PD reservations on a retained prefix or a live request's first tokens, random
+    finish order, preempt/resume, cancel, and decoding requests sent to a private copy of a
+    retained tail's extent. Both ranks read every token's bytes (their origin's, across the
+    prefix), and once everything is released every extent is free again on both."""
+    seed = int(torch.randint(0, 2**31, (1,)))
+    results = run_group(fuzz_rank, ranks_of(pool_name, 2, seed=seed, steps=300,
+                                            overrides=dict(residency_map="position")),
+                        timeout_s=240)
+    assert not describe_failure(results), describe_failure(results)
+    counts = [{k: v for k, v in r.items() if k not in ("rank", "seconds")} for r in results]
+    assert counts[0] == counts[1], (seed, counts)
+    assert counts[0]["mismatches"] == counts[0]["leaked_extents"] == 0, (seed, counts)
+    assert min(counts[0][k] for k in ("retains", "releases", "shared_admits",
+                                      "private_copies")) > 0, (seed, counts)
 
 
 @requires_cuda

@@ -9,15 +9,16 @@ calls delegate to the open one.
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 
 from hisparse.backends.base import Backend
 from hisparse.core.host_pool import HostReservation
+from hisparse.core.operations import bookkeeping as _bookkeeping
+from hisparse.core.operations import operation as _operation
 from hisparse.core.prefixes import PrefixRegistry
 from hisparse.core.requests import (
     PromptCoverage,
@@ -44,52 +45,6 @@ from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
 
 LIVE = (RequestState.RESERVED, RequestState.PREFILLING, RequestState.RUNNING,
         RequestState.PREEMPTED)
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _bookkeeping(
-    method: Callable[Concatenate[HiSparseCache, _P], _R],
-) -> Callable[Concatenate[HiSparseCache, _P], _R]:
-    """Run a call under the cache's bookkeeping lock.
-
-    A scheduler thread may admit, finish, preempt and read statistics while the model thread
-    decodes (docs/reliability.md). Every call that reads or changes request records, the pool
-    allocator or the step state takes the lock; the per-layer `write_newest` and `swap_in`
-    do not: they touch only the open step's own slots and rows, which no locked call may
-    change while the step is open.
-    """
-
-    @functools.wraps(method)
-    def locked(self: HiSparseCache, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return locked
-
-
-def _operation(
-    method: Callable[Concatenate[HiSparseCache, _P], _R],
-) -> Callable[Concatenate[HiSparseCache, _P], _R]:
-    """A `_bookkeeping` call that is also one operation of a shared host pool
-    (core/shared_pool.py): refused once the pool failed, and hashed with its request id once
-    it succeeds with its arguments, so that the ranks can check that they made the same
-    calls."""
-    name = method.__name__.lstrip("_")
-
-    @functools.wraps(method)
-    def counted(self: HiSparseCache, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with self._lock:
-            shared = self._shared
-            if shared is None:
-                return method(self, *args, **kwargs)
-            shared.begin_op()
-            result = method(self, *args, **kwargs)
-            shared.end_op(name, (*args, *kwargs.items()))
-            return result
-
-    return counted
 
 
 class HiSparseCache(PrefixSharing, RequestQueries):

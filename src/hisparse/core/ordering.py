@@ -67,8 +67,9 @@ class NewestBackup:
     On its side stream it starts after step n's last `write_newest` (`written`). The next
     step's upload of the batch buffers, and the seeding of a slot whose newest row it may
     still be copying, `wait()` for it (`done`); the host, before it rewrites host rows,
-    through `HostRowGuard` (a copy in flight: a full device sync). Without a stream the
-    backup runs in order on the compute stream and needs no barrier.
+    through `HostRowGuard` (a copy in flight: a full device sync, with a stream or without).
+    Without a stream the backup runs in order on the compute stream and needs no device
+    barrier.
     """
 
     def __init__(self, backend: Backend, device: torch.device, stream: Any | None,
@@ -87,12 +88,15 @@ class NewestBackup:
         """Run `launch` (the backup kernel) after the step's writes, on the side stream."""
         if self.stream is None:
             launch()
-            return
-        self._written.mark()
-        with self._backend.stream_scope(self.stream):
-            self._written.wait()
-            launch()
-            self._done.mark()
+        else:
+            self._written.mark()
+            with self._backend.stream_scope(self.stream):
+                self._written.wait()
+                launch()
+                self._done.mark()
+        # On the compute stream too the kernel writes host rows after the host has moved on:
+        # the host's own copies of host rows (a shared prefix's boundary or private copy)
+        # must wait for it (a device sync; a no-op on the CPU backend).
         self._host_rows.note_copies_in_flight()
 
     def wait(self) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,7 +53,9 @@ class PrefixHandle:
     handle_id: int
     num_tokens: int
     source: Hashable  # the request its rows were first retained from (for logs)
-    cache_id: int  # the PrefixRegistry (one per cache) that holds it
+    # The PrefixRegistry (one per cache) that holds it. Left out of the repr, which a shared
+    # pool hashes as the call's arguments: the ranks' caches have ids of their own.
+    cache_id: int = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -276,11 +278,13 @@ class PrefixRegistry:
             raise
         return extent
 
-    def moved(self, record: RequestRecord, extent: int) -> None:
-        """The record's last extent is now `extent` (its private copy)."""
+    def moved(self, record: RequestRecord, extent: int) -> list[int]:
+        """The record's last extent is now `extent` (its private copy); returns the extents
+        freed (none while the retained prefix still holds the old one, as it does)."""
         old, record.extents[-1] = record.extents[-1], extent
-        self.pool.release([old])  # the retained prefix keeps it
+        freed = self.pool.release([old])
         self.writers.pop(id(record), None)
+        return freed
 
     # --- statistics -----------------------------------------------------------------------
     def usage(self, records: Iterable[RequestRecord]) -> HostUsage:
@@ -313,7 +317,13 @@ class PrefixRegistry:
 
 
 def copy_rows(pool: HostPool, source: int, target: int, count: int) -> None:
-    """Copy the first `count` rows of extent `source` into extent `target`, every layer."""
+    """Copy the first `count` rows of extent `source` into extent `target`, every layer.
+
+    Host to host, so done when this returns. On a shared pool's reader, nothing: the writer
+    rank copies the same rows in the same operation (the ranks' extents are the same), and
+    the reader waits for its publication before reading them."""
+    if not pool.writes_rows:
+        return
     E = pool.extent_tokens
     for layer in pool.layers:
         layer[target * E : target * E + count].copy_(layer[source * E : source * E + count])

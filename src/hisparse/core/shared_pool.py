@@ -11,16 +11,19 @@ own device hot buffers, tables and allocator; the rules that make that safe:
   the call, its request id and its allocator's decisions, and publishes it. The writer
   compares every reader's hash at every operation, each reader the writer's: whichever
   reaches operation k second compares, and a mismatch fails the pool for every rank.
-- **One writer.** Only `writer_rank` writes host rows (prefill, the newest-token backup; a
-  PD transfer engine writes only the writer's reservation). The writer publishes
+- **One writer.** Only `writer_rank` writes host rows (prefill, the newest-token backup, a
+  shared prefix's boundary and private copies (core/sharing.py); a PD transfer engine writes
+  only the writer's reservation). The writer publishes
   `written_through = k` once operation k's writes are complete (after a host wait on the
   event of its asynchronous copies, on a publisher thread). A reader, before an operation
   that reads host rows (seeding, a decode step, a cancel), waits until `written_through`
-  covers every operation before it (`complete_transfer`: that operation too).
-- **No write into rows still read.** A reader that frees rows (finish, abort, a cancel that
-  returns an extent) first waits on the host for its last step's end, then publishes
-  `reads_done`; the writer writes rows again only once every reader's `reads_done` covers
-  the operation that freed them.
+  covers every operation before it (`complete_transfer`, and a decode step that moved a
+  request to a private copy: that operation too).
+- **No write into rows still read.** An extent several holders share is freed by its last
+  holder only, on every rank alike. A reader that frees rows (finish, abort,
+  `release_prefix`, a cancel that returns an extent) first waits on the host for its last
+  step's end, then publishes `reads_done`; the writer writes rows again only once every
+  reader's `reads_done` covers the operation that freed them.
 - **Faults.** Every wait checks that the ranks it waits for are alive (and every operation
   checks all ranks at most every `LIVENESS_PERIOD_S`); a dead rank, a divergence or a
   timeout marks the pool failed, and every rank's next operation raises SharedPoolError.

@@ -3,6 +3,17 @@
 A mixin of the cache, so that its lifecycle class keeps one job: these methods use the
 cache's request table, prefix registry (`core.prefixes`), host pool, tables and barriers, and
 take its bookkeeping lock like every other call that changes request records.
+
+On a host pool the tensor-parallel ranks share (core/shared_pool.py) every call here is a
+counted, hashed operation like `admit` or `finish`: the ranks retain, release and copy in
+the same order, so their holder counts, allocators and page tables stay identical, and a
+rank that retains or releases what the writer did not fails the group. The host rows that
+sharing copies (an admit's boundary tail, a decoding request's private copy of the extent a
+retained prefix's tail holds) are written by the writer rank only, inside the operation that
+takes the copy's extent, after its source rows' own copies have landed (`drain`); a reader
+reads them only once the writer published that operation (`before_read`). Rows a release
+frees take the same path as a finish's (`note_rows_recycled`): the writer rewrites them only
+after every reader's `reads_done`.
 """
 
 from __future__ import annotations
@@ -10,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
+from hisparse.core.operations import operation
 from hisparse.core.prefixes import PrefixHandle, PrefixRows
-from hisparse.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from hisparse.core.requests import RequestRecord
@@ -23,6 +34,7 @@ Prefix = PrefixHandle | tuple[Hashable, int] | None
 class PrefixSharing:
     """Retain and release prefixes; resolve an admit's prefix; keep shared rows unwritten."""
 
+    @operation
     def retain_prefix(self, source: Hashable | PrefixHandle, num_tokens: int) -> PrefixHandle:
         """Keep the host rows of the first `num_tokens` tokens of `source` (a running or
         preempted request's id, or a `PrefixHandle` to cut a shorter one from) for requests
@@ -30,34 +42,25 @@ class PrefixSharing:
         request that goes on decoding gets a private copy of an extent it shares with the
         handle's tail at its next step (none if the handle is released or the request ends
         first, as when a prefix cache retains a finishing request's tokens). Needs
-        `residency_map: position` (docs/integration.md)."""
-        with self._lock:
-            self._check_open()
-            self._refuse_on_shared_pool("retain a prefix")
-            return self._prefixes.retain(source, num_tokens, self._requests, self._in_step)
+        `residency_map: position` (docs/integration.md). On a shared pool every rank makes
+        the same call and gets a handle of the same number."""
+        self._check_open()
+        return self._prefixes.retain(source, num_tokens, self._requests, self._in_step)
 
+    @operation
     def release_prefix(self, handle: PrefixHandle) -> None:
         """Give back a retained prefix; requests admitted on it keep their rows. Raises
         InvalidInputError for anything but a handle this cache retains (RequestStateError
         for a second release), changing nothing."""
-        with self._lock:
-            self._check_open()
-            if self._prefixes.release(handle):
-                self._order.host_rows.note_rows_recycled()  # a step in flight may read them
+        self._check_open()
+        if self._prefixes.release(handle):
+            # A step in flight may read the rows freed; on a shared pool, any rank's step.
+            self._order.host_rows.note_rows_recycled()
 
     def _shared_prefix(self, prefix: Prefix, action: str) -> PrefixRows | None:
         if prefix is None:
             return None
-        self._refuse_on_shared_pool(action)
         return self._prefixes.resolve(prefix, self._requests, self._in_step, action)
-
-    def _refuse_on_shared_pool(self, action: str) -> None:
-        if self._shared is not None:
-            raise InvalidInputError(
-                f"cannot {action}: shared prefixes are not supported on a host pool shared by "
-                "tensor-parallel ranks yet (their boundary-row copies would need the same "
-                "one-writer ordering); admit the request without prefix=, or use a private "
-                "pool (no shared_pool=) where prefix sharing matters more")
 
     def _in_step(self, record: RequestRecord) -> bool:
         step = self._step
@@ -76,12 +79,18 @@ class PrefixSharing:
         self._pool.check_free(need + len(writers))
         for record in writers:
             self._give_private_tail(record)
+        if self._shared is not None:
+            # The writer copied the rows in this very operation (a reader copied none): this
+            # step's swap-ins read the copies only once the writer published it.
+            self._shared.before_read(current=True)
 
     def _give_private_tail(self, record: RequestRecord) -> None:
         """Move a request whose next tokens would land in an extent a retained prefix holds
         to a copy of that extent (its rows written so far), on the host and in its page
         table, so that no shared row is ever written."""
-        self._order.host_rows.drain()  # the copied rows' last backup may still be landing
+        # The copied rows' last backup may still be landing, and the new extent's rows (freed
+        # by a finish) may still be read by a step in flight: on a shared pool, any rank's.
+        self._order.host_rows.drain()
         extent = self._prefixes.private_copy(record)
         if record.slot is not None:
             try:
@@ -91,6 +100,6 @@ class PrefixSharing:
             except BaseException:
                 self._pool.release([extent])
                 raise
-        self._prefixes.moved(record, extent)
-
+        if self._prefixes.moved(record, extent):  # (the retained prefix still holds it)
+            self._order.host_rows.note_rows_recycled()
 

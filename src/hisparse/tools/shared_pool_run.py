@@ -115,19 +115,57 @@ def _cache(name: str | None, rank: int, ranks: int, device: str,
 
 
 # --- the fuzz -------------------------------------------------------------------------------
+# Where a request's (or a retained prefix's) KV comes from: `(end, seed)` runs in order,
+# token `p` being the row of `seed` for the first run with `p < end`. A request admitted on
+# an n-token prefix has its source's runs cut at n, then its own seed to the end.
+Origin = tuple[tuple[int, int], ...]
+_NO_END = 1 << 40
+
+
+def seeds_at(origin: Origin, positions: np.ndarray) -> np.ndarray:
+    """The KV seed of each of `positions` (any shape) of a holder of `origin`."""
+    ends = np.array([end for end, _ in origin], dtype=np.int64)
+    seeds = np.array([seed for _, seed in origin], dtype=np.int64)
+    return seeds[np.searchsorted(ends, positions, side="right")]
+
+
+def cut(origin: Origin, num_tokens: int) -> Origin:
+    """The runs of the first `num_tokens` tokens."""
+    kept, start = [], 0
+    for end, seed in origin:
+        if start >= num_tokens:
+            break
+        kept.append((min(end, num_tokens), seed))
+        start = end
+    return tuple(kept)
+
+
 class FuzzRank:
-    """One rank's run of the seeded schedule, checking every row it reads."""
+    """One rank's run of the seeded schedule, checking every row it reads.
+
+    With `residency_map: position` it shares prefixes too (`retain_prefix`, `release_prefix`,
+    `admit` and `reserve_host_slots` on a retained prefix or on a live request's first
+    tokens); a retained prefix that ends inside a running request's last extent sends that
+    request to a private copy at its next decode step (counted as `private_copies`)."""
+
+    MAX_HANDLES = 4  # retained at once: the tight pool must still admit
 
     def __init__(self, cache: Any, seed: int, writer: bool) -> None:
         self.cache, self.writer = cache, writer
         self.rng = random.Random(seed)
         self.L, self.W = cache.num_layers, cache.row_bytes
-        self.seeds: dict[int, int] = {}  # request id -> its KV seed
+        self.sharing = cache.config.residency_map == "position"
+        self.seeds: dict[int, int] = {}  # request id -> its own KV seed
+        self.origin: dict[int, Origin] = {}  # request id -> where each token's KV comes from
         self.length: dict[int, int] = {}  # tokens so far
         self.state: dict[int, str] = {}  # running / preempted / reserved
+        self.handles: list[tuple[Any, Origin]] = []  # retained prefixes, oldest first
         self.next_id = 0
         self.counts = dict(steps=0, cancels=0, checked_rows=0, mismatches=0, admits=0, pd=0,
                            finishes=0, aborts=0, preempts=0, resumes=0, exhausted=0)
+        if self.sharing:
+            self.counts.update(retains=0, releases=0, shared_admits=0, private_copies=0,
+                               leaked_extents=0)
 
     def ids(self, state: str) -> list[int]:
         return [r for r, s in self.state.items() if s == state]
@@ -135,6 +173,8 @@ class FuzzRank:
     def run(self, steps: int) -> dict[str, Any]:
         actions = [(self.admit, 3), (self.pd, 2), (self.finish, 1), (self.abort, 1),
                    (self.preempt, 1), (self.resume, 2), (self.decode, 12)]
+        if self.sharing:
+            actions += [(self.retain, 2), (self.release, 1)]
         while self.counts["steps"] < steps:
             action = self.rng.choices([a for a, _ in actions], [w for _, w in actions])[0]
             try:
@@ -142,58 +182,120 @@ class FuzzRank:
             except PoolExhaustedError:
                 self.counts["exhausted"] += 1  # the same on every rank: nothing changed
         self.check_host_rows()
+        if self.sharing:
+            self.give_everything_back()
         return self.counts
 
-    def _new(self, tokens: int) -> int:
+    def _new(self, tokens: int, prefix: tuple[Any, int, Origin] | None = None) -> int:
         request = self.next_id
         self.next_id += 1
-        self.seeds[request] = self.rng.getrandbits(40)
+        seed = self.seeds[request] = self.rng.getrandbits(40)
+        self.origin[request] = (prefix[2] if prefix else ()) + ((_NO_END, seed),)
         self.length[request] = tokens
         return request
 
     def _forget(self, request: int) -> None:
-        for table in (self.seeds, self.length, self.state):
+        for table in (self.seeds, self.origin, self.length, self.state):
             table.pop(request, None)
 
+    def _prefix(self) -> tuple[Any, int, Origin] | None:
+        """Half the time (when sharing): `(prefix=, its tokens, its origin)` of a retained
+        prefix or of the first tokens of a running or preempted request."""
+        sources = self.ids("running") + self.ids("preempted")
+        if not self.sharing or self.rng.random() < 0.5 or not (sources or self.handles):
+            return None
+        if self.handles and (not sources or self.rng.random() < 0.5):
+            handle, origin = self.rng.choice(self.handles)
+            return handle, handle.num_tokens, origin
+        source = self.rng.choice(sources)
+        tokens = self.rng.randint(1, self.length[source])
+        return (source, tokens), tokens, cut(self.origin[source], tokens)
+
+    def _new_length(self, prefix: tuple[Any, int, Origin] | None) -> int:
+        first = prefix[1] if prefix else 0
+        return min(self.cache.max_seq_len, first + self.rng.randint(0 if first else 1, 48))
+
     def admit(self) -> None:
-        tokens = self.rng.randint(1, 64)
-        request = self._new(tokens)
+        prefix = self._prefix()
+        tokens = self._new_length(prefix)
+        request = self._new(tokens, prefix)
         try:
-            self.cache.admit(request, tokens)
+            self.cache.admit(request, tokens, prefix=prefix[0] if prefix else None)
         except PoolExhaustedError:
             self._forget(request)
             raise
-        rows = prompt_rows(self.seeds[request], 0, tokens, self.L, self.W)
-        split = self.rng.randint(0, tokens)  # in two calls, as a chunked prefill writes
+        first = prefix[1] if prefix else 0  # the prefix's rows are in the pool already
+        rows = prompt_rows(self.seeds[request], first, tokens, self.L, self.W)
+        split = self.rng.randint(first, tokens)  # in two calls, as a chunked prefill writes
         # From the device, as a prefill's KV comes (on CPU that is the host).
         rows = rows.to(self.cache.device)
-        if split:
-            self.cache.write_prefill(request, rows[:, :split], start=0)
+        if split > first:
+            self.cache.write_prefill(request, rows[:, : split - first], start=first)
         if split < tokens:
-            self.cache.write_prefill(request, rows[:, split:], start=split)
+            self.cache.write_prefill(request, rows[:, split - first:], start=split)
         self.cache.commit_prefill(request)
         self.state[request] = "running"
         self.counts["admits"] += 1
+        if prefix:
+            self.counts["shared_admits"] += 1
 
     def pd(self) -> None:
         """A PD transfer: every rank reserves the rows; the transfer engine writes only the
         writer's reservation; every rank then completes."""
-        tokens = self.rng.randint(1, 64)
-        request = self._new(tokens)
+        prefix = self._prefix()
+        tokens = self._new_length(prefix)
+        request = self._new(tokens, prefix)
         try:
-            reservation = self.cache.reserve_host_slots(request, tokens)
+            reservation = self.cache.reserve_host_slots(
+                request, tokens, prefix=prefix[0] if prefix else None)
         except PoolExhaustedError:
             self._forget(request)
             raise
         self.state[request] = "reserved"
         if self.writer:
-            rows = prompt_rows(self.seeds[request], 0, tokens, self.L, self.W)
+            rows = prompt_rows(self.seeds[request], reservation.prefix_tokens, tokens, self.L,
+                               self.W)
             index = torch.from_numpy(reservation.rows)
             for layer, host in enumerate(reservation.host_tensors):
                 host[index] = rows[layer]
         self.cache.complete_transfer(request)  # no free slot: it stays reserved
         self.state[request] = "running"
         self.counts["pd"] += 1
+
+    def retain(self) -> None:
+        sources = self.ids("running") + self.ids("preempted")
+        if len(self.handles) >= self.MAX_HANDLES or not (sources or self.handles):
+            return
+        if self.handles and (not sources or self.rng.random() < 0.3):  # cut a shorter one
+            handle, origin = self.rng.choice(self.handles)
+            tokens = self.rng.randint(1, handle.num_tokens)
+            self.handles.append((self.cache.retain_prefix(handle, tokens), cut(origin, tokens)))
+        else:  # often the whole request: it decodes into the retained tail's extent next
+            source = self.rng.choice(sources)
+            length = self.length[source]
+            tokens = length if self.rng.random() < 0.5 else self.rng.randint(1, length)
+            self.handles.append((self.cache.retain_prefix(source, tokens),
+                                 cut(self.origin[source], tokens)))
+        self.counts["retains"] += 1
+
+    def release(self) -> None:
+        if self.handles:
+            handle, _ = self.handles.pop(self.rng.randrange(len(self.handles)))
+            self.cache.release_prefix(handle)
+            self.counts["releases"] += 1
+
+    def give_everything_back(self) -> None:
+        """Release every prefix and end every request, in random order: the pool is full
+        again (an extent not given back, or given back twice, shows here or raises)."""
+        ends = [("release", h) for h, _ in self.handles] + [("abort", r) for r in self.state]
+        self.rng.shuffle(ends)
+        for call, what in ends:
+            (self.cache.release_prefix if call == "release" else self.cache.abort)(what)
+        self.handles = []
+        for request in list(self.state):
+            self._forget(request)
+        pool = self.cache._pool
+        self.counts["leaked_extents"] += pool.num_extents - pool.allocator.free_extents
 
     def finish(self) -> None:
         done = self.ids("running") + self.ids("preempted")
@@ -238,9 +340,13 @@ class FuzzRank:
         if not running:
             return
         batch = self.rng.sample(running, self.rng.randint(1, len(running)))
+        if self.sharing:  # (requests the step is about to move to a private copy)
+            writers = self.cache._prefixes.writers
+            self.counts["private_copies"] += sum(
+                id(self.cache._requests.get(r, "x")) in writers for r in batch)
         step = self.cache.begin_decode_step(batch)
         positions = np.array([self.length[r] for r in batch])
-        seeds = np.array([self.seeds[r] for r in batch])
+        seeds = np.array([self.seeds[r] for r in batch])  # a new token is the request's own
         K = self.cache.top_k
         top_k = np.full((len(batch), K), -1, dtype=np.int64)
         for b, position in enumerate(positions):
@@ -252,7 +358,7 @@ class FuzzRank:
             step.write_newest(layer, torch.from_numpy(kv_at(seeds, positions, layer,
                                                             self.W)).to(device))
             rows = step.swap_in(layer, top)
-            self.check(layer, rows, top_k, seeds)
+            self.check(layer, rows, top_k, batch)
         if self.rng.random() < 0.1:
             step.cancel()
             self.counts["cancels"] += 1
@@ -262,29 +368,37 @@ class FuzzRank:
                 self.length[request] += 1
         self.counts["steps"] += 1
 
-    def check(self, layer: int, rows: torch.Tensor, top_k: np.ndarray, seeds: np.ndarray
+    def check(self, layer: int, rows: torch.Tensor, top_k: np.ndarray, batch: list[int]
               ) -> None:
         """Every row swap_in returned holds the bytes of the token asked for, exactly."""
         valid = top_k >= 0
         device_rows = rows.cpu().numpy().astype(np.int64)
         got = self.cache.device_kv(layer).cpu().numpy()[np.where(valid, device_rows, 0)]
-        expected = kv_at(np.broadcast_to(seeds[:, None], top_k.shape), np.where(valid, top_k, 0),
-                         layer, self.W)
+        picked = np.where(valid, top_k, 0)
+        seeds = np.stack([seeds_at(self.origin[r], picked[b]) for b, r in enumerate(batch)])
+        expected = kv_at(seeds, picked, layer, self.W)
         wrong = valid & ((device_rows < 0) | (got != expected).any(axis=-1))
         self.counts["checked_rows"] += int(valid.sum())
         self.counts["mismatches"] += int(wrong.sum())
 
     def check_host_rows(self) -> None:
-        """At the end: every live request's rows in the host pool, once the writer's copies
-        of every operation so far have landed."""
+        """At the end: every live request's and retained prefix's rows in the host pool,
+        once the writer's copies of every operation so far have landed."""
         shared = self.cache._shared
         if shared is not None:
             shared.before_read()
         host = self.cache.host_tensors()
-        for request, length in self.length.items():
-            record = self.cache._requests.get(request, "check")
-            rows = token_rows(record.extents, self.cache.extent_tokens, 0, length)
-            expected = prompt_rows(self.seeds[request], 0, length, self.L, self.W)
+        holders = [(self.cache._requests.get(r, "check").extents, n, self.origin[r])
+                   for r, n in self.length.items()]
+        retained = self.cache._prefixes._retained
+        holders += [(retained[h.handle_id][1].extents, h.num_tokens, origin)
+                    for h, origin in self.handles]
+        for extents, length, origin in holders:
+            rows = token_rows(extents, self.cache.extent_tokens, 0, length)
+            positions = np.arange(length)
+            expected = torch.from_numpy(np.stack([
+                kv_at(seeds_at(origin, positions), positions, layer, self.W)
+                for layer in range(self.L)]))
             for layer in range(self.L):
                 wrong = (host[layer][torch.from_numpy(rows)] != expected[layer]).any(dim=-1)
                 self.counts["checked_rows"] += length

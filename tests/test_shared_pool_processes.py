@@ -154,12 +154,18 @@ def test_multi_process_fuzz_with_shared_prefixes_is_byte_exact_and_leaks_nothing
 
 
 @requires_cuda
+@pytest.mark.parametrize("residency_map", ["host_row", "position"])  # position: with sharing
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_gpu_fuzz_with_ranks_sharing_one_gpu(pool_name: str, ranks: int) -> None:
+def test_gpu_fuzz_with_ranks_sharing_one_gpu(pool_name: str, ranks: int,
+                                             residency_map: str) -> None:
     results = run_group(fuzz_rank, ranks_of(pool_name, ranks, seed=ranks, steps=2500,
-                                            device="cuda"), timeout_s=580)
+                                            device="cuda",
+                                            overrides=dict(residency_map=residency_map)),
+                        timeout_s=580)
     assert not describe_failure(results), describe_failure(results)
     assert all(r["mismatches"] == 0 and r["steps"] == 2500 for r in results), results
+    if residency_map == "position":
+        assert all(r["leaked_extents"] == 0 and r["shared_admits"] > 0 for r in results), results
 
 
 @requires_cuda

@@ -53,7 +53,16 @@ class WideVerifyTrace(verify.VerifyTrace):
 
 
 def test_verify_steps_through_the_triton_launcher_match_the_oracle(
-        interpreted: InterpretedTritonCpu, monkeypatch: pytest.MonkeyPatch) -> None:
+        interpreted: InterpretedTritonCpu) -> None:
+    run_state_machine_as_test(lambda: WideVerifyTrace(interpreted), settings=settings(
+        max_examples=EXAMPLES, stateful_step_count=10, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+def test_a_wide_union_runs_through_the_triton_launcher_and_returns_every_row(
+        interpreted: InterpretedTritonCpu, monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    # The fuzz above draws its first (simplest) examples with single-token steps, so a run of
+    # a few examples may never build a union: this one always does (S = 4, K = 16: U = 64).
     widths: set[int] = set()
     real = swap_in_triton.SwapInLauncher.swap_in
 
@@ -62,11 +71,25 @@ def test_verify_steps_through_the_triton_launcher_match_the_oracle(
         real(self, layer, group, rows, top_k)
 
     monkeypatch.setattr(swap_in_triton.SwapInLauncher, "swap_in", recording)
-    run_state_machine_as_test(lambda: WideVerifyTrace(interpreted), settings=settings(
-        max_examples=EXAMPLES, stateful_step_count=10, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
-    # The Triton launcher ran, and on unions wider than one top-k row.
-    assert widths and max(widths) > min(K for _, K, *_ in SHAPES), widths
+    cache = verify.build_cache(64, 16, 8, 1, 4, True, "position", num_layers=1,
+                               device=interpreted)
+    gen = torch.Generator().manual_seed(seed)
+    T, S, W = 90, 4, cache.row_bytes
+    prompt = torch.randint(0, 256, (1, T, W), dtype=torch.uint8, generator=gen)
+    cache.admit("r", T)
+    cache.write_prefill("r", prompt)
+    cache.commit_prefill("r")
+    drafts = torch.randint(0, 256, (1, S, W), dtype=torch.uint8, generator=gen)
+    step = cache.begin_decode_step(["r"], num_tokens=S)
+    cache.write_newest(0, drafts)
+    own = torch.tensor(step.positions[0])[:, None]  # [S, 1]: token s selects up to its own
+    top_k = (torch.rand(S, 16, generator=gen) * (own + 1)).long().to(torch.int32)[None]
+    rows = cache.swap_in(0, top_k)
+    every = torch.cat([prompt[0], drafts[0]])
+    assert torch.equal(cache.device_kv(0)[rows[0].long()], every[top_k[0].long()])
+    step.end()
+    cache.close()
+    assert max(widths) == S * 16, widths
 
 
 def test_attention_over_verify_rows_through_the_triton_launcher(

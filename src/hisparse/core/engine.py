@@ -145,7 +145,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self.slots_per_request = H + D
         self.max_requests = config.max_requests
         self.batch_capacity = config.max_batch or config.max_requests
-        self.extent_tokens = config.extent_tokens
+        self.extent_tokens = E = config.extent_tokens
         self.max_seq_len = config.max_seq_len
         self.index_group_size = config.index_group_size
         self.num_groups = -(-L // config.index_group_size)
@@ -156,7 +156,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         with backend.device_scope(self.device):
             self._lock = threading.RLock()
             self._requests = RequestTable()
-            self._slots = SlotAllocator(config.max_requests)
+            self._slots = SlotAllocator(config.max_requests, -(-self.max_seq_len // E))
             self._traffic = TrafficCounters(L)
             self._last_step: DecodeStep | None = None  # the open step, or the last one
             self._closed = False
@@ -175,7 +175,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self.tables = build_tables(self.config, self.backend, self._pool, self.device,
                                    self.num_groups, self.hot_slots)
         self._decode = DecodeContext.build(self.config, self.backend, self.device, self.tables,
-                                           self._pool, self._traffic, self._lock)
+                                           self._pool, self._traffic, self._lock, self._slots)
         self._order = self._decode.order
         self._decode.shared = self._order.host_rows.shared = self._shared
         self._verify = VerifyContext.build(self.config, self.backend, self._decode)
@@ -198,7 +198,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         """
         self._check_open()
         self._requests.check_new(request_id, "admit")
-        self._check_length(num_tokens, "admit")
+        _check_length(num_tokens, self.max_seq_len, "admit")
         action = f"admit request {request_id!r}"
         shared = self._shared_prefix(prefix, action)
         self._slots.check_free(f"admitting request {request_id!r}")
@@ -206,8 +206,8 @@ class HiSparseCache(PrefixSharing, RequestQueries):
                                                  action)
         first = shared.num_tokens if shared else 0
         record = RequestRecord(request_id, RequestState.PREFILLING, num_tokens, num_tokens,
-                               extents, self._slots.take(),
-                               PromptCoverage(self.num_layers, num_tokens, first), first)
+                               extents, PromptCoverage(self.num_layers, num_tokens, first), first)
+        self._slots.take(record)
         self._requests.add(record)
 
     @_operation
@@ -221,7 +221,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         """
         self._check_open()
         self._requests.check_new(request_id, "reserve host slots for")
-        self._check_length(num_tokens, "reserve host slots for")
+        _check_length(num_tokens, self.max_seq_len, "reserve host slots for")
         action = f"reserve host slots for request {request_id!r}"
         shared = self._shared_prefix(prefix, action)
         self._prefixes.check_room(shared, num_tokens, action)
@@ -481,7 +481,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         never frees.
         """
         self._slots.check_free(action)
-        record.slot = self._slots.take()
+        self._slots.take(record)
         try:
             self._seed(record)
         except BaseException:
@@ -494,8 +494,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self._order.step_end.wait()  # the last step's kernels read these tables
         clear_slot(self.tables, record)
         self._order.tables_changed.mark()
-        self._slots.release(record.slot)
-        record.slot = None
+        self._slots.release(record)
 
     def _end(self, request_id: Hashable, action: str, allowed: Sequence[RequestState],
              final: RequestState) -> None:
@@ -533,14 +532,6 @@ class HiSparseCache(PrefixSharing, RequestQueries):
                 "part of; call end_decode_step() first"
             )
 
-    def _check_length(self, num_tokens: int, action: str) -> None:
-        if not is_count(num_tokens) or not 1 <= num_tokens <= self.max_seq_len:
-            raise InvalidInputError(
-                f"cannot {action} a request of {num_tokens!r} tokens: it must be an int in "
-                f"1..{self.max_seq_len} (max_seq_len); pass the token count as an int, or raise "
-                "max_seq_len for longer requests"
-            )
-
     def _check_open(self) -> None:
         if self._closed:
             raise RequestStateError("this HiSparseCache is closed; create a new one")
@@ -566,6 +557,15 @@ def _batch_records(requests: RequestTable, ids: list[Hashable],
             f"request ids repeat in the decode batch {ids!r}; list each request once"
         )
     return records
+
+
+def _check_length(num_tokens: int, max_seq_len: int, action: str) -> None:
+    if not is_count(num_tokens) or not 1 <= num_tokens <= max_seq_len:
+        raise InvalidInputError(
+            f"cannot {action} a request of {num_tokens!r} tokens: it must be an int in "
+            f"1..{max_seq_len} (max_seq_len); pass the token count as an int, or raise "
+            "max_seq_len for longer requests"
+        )
 
 
 def _device_of(backend: Backend, device: str | torch.device | Backend | None) -> torch.device:

@@ -6,7 +6,6 @@ import enum
 import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -61,30 +60,78 @@ class PromptCoverage:
         return None
 
 
-@dataclass(eq=False)
 class RequestRecord:
-    request_id: Hashable
-    state: RequestState
-    admitted_tokens: int  # prompt length given to admit / reserve_host_slots
-    num_tokens: int  # tokens whose rows exist on the host (the seq_len once running)
-    extents: list[int] = field(default_factory=list)
-    slot: int | None = None
-    # Tracked from admit to commit_prefill (a PD transfer writes its rows outside hisparse).
-    prompt_written: PromptCoverage | None = None
-    # Tokens admitted on a shared prefix: on the host already, never written by this request.
-    prefix_tokens: int = 0
+    """One request's bookkeeping. While it holds a device request slot its length lives in
+    the slot allocator's per-slot array (`SlotAllocator.lengths`), which a decode step reads
+    and advances for the whole batch with one numpy operation; `num_tokens` reads and writes
+    that entry, so the record and the array can never disagree."""
+
+    __slots__ = (
+        "_lengths",
+        "_slot",
+        "_tokens",
+        "admitted_tokens",
+        "extents",
+        "prefix_tokens",
+        "prompt_written",
+        "request_id",
+        "state",
+    )
+
+    def __init__(self, request_id: Hashable, state: RequestState, admitted_tokens: int,
+                 num_tokens: int, extents: list[int] | None = None,
+                 prompt_written: PromptCoverage | None = None, prefix_tokens: int = 0) -> None:
+        self.request_id = request_id
+        self.state = state
+        self.admitted_tokens = admitted_tokens  # prompt length given to admit / reserve
+        self.extents: list[int] = [] if extents is None else extents
+        # Tracked from admit to commit_prefill (a PD transfer writes its rows outside hisparse).
+        self.prompt_written = prompt_written
+        # Tokens admitted on a shared prefix: on the host already, never written by this one.
+        self.prefix_tokens = prefix_tokens
+        self._tokens = num_tokens  # the length while no slot is held
+        self._slot: int | None = None
+        self._lengths: np.ndarray | None = None  # the allocator's lengths while a slot is held
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose rows exist on the host (the seq_len once running)."""
+        lengths = self._lengths
+        return self._tokens if lengths is None else int(lengths[self._slot])
+
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        if self._lengths is None:
+            self._tokens = value
+        else:
+            self._lengths[self._slot] = value
+
+    @property
+    def slot(self) -> int | None:
+        """The device request slot, None while none is held (`SlotAllocator.take`)."""
+        return self._slot
 
     def extents_to_grow(self, tokens: int, extent_tokens: int) -> int:
         """The new extents that appending `tokens` tokens to the request takes."""
         return max(0, -(-(self.num_tokens + tokens) // extent_tokens) - len(self.extents))
 
+    def __repr__(self) -> str:
+        return (f"RequestRecord({self.request_id!r}, {self.state}, tokens={self.num_tokens}, "
+                f"slot={self._slot}, extents={self.extents!r:.80})")
+
 
 class SlotAllocator:
-    """Device request slots `0..R-1`, lowest free first."""
+    """Device request slots `0..R-1`, lowest free first, and what a decode step reads of the
+    request holding each: its length (the one copy of it, see `RequestRecord`) and `pages`,
+    the host twin of the device page table (extent of each page, -1 past the request's),
+    written wherever the device table is (seed, release, a step's new extent, a cancel, a
+    verify step, a private prefix copy) and checked against the records in validate mode."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, pages_per_request: int = 1) -> None:
         self.num_slots = num_slots
         self._free = list(range(num_slots))  # already a heap
+        self.lengths = np.zeros(num_slots, dtype=np.int64)
+        self.pages = np.full((num_slots, pages_per_request), -1, dtype=np.int64)
 
     @property
     def free_slots(self) -> int:
@@ -97,11 +144,41 @@ class SlotAllocator:
                 "finish or preempt a request first, or raise max_requests"
             )
 
-    def take(self) -> int:
-        return heapq.heappop(self._free)
+    def take(self, record: RequestRecord) -> int:
+        """Give `record` the lowest free slot; its length moves into `lengths`."""
+        slot = heapq.heappop(self._free)
+        self.lengths[slot] = record._tokens
+        record._slot, record._lengths = slot, self.lengths
+        self.sync_pages(record)
+        return slot
 
-    def release(self, slot: int) -> None:
+    def release(self, record: RequestRecord) -> None:
+        """Take `record`'s slot back; its length moves back into the record."""
+        slot = record._slot
+        assert slot is not None
+        record._tokens = int(self.lengths[slot])
+        record._slot, record._lengths = None, None
+        self.lengths[slot] = 0
+        self.pages[slot] = -1
         heapq.heappush(self._free, slot)
+
+    def sync_pages(self, record: RequestRecord) -> None:
+        """`pages` of the record's slot from its extents (after they changed)."""
+        row, extents = self.pages[record._slot], record.extents
+        row.fill(-1)
+        row[: len(extents)] = extents
+
+    def check(self, records: Iterable[RequestRecord]) -> None:
+        """Validate mode: every slot holder's `pages` row matches its extents."""
+        for record in records:
+            if record._slot is None:
+                continue
+            row = self.pages[record._slot]
+            count = len(record.extents)
+            if row[:count].tolist() != record.extents or (row[count:] != -1).any():
+                raise AssertionError(
+                    f"slot {record._slot}'s host page table {row.tolist()} disagrees with "
+                    f"request {record.request_id!r}'s extents {record.extents}")
 
 
 class RequestTable:

@@ -92,5 +92,7 @@ class PrefixSharing:
                 self._pool.release([extent])
                 raise
         self._prefixes.moved(record, extent)
+        if record.slot is not None:
+            self._slots.sync_pages(record)  # the host twin of the page table entry above
 
 

@@ -8,7 +8,6 @@ copy, straight into the buffers. Graph capture holds the views' addresses; they 
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
     from hisparse.backends.base import Backend
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16}
-_SLOT = operator.attrgetter("_slot")  # a record's slot, read without the property's frame
 _ALIGN = 16  # bytes: every field starts where a kernel's vector loads may assume it does
 
 
@@ -208,18 +206,18 @@ class BatchPlan:
     updates: every request's length, the page-table entry of a request whose new token starts
     an extent (`grow`), and a short-regime token's slot.
 
-    Only the slots are read from the records (one C-level `map`); the lengths and pages come
-    from the slot allocator's per-slot arrays, so the rest is a few numpy operations over the
-    batch whatever its size. A token that starts an extent has no host row until the extent
-    is allocated: `place_new_extents` fills it in. `full` lists the requests at
-    `max_seq_len` already.
+    Nothing is read from the records: their slots are the allocator's (`slots_of`, kept while
+    the batch repeats), their lengths and pages its per-slot arrays, so the plan is a few
+    numpy operations over the batch whatever its size. A token that starts an extent has no
+    host row until the extent is allocated: `place_new_extents` fills it in. `full` lists
+    the requests at `max_seq_len` already.
     """
 
     def __init__(self, records: Sequence[RequestRecord], slots: SlotAllocator,
                  tables: CacheTables, max_seq_len: int) -> None:
         self._tables = tables
         E = tables.extent_tokens
-        self.slots = np.fromiter(map(_SLOT, records), dtype=np.int64, count=len(records))
+        self.slots = slots.slots_of(records)
         self._positions = positions = slots.lengths[self.slots]
         self.positions = tuple(positions.tolist())
         self.grow: list[tuple[RequestRecord, int]] = []  # (record, its batch row)

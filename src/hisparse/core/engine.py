@@ -330,7 +330,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
                 "a decode step is already open; call end_decode_step() before the next one"
             )
         ids = as_batch_ids(request_ids)
-        records = _batch_records(self._requests, ids, self.batch_capacity)
+        records = _batch_records(self._requests, ids, self.batch_capacity, self.config.validate)
         self._unshare_writers(records, num_tokens)
         if num_tokens > 1 or dedupe:
             self._last_step = VerifyStep.begin_verify(self._decode, self._verify, tuple(ids),
@@ -541,9 +541,14 @@ class HiSparseCache(PrefixSharing, RequestQueries):
 _DEVICE_STATE = ("tables", "_decode", "_order", "_attention_kv")
 
 
-def _batch_records(requests: RequestTable, ids: list[Hashable],
-                   capacity: int) -> list[RequestRecord]:
-    """The records of a decode batch: 1..capacity running requests, each once."""
+def _batch_records(requests: RequestTable, ids: list[Hashable], capacity: int,
+                   validate: bool) -> list[RequestRecord]:
+    """The records of a decode batch: 1..capacity running requests, each once. The usual step
+    repeats the last one's ids with no request changed since: its records are remembered
+    (validate mode looks them up all the same and checks that they are the same)."""
+    remembered = requests.remembered_batch(ids)
+    if remembered is not None and not validate:
+        return remembered
     if not 1 <= len(ids) <= capacity:
         raise InvalidInputError(
             f"a decode step takes 1..{capacity} requests (max_batch), got {len(ids)}; split "
@@ -556,6 +561,11 @@ def _batch_records(requests: RequestTable, ids: list[Hashable],
         raise InvalidInputError(
             f"request ids repeat in the decode batch {ids!r}; list each request once"
         )
+    if remembered is not None:
+        if remembered != records:
+            raise AssertionError("the remembered decode batch is not its ids' records")
+        return remembered
+    requests.remember_batch(ids, records)
     return records
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
@@ -11,6 +12,8 @@ import numpy as np
 
 from hisparse.core.host_pool import token_rows
 from hisparse.errors import PoolExhaustedError, RequestStateError, UnknownRequestError
+
+_SLOT = operator.attrgetter("_slot")  # a record's slot, read without the property's frame
 
 
 class RequestState(str, enum.Enum):
@@ -66,17 +69,12 @@ class RequestRecord:
     and advances for the whole batch with one numpy operation; `num_tokens` reads and writes
     that entry, so the record and the array can never disagree."""
 
-    __slots__ = (
-        "_lengths",
-        "_slot",
-        "_tokens",
-        "admitted_tokens",
-        "extents",
-        "prefix_tokens",
-        "prompt_written",
-        "request_id",
-        "state",
-    )
+    __slots__ = ("_lengths", "_slot", "_state", "_tokens", "admitted_tokens", "extents",
+                 "prefix_tokens", "prompt_written", "request_id")
+    # Bumped by every change of any record's state or slot: while it stands still, a decode
+    # batch of the same ids has the same records, all running, in the same slots (the batch
+    # memo of `RequestTable.remembered_batch` and `SlotAllocator.slots_of`).
+    changes = 0
 
     def __init__(self, request_id: Hashable, state: RequestState, admitted_tokens: int,
                  num_tokens: int, extents: list[int] | None = None,
@@ -92,6 +90,15 @@ class RequestRecord:
         self._tokens = num_tokens  # the length while no slot is held
         self._slot: int | None = None
         self._lengths: np.ndarray | None = None  # the allocator's lengths while a slot is held
+
+    @property
+    def state(self) -> RequestState:
+        return self._state
+
+    @state.setter
+    def state(self, value: RequestState) -> None:
+        self._state = value
+        RequestRecord.changes += 1
 
     @property
     def num_tokens(self) -> int:
@@ -132,6 +139,18 @@ class SlotAllocator:
         self._free = list(range(num_slots))  # already a heap
         self.lengths = np.zeros(num_slots, dtype=np.int64)
         self.pages = np.full((num_slots, pages_per_request), -1, dtype=np.int64)
+        self._memo: tuple[int, list[RequestRecord], np.ndarray] | None = None
+
+    def slots_of(self, records: list[RequestRecord]) -> np.ndarray:
+        """The int64 slots of a decode batch (read-only), kept while `records` is the last
+        batch's very list and no record changed state or slot since."""
+        memo = self._memo
+        if memo is not None and memo[1] is records and memo[0] == RequestRecord.changes:
+            return memo[2]
+        slots = np.fromiter(map(_SLOT, records), dtype=np.int64, count=len(records))
+        slots.flags.writeable = False
+        self._memo = (RequestRecord.changes, records, slots)
+        return slots
 
     @property
     def free_slots(self) -> int:
@@ -147,6 +166,7 @@ class SlotAllocator:
     def take(self, record: RequestRecord) -> int:
         """Give `record` the lowest free slot; its length moves into `lengths`."""
         slot = heapq.heappop(self._free)
+        RequestRecord.changes += 1
         self.lengths[slot] = record._tokens
         record._slot, record._lengths = slot, self.lengths
         self.sync_pages(record)
@@ -156,6 +176,7 @@ class SlotAllocator:
         """Take `record`'s slot back; its length moves back into the record."""
         slot = record._slot
         assert slot is not None
+        RequestRecord.changes += 1
         record._tokens = int(self.lengths[slot])
         record._slot, record._lengths = None, None
         self.lengths[slot] = 0
@@ -168,8 +189,11 @@ class SlotAllocator:
         row.fill(-1)
         row[: len(extents)] = extents
 
-    def check(self, records: Iterable[RequestRecord]) -> None:
-        """Validate mode: every slot holder's `pages` row matches its extents."""
+    def check(self, records: list[RequestRecord]) -> None:
+        """Validate mode: the batch's slots are its records', and every slot holder's
+        `pages` row matches its extents."""
+        if self.slots_of(records).tolist() != [r.slot for r in records]:
+            raise AssertionError("the decode batch's remembered slots are not its records'")
         for record in records:
             if record._slot is None:
                 continue
@@ -189,6 +213,19 @@ class RequestTable:
     def __init__(self) -> None:
         self._live: dict[Hashable, RequestRecord] = {}
         self._ended: OrderedDict[Hashable, RequestState] = OrderedDict()
+        # (RequestRecord.changes, ids, records) of the last decode batch that passed its checks
+        self._batch: tuple[int, list[Hashable], list[RequestRecord]] | None = None
+
+    def remembered_batch(self, ids: list[Hashable]) -> list[RequestRecord] | None:
+        """The last checked decode batch's records, if `ids` are its ids and no record changed
+        state or slot since (then they are all still running, each once: no lookup needed)."""
+        memo = self._batch
+        if memo is not None and memo[0] == RequestRecord.changes and memo[1] == ids:
+            return memo[2]
+        return None
+
+    def remember_batch(self, ids: list[Hashable], records: list[RequestRecord]) -> None:
+        self._batch = (RequestRecord.changes, ids, records)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -253,6 +290,7 @@ class RequestTable:
             )
 
     def add(self, record: RequestRecord) -> None:
+        RequestRecord.changes += 1
         self._ended.pop(record.request_id, None)
         self._live[record.request_id] = record
 

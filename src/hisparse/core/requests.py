@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
 import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
@@ -13,6 +14,7 @@ import numpy as np
 from hisparse.core.host_pool import token_rows
 from hisparse.errors import PoolExhaustedError, RequestStateError, UnknownRequestError
 
+_CHANGES = itertools.count(1)  # (next() on it is atomic under the GIL; `+= 1` is not)
 _SLOT = operator.attrgetter("_slot")  # a record's slot, read without the property's frame
 
 
@@ -71,9 +73,10 @@ class RequestRecord:
 
     __slots__ = ("_lengths", "_slot", "_state", "_tokens", "admitted_tokens", "extents",
                  "prefix_tokens", "prompt_written", "request_id")
-    # Bumped by every change of any record's state or slot: while it stands still, a decode
-    # batch of the same ids has the same records, all running, in the same slots (the batch
-    # memo of `RequestTable.remembered_batch` and `SlotAllocator.slots_of`).
+    # A new value at every change of any record's state or slot: while it stands still, a
+    # decode batch of the same ids has the same records, all running, in the same slots (the
+    # memo of `RequestTable.remembered_batch` and `SlotAllocator.slots_of`). Each value comes
+    # from one counter, so a thread that stores a stale one never restores a remembered one.
     changes = 0
 
     def __init__(self, request_id: Hashable, state: RequestState, admitted_tokens: int,
@@ -98,7 +101,7 @@ class RequestRecord:
     @state.setter
     def state(self, value: RequestState) -> None:
         self._state = value
-        RequestRecord.changes += 1
+        RequestRecord.changes = next(_CHANGES)
 
     @property
     def num_tokens(self) -> int:
@@ -166,7 +169,7 @@ class SlotAllocator:
     def take(self, record: RequestRecord) -> int:
         """Give `record` the lowest free slot; its length moves into `lengths`."""
         slot = heapq.heappop(self._free)
-        RequestRecord.changes += 1
+        RequestRecord.changes = next(_CHANGES)
         self.lengths[slot] = record._tokens
         record._slot, record._lengths = slot, self.lengths
         self.sync_pages(record)
@@ -176,7 +179,7 @@ class SlotAllocator:
         """Take `record`'s slot back; its length moves back into the record."""
         slot = record._slot
         assert slot is not None
-        RequestRecord.changes += 1
+        RequestRecord.changes = next(_CHANGES)
         record._tokens = int(self.lengths[slot])
         record._slot, record._lengths = None, None
         self.lengths[slot] = 0
@@ -290,7 +293,7 @@ class RequestTable:
             )
 
     def add(self, record: RequestRecord) -> None:
-        RequestRecord.changes += 1
+        RequestRecord.changes = next(_CHANGES)
         self._ended.pop(record.request_id, None)
         self._live[record.request_id] = record
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from hisparse.core.requests import RequestRecord
+from hisparse.core.requests import RequestRecord, SlotAllocator
 from hisparse.layout.tables import CacheTables
 
 if TYPE_CHECKING:
@@ -206,42 +206,35 @@ class BatchPlan:
     updates: every request's length, the page-table entry of a request whose new token starts
     an extent (`grow`), and a short-regime token's slot.
 
-    One pass over the records reads what only they hold (slot, length, the extent of the new
-    token); the rest is numpy over the batch. A token that starts an extent has no host row
-    until the extent is allocated: `place_new_extents` fills it in. `full` lists the requests
-    at `max_seq_len` already.
+    Nothing is read from the records: their slots are the allocator's (`slots_of`, kept while
+    the batch repeats), their lengths and pages its per-slot arrays, so the plan is a few
+    numpy operations over the batch whatever its size. A token that starts an extent has no
+    host row until the extent is allocated: `place_new_extents` fills it in. `full` lists
+    the requests at `max_seq_len` already.
     """
 
-    def __init__(self, records: Sequence[RequestRecord], tables: CacheTables,
-                 max_seq_len: int) -> None:
+    def __init__(self, records: Sequence[RequestRecord], slots: SlotAllocator,
+                 tables: CacheTables, max_seq_len: int) -> None:
         self._tables = tables
         E = tables.extent_tokens
-        slots: list[int | None] = []
-        positions: list[int] = []
-        host_rows: list[int] = []
+        self.slots = slots.slots_of(records)
+        self._positions = positions = slots.lengths[self.slots]
+        self.positions = tuple(positions.tolist())
         self.grow: list[tuple[RequestRecord, int]] = []  # (record, its batch row)
-        for record in records:  # locals only: this loop is most of the step's host time
-            position, extents = record.num_tokens, record.extents
-            page = position // E
-            slots.append(record.slot)
-            positions.append(position)
-            if page < len(extents):
-                host_rows.append(extents[page] * E + position % E)
-            else:
-                self.grow.append((record, len(host_rows)))
-                host_rows.append(-1)
-        self.positions = tuple(positions)
-        self.slots = np.array(slots, dtype=np.int64)
-        self._positions = np.array(positions, dtype=np.int64)
-        self.host_rows = np.array(host_rows, dtype=np.int64)
-        self.full = ([records[b].request_id for b in np.flatnonzero(self._positions >= max_seq_len)]
-                     if positions and max(positions) >= max_seq_len else [])
+        self.full = ([records[b].request_id for b in np.flatnonzero(positions >= max_seq_len)]
+                     if max(self.positions) >= max_seq_len else [])
+        if self.full:
+            return  # (past max_seq_len there is no page to look up)
+        extent = slots.pages[self.slots, positions // E]
+        self.host_rows = np.where(extent >= 0, extent * E + positions % E, -1)
+        if self.host_rows.min() < 0:
+            self.grow = [(records[b], b) for b in np.flatnonzero(extent < 0).tolist()]
 
     def place_new_extents(self, extents: Sequence[int]) -> None:
         """The extent each `grow` entry's token starts, in order: its host row follows."""
         E = self._tables.extent_tokens
-        for (record, row), extent in zip(self.grow, extents, strict=True):
-            self.host_rows[row] = extent * E + record.num_tokens % E
+        for (_, row), extent in zip(self.grow, extents, strict=True):
+            self.host_rows[row] = extent * E + int(self._positions[row]) % E
 
     def columns(self) -> dict[str, Sequence[int] | np.ndarray]:
         """The every-step fields of `BatchBuffers`."""

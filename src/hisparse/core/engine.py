@@ -100,7 +100,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self.slots_per_request = H + D
         self.max_requests = config.max_requests
         self.batch_capacity = config.max_batch or config.max_requests
-        self.extent_tokens = config.extent_tokens
+        self.extent_tokens = E = config.extent_tokens
         self.max_seq_len = config.max_seq_len
         self.index_group_size = config.index_group_size
         self.num_groups = -(-L // config.index_group_size)
@@ -111,7 +111,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         with backend.device_scope(self.device):
             self._lock = threading.RLock()
             self._requests = RequestTable()
-            self._slots = SlotAllocator(config.max_requests)
+            self._slots = SlotAllocator(config.max_requests, -(-self.max_seq_len // E))
             self._traffic = TrafficCounters(L)
             self._last_step: DecodeStep | None = None  # the open step, or the last one
             self._closed = False
@@ -130,7 +130,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self.tables = build_tables(self.config, self.backend, self._pool, self.device,
                                    self.num_groups, self.hot_slots)
         self._decode = DecodeContext.build(self.config, self.backend, self.device, self.tables,
-                                           self._pool, self._traffic, self._lock)
+                                           self._pool, self._traffic, self._lock, self._slots)
         self._order = self._decode.order
         self._decode.shared = self._order.host_rows.shared = self._shared
         self._verify = VerifyContext.build(self.config, self.backend, self._decode)
@@ -161,8 +161,8 @@ class HiSparseCache(PrefixSharing, RequestQueries):
                                                  action)
         first = shared.num_tokens if shared else 0
         record = RequestRecord(request_id, RequestState.PREFILLING, num_tokens, num_tokens,
-                               extents, self._slots.take(),
-                               PromptCoverage(self.num_layers, num_tokens, first), first)
+                               extents, PromptCoverage(self.num_layers, num_tokens, first), first)
+        self._slots.take(record)
         self._requests.add(record)
 
     @_operation
@@ -285,7 +285,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
                 "a decode step is already open; call end_decode_step() before the next one"
             )
         ids = as_batch_ids(request_ids)
-        records = _batch_records(self._requests, ids, self.batch_capacity)
+        records = _batch_records(self._requests, ids, self.batch_capacity, self.config.validate)
         self._unshare_writers(records, num_tokens)
         if num_tokens > 1 or dedupe:
             self._last_step = VerifyStep.begin_verify(self._decode, self._verify, tuple(ids),
@@ -436,7 +436,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         never frees.
         """
         self._slots.check_free(action)
-        record.slot = self._slots.take()
+        self._slots.take(record)
         try:
             self._seed(record)
         except BaseException:
@@ -449,8 +449,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self._order.step_end.wait()  # the last step's kernels read these tables
         clear_slot(self.tables, record)
         self._order.tables_changed.mark()
-        self._slots.release(record.slot)
-        record.slot = None
+        self._slots.release(record)
 
     def _end(self, request_id: Hashable, action: str, allowed: Sequence[RequestState],
              final: RequestState) -> None:
@@ -497,9 +496,14 @@ class HiSparseCache(PrefixSharing, RequestQueries):
 _DEVICE_STATE = ("tables", "_decode", "_order", "_attention_kv")
 
 
-def _batch_records(requests: RequestTable, ids: list[Hashable],
-                   capacity: int) -> list[RequestRecord]:
-    """The records of a decode batch: 1..capacity running requests, each once."""
+def _batch_records(requests: RequestTable, ids: list[Hashable], capacity: int,
+                   validate: bool) -> list[RequestRecord]:
+    """The records of a decode batch: 1..capacity running requests, each once. The usual step
+    repeats the last one's ids with no request changed since: its records are remembered
+    (validate mode looks them up all the same and checks that they are the same)."""
+    remembered = requests.remembered_batch(ids)
+    if remembered is not None and not validate:
+        return remembered
     if not 1 <= len(ids) <= capacity:
         raise InvalidInputError(
             f"a decode step takes 1..{capacity} requests (max_batch), got {len(ids)}; split "
@@ -512,6 +516,11 @@ def _batch_records(requests: RequestTable, ids: list[Hashable],
         raise InvalidInputError(
             f"request ids repeat in the decode batch {ids!r}; list each request once"
         )
+    if remembered is not None:
+        if remembered != records:
+            raise AssertionError("the remembered decode batch is not its ids' records")
+        return remembered
+    requests.remember_batch(ids, records)
     return records
 
 

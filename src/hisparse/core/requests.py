@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
+import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from hisparse.core.host_pool import token_rows
 from hisparse.errors import PoolExhaustedError, RequestStateError, UnknownRequestError
+
+_CHANGES = itertools.count(1)  # (next() on it is atomic under the GIL; `+= 1` is not)
+_SLOT = operator.attrgetter("_slot")  # a record's slot, read without the property's frame
 
 
 class RequestState(str, enum.Enum):
@@ -61,30 +65,95 @@ class PromptCoverage:
         return None
 
 
-@dataclass(eq=False)
 class RequestRecord:
-    request_id: Hashable
-    state: RequestState
-    admitted_tokens: int  # prompt length given to admit / reserve_host_slots
-    num_tokens: int  # tokens whose rows exist on the host (the seq_len once running)
-    extents: list[int] = field(default_factory=list)
-    slot: int | None = None
-    # Tracked from admit to commit_prefill (a PD transfer writes its rows outside hisparse).
-    prompt_written: PromptCoverage | None = None
-    # Tokens admitted on a shared prefix: on the host already, never written by this request.
-    prefix_tokens: int = 0
+    """One request's bookkeeping. While it holds a device request slot its length lives in
+    the slot allocator's per-slot array (`SlotAllocator.lengths`), which a decode step reads
+    and advances for the whole batch with one numpy operation; `num_tokens` reads and writes
+    that entry, so the record and the array can never disagree."""
+
+    __slots__ = ("_lengths", "_slot", "_state", "_tokens", "admitted_tokens", "extents",
+                 "prefix_tokens", "prompt_written", "request_id")
+    # A new value at every change of any record's state or slot: while it stands still, a
+    # decode batch of the same ids has the same records, all running, in the same slots (the
+    # memo of `RequestTable.remembered_batch` and `SlotAllocator.slots_of`). Each value comes
+    # from one counter, so a thread that stores a stale one never restores a remembered one.
+    changes = 0
+
+    def __init__(self, request_id: Hashable, state: RequestState, admitted_tokens: int,
+                 num_tokens: int, extents: list[int] | None = None,
+                 prompt_written: PromptCoverage | None = None, prefix_tokens: int = 0) -> None:
+        self.request_id = request_id
+        self.state = state
+        self.admitted_tokens = admitted_tokens  # prompt length given to admit / reserve
+        self.extents: list[int] = [] if extents is None else extents
+        # Tracked from admit to commit_prefill (a PD transfer writes its rows outside hisparse).
+        self.prompt_written = prompt_written
+        # Tokens admitted on a shared prefix: on the host already, never written by this one.
+        self.prefix_tokens = prefix_tokens
+        self._tokens = num_tokens  # the length while no slot is held
+        self._slot: int | None = None
+        self._lengths: np.ndarray | None = None  # the allocator's lengths while a slot is held
+
+    @property
+    def state(self) -> RequestState:
+        return self._state
+
+    @state.setter
+    def state(self, value: RequestState) -> None:
+        self._state = value
+        RequestRecord.changes = next(_CHANGES)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose rows exist on the host (the seq_len once running)."""
+        lengths = self._lengths
+        return self._tokens if lengths is None else int(lengths[self._slot])
+
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        if self._lengths is None:
+            self._tokens = value
+        else:
+            self._lengths[self._slot] = value
+
+    @property
+    def slot(self) -> int | None:
+        """The device request slot, None while none is held (`SlotAllocator.take`)."""
+        return self._slot
 
     def extents_to_grow(self, tokens: int, extent_tokens: int) -> int:
         """The new extents that appending `tokens` tokens to the request takes."""
         return max(0, -(-(self.num_tokens + tokens) // extent_tokens) - len(self.extents))
 
+    def __repr__(self) -> str:
+        return (f"RequestRecord({self.request_id!r}, {self.state}, tokens={self.num_tokens}, "
+                f"slot={self._slot}, extents={self.extents!r:.80})")
+
 
 class SlotAllocator:
-    """Device request slots `0..R-1`, lowest free first."""
+    """Device request slots `0..R-1`, lowest free first, and what a decode step reads of the
+    request holding each: its length (the one copy of it, see `RequestRecord`) and `pages`,
+    the host twin of the device page table (extent of each page, -1 past the request's),
+    written wherever the device table is (seed, release, a step's new extent, a cancel, a
+    verify step, a private prefix copy) and checked against the records in validate mode."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, pages_per_request: int = 1) -> None:
         self.num_slots = num_slots
         self._free = list(range(num_slots))  # already a heap
+        self.lengths = np.zeros(num_slots, dtype=np.int64)
+        self.pages = np.full((num_slots, pages_per_request), -1, dtype=np.int64)
+        self._memo: tuple[int, list[RequestRecord], np.ndarray] | None = None
+
+    def slots_of(self, records: list[RequestRecord]) -> np.ndarray:
+        """The int64 slots of a decode batch (read-only), kept while `records` is the last
+        batch's very list and no record changed state or slot since."""
+        memo = self._memo
+        if memo is not None and memo[1] is records and memo[0] == RequestRecord.changes:
+            return memo[2]
+        slots = np.fromiter(map(_SLOT, records), dtype=np.int64, count=len(records))
+        slots.flags.writeable = False
+        self._memo = (RequestRecord.changes, records, slots)
+        return slots
 
     @property
     def free_slots(self) -> int:
@@ -97,11 +166,46 @@ class SlotAllocator:
                 "finish or preempt a request first, or raise max_requests"
             )
 
-    def take(self) -> int:
-        return heapq.heappop(self._free)
+    def take(self, record: RequestRecord) -> int:
+        """Give `record` the lowest free slot; its length moves into `lengths`."""
+        slot = heapq.heappop(self._free)
+        RequestRecord.changes = next(_CHANGES)
+        self.lengths[slot] = record._tokens
+        record._slot, record._lengths = slot, self.lengths
+        self.sync_pages(record)
+        return slot
 
-    def release(self, slot: int) -> None:
+    def release(self, record: RequestRecord) -> None:
+        """Take `record`'s slot back; its length moves back into the record."""
+        slot = record._slot
+        assert slot is not None
+        RequestRecord.changes = next(_CHANGES)
+        record._tokens = int(self.lengths[slot])
+        record._slot, record._lengths = None, None
+        self.lengths[slot] = 0
+        self.pages[slot] = -1
         heapq.heappush(self._free, slot)
+
+    def sync_pages(self, record: RequestRecord) -> None:
+        """`pages` of the record's slot from its extents (after they changed)."""
+        row, extents = self.pages[record._slot], record.extents
+        row.fill(-1)
+        row[: len(extents)] = extents
+
+    def check(self, records: list[RequestRecord]) -> None:
+        """Validate mode: the batch's slots are its records', and every slot holder's
+        `pages` row matches its extents."""
+        if self.slots_of(records).tolist() != [r.slot for r in records]:
+            raise AssertionError("the decode batch's remembered slots are not its records'")
+        for record in records:
+            if record._slot is None:
+                continue
+            row = self.pages[record._slot]
+            count = len(record.extents)
+            if row[:count].tolist() != record.extents or (row[count:] != -1).any():
+                raise AssertionError(
+                    f"slot {record._slot}'s host page table {row.tolist()} disagrees with "
+                    f"request {record.request_id!r}'s extents {record.extents}")
 
 
 class RequestTable:
@@ -112,6 +216,19 @@ class RequestTable:
     def __init__(self) -> None:
         self._live: dict[Hashable, RequestRecord] = {}
         self._ended: OrderedDict[Hashable, RequestState] = OrderedDict()
+        # (RequestRecord.changes, ids, records) of the last decode batch that passed its checks
+        self._batch: tuple[int, list[Hashable], list[RequestRecord]] | None = None
+
+    def remembered_batch(self, ids: list[Hashable]) -> list[RequestRecord] | None:
+        """The last checked decode batch's records, if `ids` are its ids and no record changed
+        state or slot since (then they are all still running, each once: no lookup needed)."""
+        memo = self._batch
+        if memo is not None and memo[0] == RequestRecord.changes and memo[1] == ids:
+            return memo[2]
+        return None
+
+    def remember_batch(self, ids: list[Hashable], records: list[RequestRecord]) -> None:
+        self._batch = (RequestRecord.changes, ids, records)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -176,6 +293,7 @@ class RequestTable:
             )
 
     def add(self, record: RequestRecord) -> None:
+        RequestRecord.changes = next(_CHANGES)
         self._ended.pop(record.request_id, None)
         self._live[record.request_id] = record
 

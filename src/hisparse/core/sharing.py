@@ -102,4 +102,7 @@ class PrefixSharing:
                 raise
         if self._prefixes.moved(record, extent):  # (the retained prefix still holds it)
             self._order.host_rows.note_rows_recycled()
+        if record.slot is not None:
+            self._slots.sync_pages(record)  # the host twin of the page table entry above
+
 

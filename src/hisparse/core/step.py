@@ -59,11 +59,12 @@ class DecodeContext:
     validate: bool
     prefetch_stream: Any | None  # where followers replay (None: inline)
     shared: Any | None = None  # a shared host pool's SharedPoolSync (core/shared_pool.py)
+    slots: Any = None  # the cache's SlotAllocator: lengths and host pages per request slot
 
     @classmethod
     def build(cls, config: HiSparseConfig, backend: Backend, device: torch.device,
               tables: CacheTables, pool: HostPool, traffic: TrafficCounters,
-              lock: threading.RLock) -> DecodeContext:
+              lock: threading.RLock, slots: Any = None) -> DecodeContext:
         """The buffers, kernels, streams, barriers and group replays for `tables`."""
         L, size = config.num_layers, config.index_group_size
         capacity = config.max_batch or config.max_requests
@@ -92,7 +93,7 @@ class DecodeContext:
                    layer_group=[layer // size for layer in range(L)],
                    layer_kv=[tables.device_kv[layer] for layer in range(L)], lock=lock,
                    device=device, batch_capacity=capacity, max_seq_len=config.max_seq_len,
-                   validate=config.validate, prefetch_stream=prefetch_stream)
+                   validate=config.validate, prefetch_stream=prefetch_stream, slots=slots)
 
     def __post_init__(self) -> None:
         t = self.tables
@@ -159,7 +160,9 @@ class DecodeStep:
         c = context
         if c.shared is not None:
             c.shared.before_read()  # swap-in reads the writer's rows of every earlier step
-        plan = BatchPlan(records, c.tables, c.max_seq_len)
+        if c.validate:
+            c.slots.check(records)
+        plan = BatchPlan(records, c.slots, c.tables, c.max_seq_len)
         if plan.full:
             raise InvalidInputError(
                 f"requests {plan.full!r} already hold max_seq_len={c.max_seq_len} tokens; "
@@ -184,8 +187,8 @@ class DecodeStep:
         grew = [record for record, _ in plan.grow]
         for record, extent in zip(grew, new_extents, strict=True):
             record.extents.append(extent)
-        for record in records:
-            record.num_tokens += 1
+            c.slots.sync_pages(record)
+        c.slots.lengths[plan.slots] += 1  # every record's num_tokens (they read this array)
         _install_table_updates(c, len(records), updates)
         return cls(c, request_ids, plan.positions, records, grew)
 
@@ -417,6 +420,7 @@ class DecodeStep:
         for record in grew:
             c.pool.release(record.extents[-1:])
             record.extents.pop()
+            c.slots.sync_pages(record)
         if grew:
             # Kernels of the step may still run; the freed extent held only the new token's
             # row, which they never read, but its next writer waits for them all the same.

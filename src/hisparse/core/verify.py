@@ -152,6 +152,8 @@ class VerifyStep(DecodeStep):
         for record, extents in zip(records, taken, strict=True):
             record.extents.extend(extents)
             record.num_tokens += tokens
+            if extents:
+                c.slots.sync_pages(record)
         views = c.buffers.views(len(records))
         t.seq_lens.index_copy_(0, views.batch_slots, views.seq_lens)
         pages = sum(map(len, taken))
@@ -331,6 +333,7 @@ class VerifyStep(DecodeStep):
             record.num_tokens = first + kept
             if extents:
                 del record.extents[-len(extents):]
+                c.slots.sync_pages(record)
         freed = [e for extents in released for e in extents]
         if freed:
             c.pool.release(freed)

@@ -1,0 +1,67 @@
+"""The CPU backend with kernels that do nothing: what is left of a call is the engine's Python.
+
+On a GPU every kernel launch and torch op is asynchronous, so a call's host time is its Python
+and its launch overhead. The plain CPU backend runs the torch reference kernels synchronously,
+and their run time (a swap-in over [B, K], a 61-layer backup) hides the Python around them.
+Here the swap-in, replay, union, backup and newest-token launchers return at once, and streams
+and events are the CPU's (None, no-ops), so timing a call measures the engine's own per-call
+work plus the few small torch ops it issues itself (the batch upload, the table updates), which
+on a GPU are launches too. Rows and tables are left as they were: for host-overhead benchmarks
+only, never for correctness (`benchmarks/host_overhead.py --noop-kernels`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hisparse.backends.base import BackupFn
+from hisparse.backends.cpu import CpuBackend
+
+
+class _NoopSwapIn:
+    """The swap-in launcher's interface (`swap_in`, `replay`), doing nothing."""
+
+    def swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:
+        pass
+
+    def replay(self, layer: int, group: int, rows: int) -> None:
+        pass
+
+
+class _NoopUnion:
+    """The verify union launcher's interface (`plan`, `scatter`), doing nothing."""
+
+    def __init__(self, tokens: int, top_k: int) -> None:
+        self.tokens, self.top_k = tokens, top_k
+
+    def plan(self, rows: int, top_k: torch.Tensor) -> None:
+        pass
+
+    def scatter(self, layer: int, group: int, rows: int) -> None:
+        pass
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+class NoopKernelCpu(CpuBackend):
+    name = "cpu-noop-kernels"
+
+    def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
+                         out: torch.Tensor, *, plans: Any = None, skip_io: bool = False
+                         ) -> Any:
+        return _NoopSwapIn()
+
+    def union_launcher(self, tokens: int, top_k: int, *args: Any, **kwargs: Any) -> Any:
+        return _NoopUnion(tokens, top_k)
+
+    def backup_kernel(self) -> BackupFn:
+        return _noop
+
+    def newest_writer(self, device_kv: torch.Tensor, newest_rows: torch.Tensor,
+                      newest_rows_long: torch.Tensor) -> Callable[[int, torch.Tensor], None]:
+        return _noop

@@ -17,6 +17,7 @@ row_pattern(...)           deterministic row bytes of (request uid, layer, posit
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +100,8 @@ def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
     state["prefixes.writers"] = sorted(r.request_id for r in prefixes.writers.values())
     state["pool.layers"] = [h.data_ptr() for h in cache._pool.layers]
     state["slots.free"] = sorted(cache._slots._free)
+    state["slots.lengths"] = cache._slots.lengths.tolist()
+    state["slots.pages"] = cache._slots.pages.tolist()
     traffic = cache._traffic
     state["traffic"] = [traffic.seeded_tokens.copy(), traffic.offloaded_tokens.copy(),
                         traffic.backed_up_tokens.copy()]
@@ -217,7 +220,9 @@ MUTATIONS: dict[str, Callable[[hisparse.HiSparseCache], None]] = {
     "a request record": lambda c: setattr(next(iter(c._requests)), "admitted_tokens", 9),
     "the freed-id memory": lambda c: c._requests._ended.update({"x": RequestState.FINISHED}),
     "the pool's free runs": lambda c: c._pool.allocator.allocate(1),
-    "a free slot": lambda c: c._slots.take(),
+    "a free slot": lambda c: heapq.heappop(c._slots._free),
+    "a slot's length": lambda c: c._slots.lengths.__setitem__(-1, 7),
+    "a slot's page entry": lambda c: c._slots.pages.__setitem__((-1, 0), 3),
     "a holder count": lambda c: c._pool.share([c._requests.get("a", "test").extents[0]]),
     "a retained prefix": lambda c: c.retain_prefix("a", 3),
     "a traffic counter": lambda c: c._traffic.offloaded_tokens.__setitem__(0, 99),

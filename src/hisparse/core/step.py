@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -247,22 +247,31 @@ class DecodeStep:
         # read the caller's top-k in place (a copy into a buffer of ours cost 6 us per call).
         out = c.buffers.views(rows).out[group]
         c.kernels.launch_swap_in(layer, group, rows, top_k)
+        self._finish_anchor(replay, top_k, out)
+        return out
+
+    def _finish_anchor(self, replay: GroupReplay | None, top_k: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        """After an anchor's swap-in: its group's followers will replay this plan."""
         if replay is not None:
             if replay.step is not self:
                 self._anchored.append(replay)
             replay.finish_plan(self, top_k, out)
-        return out
 
     def _follow(self, c: DecodeContext, layer: int, replay: GroupReplay,
-                top_k: torch.Tensor | None) -> torch.Tensor:
+                top_k: torch.Tensor | None,
+                check: Callable[[DecodeContext, object], object] | None = None
+                ) -> torch.Tensor:
         """A follower's rows: its anchor's, once its layer holds the anchor's copies. Handed a
         top-k, it must be the anchor's own tensor: a check of its address, free on the hot
-        path; `validate` compares contents too."""
+        path; `validate` compares contents too. `check` is the step's own top-k check (the
+        single-token one by default), run on a tensor that is not the anchor's so that a
+        malformed one gets the precise message."""
         if replay.step is not self:
             raise replay.not_anchored(layer)
         if top_k is not None:
             if not replay.is_anchor_top_k(top_k):
-                self._check_top_k(c, top_k)  # a malformed tensor gets the precise message
+                (check or self._check_top_k)(c, top_k)
                 raise replay.other_top_k(layer, top_k)
             if c.validate and not torch.equal(top_k, replay.top_k):
                 raise replay.changed_top_k(layer)

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from hisparse.backends.base import Backend
-from hisparse.core.replay import GroupReplay
 from hisparse.core.requests import RequestRecord
 from hisparse.core.step import DecodeContext, DecodeStep, StepState, host_row_of, slot_of
 from hisparse.core.union import DeviceBlock, UnionWidth, build_width
@@ -193,7 +192,7 @@ class VerifyStep(DecodeStep):
         group = c.layer_group[layer]
         replay = width.replays[group]
         if replay is not None and layer != replay.anchor:
-            return self._follow_union(c, layer, replay, top_k)
+            return self._follow(c, layer, replay, top_k, self._check_verify_top_k)
         if top_k is None:
             raise InvalidInputError(
                 f"swap_in({layer}) needs its top_k ([B, S, K] int32 positions): layer {layer} "
@@ -211,23 +210,8 @@ class VerifyStep(DecodeStep):
         kernels.launch_swap_in(layer, group, rows, union_top_k)
         kernels.launch_union_scatter(layer, group, rows)
         result = outs[group] if self.num_tokens > 1 else singles[group]
-        if replay is not None:
-            if replay.step is not self:
-                self._anchored.append(replay)
-            replay.finish_plan(self, top_k, result)
+        self._finish_anchor(replay, top_k, result)
         return result
-
-    def _follow_union(self, c: DecodeContext, layer: int, replay: GroupReplay,
-                      top_k: torch.Tensor | None) -> torch.Tensor:
-        if replay.step is not self:
-            raise replay.not_anchored(layer)
-        if top_k is not None:
-            if not replay.is_anchor_top_k(top_k):
-                self._check_verify_top_k(c, top_k)
-                raise replay.other_top_k(layer, top_k)
-            if c.validate and not torch.equal(top_k, replay.top_k):
-                raise replay.changed_top_k(layer)
-        return replay.ready_rows(layer)
 
     def _check_verify_top_k(self, c: DecodeContext, top_k: object) -> tuple[int, torch.Tensor]:
         S, K = self.num_tokens, self._verify.top_k

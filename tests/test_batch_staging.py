@@ -37,7 +37,7 @@ def buffers() -> BatchBuffers:
 
 def test_a_copy_in_flight_is_never_rewritten_and_the_ring_grows_instead() -> None:
     events = FakeEvents()
-    ring = _StagingRing(buffers(), events, torch.device("meta"), pin=False)
+    ring = _StagingRing(buffers().block, events, torch.device("meta"), pin=False)
     first = ring.take()
     ring.sent(first)
     second = ring.take()  # the first is in flight: a new copy
@@ -56,10 +56,10 @@ def test_a_copy_in_flight_is_never_rewritten_and_the_ring_grows_instead() -> Non
 
 def test_on_the_cpu_one_copy_serves_every_upload() -> None:
     b = buffers()
-    staged = {id(b._staging.take())}
+    staged = {id(b.block._staging.take())}
     for count in (1, 3, 2, 4):
         b.upload({"req_slots": list(range(count)), "num_real": [count]})
-        staged.add(id(b._staging.take()))
+        staged.add(id(b.block._staging.take()))
         assert b.req_slots.tolist() == list(range(count)) + [0] * (4 - count)
         assert b.num_real.tolist() == [count]
     assert len(staged) == 1

@@ -4,6 +4,8 @@
 `BatchBuffers` sends it. Every `[Bcap]` batch buffer is a typed view of one device byte block,
 so the whole plan (batch buffers and table updates) reaches the device in one host-to-device
 copy, straight into the buffers. Graph capture holds the views' addresses; they never move.
+`DeviceBlock` is that mechanism (typed fields of one device block, one upload from a staging
+ring); verify steps keep their begin and end fields in two more.
 """
 
 from __future__ import annotations
@@ -73,23 +75,11 @@ class BatchBuffers:
             ("short_hot_resident", resident_dtype, 0),
         ]
         self.capacity = capacity
-        self._fields: dict[str, _Field] = {}
-        offset = 0
-        for name, dtype, padding in every_step + some_steps:
-            length = 1 if name == "num_real" else capacity
-            self._fields[name] = _Field(dtype, offset, length, padding)
-            offset += -(-length * dtype.itemsize // _ALIGN) * _ALIGN
-            if name == "num_real":
-                self._every_step_bytes = offset
-        self._block = torch.zeros(offset, dtype=torch.uint8, device=device)
+        self.block = DeviceBlock(
+            [(name, dtype, 1 if name == "num_real" else capacity, padding)
+             for name, dtype, padding in every_step + some_steps], device, backend)
         # The two lengths an upload sends: the every-step fields, or the whole block.
-        self._block_prefix = {offset: self._block,
-                              self._every_step_bytes: self._block[: self._every_step_bytes]}
-        # What the host sends before the step's values go in: every field's padding.
-        self._template = np.zeros(offset, dtype=np.uint8)
-        for name, field in self._fields.items():
-            self._host_view(self._template, name)[:] = field.padding
-        self._staging = _StagingRing(self, backend, device)
+        self._every_step_bytes = self.block.end_of("num_real")
         self.req_slots = self.field("req_slots")
         self.num_real = self.field("num_real")
         self.newest_rows = self.field("newest_rows")
@@ -100,32 +90,21 @@ class BatchBuffers:
 
     def field(self, name: str, count: int | None = None) -> torch.Tensor:
         """The device view of a field (its first `count` entries)."""
-        field = self._fields[name]
-        length = field.length if count is None else count
-        start = field.offset
-        return self._block[start : start + length * field.dtype.itemsize].view(field.dtype)
+        return self.block.field(name, count)
 
     def upload(self, columns: Mapping[str, Sequence[int] | np.ndarray],
                updates: Mapping[str, Sequence[int] | np.ndarray] | None = None) -> None:
         """Send `columns` (every-step field -> the values of its first rows) and `updates` (the
         same for the other fields) in one host-to-device copy; every other row of the
         every-step fields gets its padding. Without updates the copy stops before them."""
-        size = self._block.numel() if updates else self._every_step_bytes
-        staged = self._staging.take()
-        np.copyto(staged.host[:size], self._template[:size])
-        views = staged.views
-        for name, values in columns.items():
-            views[name][: len(values)] = values
-        for name, values in (updates or {}).items():
-            views[name][: len(values)] = values
-        self._block_prefix[size].copy_(staged.prefix[size], non_blocking=True)
-        self._staging.sent(staged)
+        self.block.upload({**columns, **(updates or {})},
+                          None if updates else self._every_step_bytes)
 
     def upload_columns(self, columns: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Int32 columns on the device in one copy, each its own tensor (for rare updates)."""
         lengths = [len(c) for c in columns]
         flat = torch.tensor([v for c in columns for v in c], dtype=torch.int32)
-        return list(torch.split(flat.to(self._block.device, non_blocking=True), lengths))
+        return list(torch.split(flat.to(self.block.device, non_blocking=True), lengths))
 
     def views(self, rows: int) -> BatchViews:
         """Views of the first `rows` batch rows, cached: a call per layer makes none."""
@@ -142,7 +121,69 @@ class BatchBuffers:
 
     def state(self) -> list[torch.Tensor]:
         """Every device buffer, for tests that compare a cache's state before and after."""
-        return [self._block, self.out]
+        return [self.block.tensor, self.out]
+
+
+class DeviceBlock:
+    """Named typed fields of one device byte block, refreshed in one host-to-device copy.
+
+    Fields start at 16-byte offsets; every field not given a value gets its padding. The views
+    never move (graph capture holds them), and a whole field is the same tensor every call (a
+    launch bound to it is replayed, not bound again). Uploads go from a staging ring
+    (`_StagingRing`); an upload of the first `size` bytes sends only those.
+    """
+
+    def __init__(self, fields: Sequence[tuple[str, torch.dtype, int, int]],
+                 device: torch.device, backend: Backend | None = None) -> None:
+        self._fields: dict[str, _Field] = {}
+        offset = 0
+        for name, dtype, length, padding in fields:
+            self._fields[name] = _Field(dtype, offset, length, padding)
+            offset += -(-length * dtype.itemsize // _ALIGN) * _ALIGN
+        self.device = device
+        self.tensor = torch.zeros(offset, dtype=torch.uint8, device=device)
+        self._prefix = {offset: self.tensor}
+        # What the host sends before the values go in: every field's padding.
+        self._template = np.zeros(offset, dtype=np.uint8)
+        for name, field in self._fields.items():
+            self._host_view(self._template, name)[:] = field.padding
+        self._whole: dict[str, torch.Tensor] = {}
+        self._staging = _StagingRing(self, backend, device)
+
+    def end_of(self, name: str) -> int:
+        """The byte offset after field `name` (an upload of that many bytes stops there)."""
+        field = self._fields[name]
+        end = field.offset + -(-field.length * field.dtype.itemsize // _ALIGN) * _ALIGN
+        self._prefix.setdefault(end, self.tensor[:end])
+        return end
+
+    def field(self, name: str, count: int | None = None) -> torch.Tensor:
+        """The device view of a field (its first `count` entries)."""
+        if count is None:
+            whole = self._whole.get(name)
+            if whole is None:
+                whole = self._whole[name] = self.field(name, self._fields[name].length)
+            return whole
+        field = self._fields[name]
+        return self.tensor[field.offset : field.offset + count * field.dtype.itemsize].view(
+            field.dtype)
+
+    def upload(self, values: Mapping[str, Sequence[int] | np.ndarray],
+               size: int | None = None) -> None:
+        """Send `values` (field -> the values of its first entries, flat) and every other
+        entry's padding, in one copy of the block's first `size` bytes (None: all of it;
+        else an `end_of` offset)."""
+        size = self.tensor.numel() if size is None else size
+        staged = self._staging.take()
+        np.copyto(staged.host[:size], self._template[:size])
+        views = staged.views
+        for name, value in values.items():
+            views[name][: len(value)] = value
+        source = staged.prefix.get(size)
+        if source is None:  # (an `end_of` size asked for after this copy was made)
+            source = staged.prefix[size] = staged.tensor[:size]
+        self._prefix[size].copy_(source, non_blocking=True)
+        self._staging.sent(staged)
 
     def _host_view(self, host: np.ndarray, name: str) -> np.ndarray:
         field = self._fields[name]
@@ -155,7 +196,8 @@ class _Staged:
     """One host copy of the block: numpy views of its fields, the tensor prefixes an upload
     sends, and the event after its last copy (None: never sent, or no events here)."""
 
-    host: np.ndarray
+    tensor: torch.Tensor  # the host copy (pinned on accelerators)
+    host: np.ndarray  # the same bytes, for numpy
     views: dict[str, np.ndarray]
     prefix: dict[int, torch.Tensor]
     event: Any = None
@@ -168,9 +210,9 @@ class _StagingRing:
     upload never waits for the device. On the CPU the copy is done when `copy_` returns: one
     pageable copy serves every upload."""
 
-    def __init__(self, buffers: BatchBuffers, backend: Backend | None,
+    def __init__(self, block: DeviceBlock, backend: Backend | None,
                  device: torch.device, pin: bool | None = None) -> None:
-        self._buffers = buffers
+        self._block = block
         self._backend = backend if device.type != "cpu" else None
         self._device = device
         self._pin = self._backend is not None if pin is None else pin
@@ -192,12 +234,12 @@ class _StagingRing:
             self._next = (self._next + 1) % len(self._ring)
 
     def _new(self) -> _Staged:
-        b = self._buffers
+        b = self._block
         size = b._template.size
         tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
         host = tensor.numpy()
-        return _Staged(host, {name: b._host_view(host, name) for name in b._fields},
-                       {n: tensor[:n] for n in b._block_prefix})
+        return _Staged(tensor, host, {name: b._host_view(host, name) for name in b._fields},
+                       {n: tensor[:n] for n in b._prefix})
 
 
 class BatchPlan:

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from hisparse.backends.base import Backend
@@ -32,10 +31,7 @@ from hisparse.core.replay import GroupReplay
 from hisparse.kernels.union_reference import Union, build_union
 from hisparse.layout.tables import CacheTables, MissPlan
 
-__all__ = ["DeviceBlock", "Union", "UnionWidth", "build_union", "build_width"]
-
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16}
-_ALIGN = 16
+__all__ = ["Union", "UnionWidth", "build_union", "build_width"]
 
 
 class _UnionKernels(DecodeKernels):
@@ -129,45 +125,3 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
                                            table=table)
     return UnionWidth(tokens=tokens, union_top_k=union_top_k, union_out=union_out, rows=rows,
                       kernels=kernels, replays=replays)
-
-
-class DeviceBlock:
-    """Named typed fields of one device byte block, refreshed in one host-to-device copy.
-
-    Every field not given a value gets its padding; the views never move (graph capture).
-    """
-
-    def __init__(self, fields: list[tuple[str, torch.dtype, int, int]],
-                 device: torch.device) -> None:
-        self._fields: dict[str, tuple[torch.dtype, int, int]] = {}
-        offset = 0
-        for name, dtype, length, _ in fields:
-            self._fields[name] = (dtype, offset, length)
-            offset += -(-length * dtype.itemsize // _ALIGN) * _ALIGN
-        self._block = torch.zeros(offset, dtype=torch.uint8, device=device)
-        self._template = np.zeros(offset, dtype=np.uint8)
-        self._whole: dict[str, torch.Tensor] = {}
-        for name, _, _, padding in fields:
-            self._host_view(self._template, name)[:] = padding
-
-    def field(self, name: str, count: int | None = None) -> torch.Tensor:
-        """The device view of a field (its first `count` entries). A whole field is the same
-        tensor every call: a launch bound to it (the backup's) is replayed, not bound again."""
-        if count is None:
-            whole = self._whole.get(name)
-            if whole is None:
-                whole = self._whole[name] = self.field(name, self._fields[name][2])
-            return whole
-        dtype, offset, _ = self._fields[name]
-        return self._block[offset : offset + count * dtype.itemsize].view(dtype)
-
-    def upload(self, values: dict[str, Any]) -> None:
-        host = self._template.copy()
-        for name, value in values.items():
-            array = np.asarray(value)
-            self._host_view(host, name)[: array.size] = array.reshape(-1)
-        self._block.copy_(torch.from_numpy(host), non_blocking=True)
-
-    def _host_view(self, host: np.ndarray, name: str) -> np.ndarray:
-        dtype, offset, length = self._fields[name]
-        return host[offset : offset + length * dtype.itemsize].view(_NUMPY[dtype])

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from hisparse.backends.base import Backend
+from hisparse.core.batch import DeviceBlock
 from hisparse.core.requests import RequestRecord
 from hisparse.core.step import DecodeContext, DecodeStep, StepState, host_row_of, slot_of
-from hisparse.core.union import DeviceBlock, UnionWidth, build_width
+from hisparse.core.union import UnionWidth, build_width
 from hisparse.core.validation import as_rows, check_batch_rows, check_layer, check_tensor
 from hisparse.errors import InvalidInputError, RequestStateError
 from hisparse.kernels.union_reference import presence_table
@@ -57,7 +58,7 @@ class VerifyContext:
             ("draft_rows_long", i64, cap * D, sink), ("first", i64, cap, 0),
             ("draft_base", i64, cap, 0), ("page_index", i64, cap * D, 0),
             ("draft_rows", i32, cap * D, sink), ("page_extent", i32, cap * D, 0),
-        ], c.device)
+        ], c.device, backend)
         end = DeviceBlock([
             ("commit_src", i64, cap * D, 0), ("commit_dst", i64, cap * D, 0),
             ("seq_slot", i64, cap, 0), ("page_reset", i64, cap * (D + 1), 0),
@@ -66,7 +67,7 @@ class VerifyContext:
             ("backup_host", i32, cap * D, -1), ("backup_count", i32, 1, 0),
             ("seq_len", i32, cap, 0), ("short_key_i32", i32, cap * D, 0),
             ("short_hot_resident", c.tables.resident.dtype, cap * D, 0),
-        ], c.device)
+        ], c.device, backend)
         return cls(backend=backend, max_draft_tokens=D, top_k=config.top_k,
                    group_size=config.index_group_size, skip_io=config.skip_io,
                    zero_copy=bool(config.zero_copy_swap_in), begin_block=begin, end_block=end,

@@ -12,6 +12,7 @@ from collections.abc import Hashable, Iterable
 import numpy as np
 
 from hisparse.core.host_pool import token_rows
+from hisparse.core.operations import bookkeeping
 from hisparse.errors import PoolExhaustedError, RequestStateError, UnknownRequestError
 
 _CHANGES = itertools.count(1)  # (next() on it is atomic under the GIL; `+= 1` is not)
@@ -326,21 +327,21 @@ class RequestQueries:
     """`HiSparseCache`'s read-only request lookups, as a mixin of it: what a scheduler may ask
     about a request at any time (under the cache's bookkeeping lock)."""
 
+    @bookkeeping
     def request_state(self, request_id: Hashable) -> RequestState:
-        with self._lock:
-            return self._requests.get(request_id, "look up").state
+        return self._requests.get(request_id, "look up").state
 
+    @bookkeeping
     def seq_len(self, request_id: Hashable) -> int:
-        with self._lock:
-            return self._requests.get(request_id, "look up").num_tokens
+        return self._requests.get(request_id, "look up").num_tokens
 
+    @bookkeeping
     def request_slot(self, request_id: Hashable) -> int | None:
         """The device request slot `r` (rows `r*S .. r*S+H`), None while it holds none."""
-        with self._lock:
-            return self._requests.get(request_id, "look up").slot
+        return self._requests.get(request_id, "look up").slot
 
+    @bookkeeping
     def host_rows(self, request_id: Hashable) -> np.ndarray:
         """Host row (int64) of each of the request's tokens, the same in every layer."""
-        with self._lock:
-            record = self._requests.get(request_id, "look up")
-            return token_rows(record.extents, self.extent_tokens, 0, record.num_tokens)
+        record = self._requests.get(request_id, "look up")
+        return token_rows(record.extents, self.extent_tokens, 0, record.num_tokens)

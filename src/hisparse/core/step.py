@@ -304,15 +304,7 @@ class DecodeStep:
             c = self._usable("end_decode_step")
             if accepted is not None:
                 _check_single_accepted(accepted, self.batch_size)
-            if c.validate and len(self._written) != c.num_layers:
-                missing = sorted(set(range(c.num_layers)) - self._written)
-                raise RequestStateError(
-                    f"end_decode_step: layers {missing} got no write_newest in this step, so "
-                    "their host backup would store a stale row; call write_newest(layer, kv) "
-                    "for every layer first"
-                )
-            for replay in self._anchored:
-                replay.replay_owed()
+            self._prepare_end(c)
             shared = self._enter_shared(c, "end")
             c.order.backup.issue(self._launch_backup)
             c.traffic.backed_up_tokens += self.batch_size
@@ -333,11 +325,28 @@ class DecodeStep:
                 raise self._refusal("cancel_decode_step")
             self._settle_replays()
             shared = self._enter_shared(c, "cancel")
-            # The device first: a failure leaves the step open and the call retryable.
-            self._restore_newest_slots(c)
-            self._undo_append(c)
+            self._roll_back(c)
             self._close(c, StepState.CANCELLED)
             self._exit_shared(c, shared, "cancel", wrote=False)
+
+    def _prepare_end(self, c: DecodeContext) -> None:
+        """Before an end changes anything: (validate) every layer was written, and every
+        group's follower replays owed are made."""
+        if c.validate and len(self._written) != c.num_layers:
+            missing = sorted(set(range(c.num_layers)) - self._written)
+            raise RequestStateError(
+                f"end_decode_step: layers {missing} got no write_newest in this step, so "
+                "their host backup would store a stale row; call write_newest(layer, kv) "
+                "for every layer first"
+            )
+        for replay in self._anchored:
+            replay.replay_owed()
+
+    def _roll_back(self, c: DecodeContext) -> None:
+        """A cancel's undo of the step's token: the device first, so that a failure leaves the
+        step open and the call retryable."""
+        self._restore_newest_slots(c)
+        self._undo_append(c)
 
     def _enter_shared(self, c: DecodeContext, action: str) -> Any | None:
         """On a shared host pool, an end or cancel is an operation of its own: refused on a

@@ -28,7 +28,7 @@ from hisparse.core.requests import RequestRecord
 from hisparse.core.step import DecodeContext, DecodeStep, StepState, host_row_of, slot_of
 from hisparse.core.union import UnionWidth, build_width
 from hisparse.core.validation import as_rows, check_batch_rows, check_layer, check_tensor
-from hisparse.errors import InvalidInputError, RequestStateError
+from hisparse.errors import InvalidInputError
 from hisparse.kernels.union_reference import presence_table
 
 
@@ -248,14 +248,7 @@ class VerifyStep(DecodeStep):
         with self._lock:
             c = self._usable("end_decode_step")
             counts = self._check_accepted(accepted)
-            if c.validate and len(self._written) != c.num_layers:
-                missing = sorted(set(range(c.num_layers)) - self._written)
-                raise RequestStateError(
-                    f"end_decode_step: layers {missing} got no write_newest in this step, so "
-                    "their host backup would store a stale row; call write_newest(layer, kv) "
-                    "for every layer first")
-            for replay in self._anchored:
-                replay.replay_owed()
+            self._prepare_end(c)
             shared = self._enter_shared(c, "end")
             backups, commits = self._settle(c, counts)
             c.order.backup.issue(lambda: self._launch_commit(c, backups, commits))
@@ -263,18 +256,11 @@ class VerifyStep(DecodeStep):
             self._close(c, StepState.ENDED)
             self._exit_shared(c, shared, f"end{counts}", wrote=True)  # `accepted` counts
 
-    def cancel(self) -> None:
-        """Roll back all S tokens of every request; the newest slot gets its token back."""
-        with self._lock:
-            c = self._context
-            if c is None:
-                raise self._refusal("cancel_decode_step")
-            self._settle_replays()
-            shared = self._enter_shared(c, "cancel")
-            self._restore_newest_slot(c)
-            self._settle(c, [0] * self.batch_size)
-            self._close(c, StepState.CANCELLED)
-            self._exit_shared(c, shared, "cancel", wrote=False)
+    def _roll_back(self, c: DecodeContext) -> None:
+        """A cancel rolls back all S tokens of every request; the newest slot gets its token
+        back."""
+        self._restore_newest_slot(c)
+        self._settle(c, [0] * self.batch_size)
 
     def _check_accepted(self, accepted: Sequence[int] | torch.Tensor | None) -> list[int]:
         S, B = self.num_tokens, self.batch_size

@@ -31,12 +31,14 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import hisparse
+from hisparse.backends.registry import get_backend
 from hisparse.tools.benchmarking import run_environment
 
 CALLS = ("begin_decode_step", "write_newest", "swap_in", "end_decode_step")
@@ -296,7 +298,38 @@ def launch_floors(device: str, repeats: int = 2000) -> dict[str, float]:
     floors["torch_slice"] = median_us(lambda: src[:4])
     event = torch.Event(device=dev)
     floors["event_record"] = median_us(lambda: event.record())
+    if dev.type == "cuda":  # the stream and event calls an ordering barrier is built from
+        floors |= _stream_floors(dev, median_us)
+    pinned = torch.zeros(256, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    landing = torch.empty(256, dtype=torch.uint8, device=dev)
+    floors["h2d_copy_256_bytes"] = median_us(lambda: landing.copy_(pinned, non_blocking=True))
+    values, index = np.arange(128), np.arange(8)
+    floors["numpy_fancy_index_8"] = median_us(lambda: values[index])
+    floors["numpy_tolist_128"] = median_us(values.tolist)
     return floors
+
+
+def _stream_floors(dev: torch.device, median_us: Callable[[Callable[[], object]], float]
+                   ) -> dict[str, float]:
+    backend = get_backend(dev)
+    side = torch.cuda.Stream(dev)
+    cuda_event, event = torch.cuda.Event(), backend.new_event()
+
+    def cuda_scope() -> None:
+        with torch.cuda.stream(side):
+            pass
+
+    def hisparse_scope() -> None:
+        with backend.stream_scope(side):
+            pass
+
+    return {"cuda_current_stream_of_device": median_us(lambda: torch.cuda.current_stream(dev)),
+            "cuda_event_record_current": median_us(lambda: cuda_event.record()),
+            "hisparse_record_event": median_us(lambda: backend.record_event(event, dev)),
+            "hisparse_wait_event": median_us(lambda: backend.wait_event(event, dev)),
+            "cuda_stream_scope": median_us(cuda_scope),
+            "hisparse_stream_scope": median_us(hisparse_scope),
+            "event_query": median_us(event.query)}
 
 
 TARGETS_US = {"swap_in": 25.0, "write_newest": 8.0, "begin_plus_end": 60.0, "step": 2500.0}

@@ -11,8 +11,10 @@ For each group size in `--ranks`, one process per rank (hisparse.tools.shared_po
   layer's write_newest and swap_in of a random top-k, end), the ranks starting each step
   together as a TP group's collectives keep them; per-step host time (also without the time
   spent waiting for the writer inside the step) and, on a GPU, device time (events around
-  the step). The ranks that do not write, against the ranks of a group of the same size with
-  private pools (today: every rank backs its own tokens up), and a single rank alone.
+  the step). The ranks that do not write, against the ranks of a group of the same size
+  with private pools (today: every rank backs its own tokens up), and a single rank alone.
+  Again with the ranks taking turns within each step (`timing_staggered`): each rank's cost
+  without the contention of ranks that share this machine's one GPU.
 * fuzz: `--fuzz-steps` decode steps per rank of random admit, PD, finish, abort, preempt,
   resume and cancel, every row read checked byte for byte against the rows the seeds give.
 
@@ -80,8 +82,8 @@ def stats_of(values: list[float]) -> dict[str, float] | None:
             "mean": statistics.fmean(ordered)}
 
 
-def timing(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
-    common = dict(steps=args.steps, batch=args.batch, device=args.device)
+def timing(args: argparse.Namespace, ranks: int, staggered: bool = False) -> dict[str, Any]:
+    common = dict(steps=args.steps, batch=args.batch, device=args.device, staggered=staggered)
     shared = group(timing_rank, f"bench-{os.getpid()}-time{ranks}", ranks, **common)
     private = group(timing_rank, None, ranks, **common)
     readers_host = [v for r in shared[1:] for v in r["host_us"]]
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.argv[1:] if argv is None else argv),
         **run_environment(args.device), "device": args.device, "groups": {}}
     for ranks in args.ranks:
-        entry: dict[str, Any] = {"memory": memory(args, ranks), "timing": timing(args, ranks)}
+        entry: dict[str, Any] = {"memory": memory(args, ranks), "timing": timing(args, ranks),
+                                 "timing_staggered": timing(args, ranks, staggered=True)}
         if args.fuzz_steps:
             fuzz = group(fuzz_rank, f"bench-{os.getpid()}-fuzz{ranks}", ranks, timeout_s=3600,
                          seed=args.seed + ranks, steps=args.fuzz_steps, device=args.device)
@@ -139,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
             entry["fuzz_mismatches"] = sum(r["mismatches"] for r in fuzz)
             entry["fuzz_steps_total"] = sum(r["steps"] for r in fuzz)
         result["groups"][str(ranks)] = entry
-        m, t = entry["memory"], entry["timing"]
+        m, t, alone = entry["memory"], entry["timing"], entry["timing_staggered"]
         print(f"{ranks} ranks: host memory {m['shared']['pools']:.2f} pools shared vs "
               f"{m['private']['pools']:.2f} private; non-writer step "
               f"{t['non_writer_host_us']['median']:.0f} us host "
               f"({t['non_writer_host_busy_us']['median']:.0f} us without waits) vs "
-              f"{t['private_rank_host_us']['median']:.0f} us private"
+              f"{t['private_rank_host_us']['median']:.0f} us private (taking turns: "
+              f"{alone['non_writer_host_busy_us']['median']:.0f} vs "
+              f"{alone['private_rank_host_us']['median']:.0f} us)"
               + (f"; fuzz {entry['fuzz_steps_total']} steps, {entry['fuzz_mismatches']} "
                  "mismatches" if args.fuzz_steps else ""), flush=True)
     result["load_average_1_5_15_min_at_end"] = list(os.getloadavg())

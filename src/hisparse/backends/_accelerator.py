@@ -56,6 +56,32 @@ def bind_triton_kernel(name: str) -> Any:
     return getattr(module, name)
 
 
+# torch.accelerator's stream calls (torch 2.6 on) go straight to C++.
+_ACCELERATOR_STREAMS = all(hasattr(getattr(torch, "accelerator", None), name) for name in (
+    "current_stream", "set_stream", "current_device_index", "set_device_index"))
+
+
+class _StreamScope:
+    """`stream` is its device's current stream inside the block, as under the device module's
+    `stream()` (which also makes that device current), at a fraction of its host time."""
+
+    __slots__ = ("_device_before", "_stream", "_stream_before")
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __enter__(self) -> Any:
+        self._device_before = torch.accelerator.current_device_index()
+        self._stream_before = torch.accelerator.current_stream(self._stream.device_index)
+        torch.accelerator.set_stream(self._stream)
+        return self._stream
+
+    def __exit__(self, *exc_info: object) -> None:
+        torch.accelerator.set_stream(self._stream_before)
+        if self._device_before != self._stream_before.device_index:
+            torch.accelerator.set_device_index(self._device_before)
+
+
 class AcceleratorBackend(Backend):
     """A backend whose device is driven through a torch device module."""
 
@@ -100,18 +126,28 @@ class AcceleratorBackend(Backend):
         return self.module.Stream()
 
     def stream_scope(self, stream: Any | None) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext() if stream is None else self.module.stream(stream)
+        if stream is None:
+            return contextlib.nullcontext()
+        return _StreamScope(stream) if _ACCELERATOR_STREAMS else self.module.stream(stream)
 
     def new_event(self) -> Any:
-        return self.module.Event()
+        # torch.Event's record and wait are C++ calls given a stream; the device module's
+        # events look the current stream up in Python on every call (see benchmarks/NOTES.md).
+        return torch.Event(device=torch.device(self.torch_device_type))
 
     def record_event(self, event: Any | None, device: torch.device | None = None) -> None:
         if event is not None:
-            event.record(self.module.current_stream(device))
+            event.record(self._current_stream(device))
 
     def wait_event(self, event: Any | None, device: torch.device | None = None) -> None:
         if event is not None:
-            self.module.current_stream(device).wait_event(event)
+            event.wait(self._current_stream(device))
+
+    def _current_stream(self, device: torch.device | None) -> Any:
+        index = None if device is None else device.index
+        if _ACCELERATOR_STREAMS:
+            return torch.accelerator.current_stream(index)
+        return self.module.current_stream(index)
 
     def synchronize(self, device: torch.device | None = None) -> None:
         self.module.synchronize(device)

@@ -444,24 +444,19 @@ def memory_rank(barrier: Any, name: str | None, rank: int, ranks: int, pool_toke
     memory before and after."""
     overrides = dict(num_layers=layers, host_pool_tokens=pool_tokens, max_requests=8,
                      max_seq_len=pool_tokens)
+    writer = name is None or rank == 0
     if device != "cpu":
-        torch.empty(1, device=device)  # the runtime's own host memory is not the pool's
+        # The runtime's own host memory is not the pool's: a GPU runtime grows by hundreds of
+        # MiB as it loads the kernels a fill runs, so a small private cache runs them first.
+        warm = _cache(None, rank, ranks, device, dict(overrides, host_pool_tokens=4096,
+                                                      max_seq_len=4096))
+        _fill(warm, True)
+        warm.close()
     before = memory_status()
     barrier.wait()
     cache = _cache(name, rank, ranks, device, overrides)
-    writer = name is None or rank == 0
     barrier.wait()
-    request_tokens, chunk = pool_tokens // 4, 1024  # in chunks: few temporaries to measure
-    blank = torch.zeros(cache.num_layers, chunk, cache.row_bytes, dtype=torch.uint8)
-    for request in range(4):
-        cache.admit(request, request_tokens)
-        for start in range(0, request_tokens, chunk):
-            stop = min(start + chunk, request_tokens)
-            # A reader writes nothing, but makes the same calls as the writer.
-            rows = (prompt_rows(request, start, stop, cache.num_layers, cache.row_bytes)
-                    if writer else blank[:, : stop - start])
-            cache.write_prefill(request, rows.to(cache.device), start=start)
-        cache.commit_prefill(request)
+    _fill(cache, writer)
     checksum = sum(int(layer.sum()) for layer in cache.host_tensors())  # every page touched
     after = memory_status()
     barrier.wait()
@@ -475,14 +470,32 @@ def memory_rank(barrier: Any, name: str | None, rank: int, ranks: int, pool_toke
             "private_delta": after.get("RssAnon", 0) - before.get("RssAnon", 0)}
 
 
+def _fill(cache: Any, writer: bool, chunk: int = 1024) -> None:
+    """Admit four requests that fill the pool and offload their prompts in chunks (few
+    temporaries to measure); a reader writes nothing, but makes the same calls."""
+    request_tokens = cache._pool.num_rows // 4
+    blank = torch.zeros(cache.num_layers, chunk, cache.row_bytes, dtype=torch.uint8)
+    for request in range(4):
+        cache.admit(request, request_tokens)
+        for start in range(0, request_tokens, chunk):
+            stop = min(start + chunk, request_tokens)
+            rows = (prompt_rows(request, start, stop, cache.num_layers, cache.row_bytes)
+                    if writer else blank[:, : stop - start])
+            cache.write_prefill(request, rows.to(cache.device), start=start)
+        cache.commit_prefill(request)
+
+
 # --- timing ---------------------------------------------------------------------------------
 def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: int,
                 batch: int, device: str = "cpu", overrides: dict[str, Any] | None = None,
-                warmup: int = 20) -> dict[str, Any]:
+                warmup: int = 20, staggered: bool = False) -> dict[str, Any]:
     """Per-step host time (begin, every layer's write_newest and swap_in, end) and, on a GPU,
     device time (events around the step) of one rank decoding `batch` long requests. The
     ranks start each step together, as a TP group's collectives keep them (the barrier is
-    not timed); `busy_us` leaves out the time a rank waited for another inside the step."""
+    not timed); `busy_us` leaves out the time a rank waited for another inside the step.
+    `staggered`: the ranks take turns within each step, rank 0 (the writer) first, so that
+    a rank's time holds no contention from ranks that share its GPU and cores here but would
+    have their own in a deployment."""
     config = dict(num_layers=8, max_requests=batch, max_seq_len=4096, host_pool_tokens=
                   batch * 4096, **(overrides or {}))
     cache = _cache(name, rank, ranks, device, config)
@@ -500,6 +513,8 @@ def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: in
     barrier.wait()
     for step_index in range(warmup + steps):
         barrier.wait()  # lockstep, untimed
+        for _ in range(rank if staggered else 0):
+            barrier.wait()  # the earlier ranks' turns
         waited = shared.waited_s if shared is not None else 0.0
         length = prompt + step_index
         top_k = torch.randint(0, length, (batch, cache.top_k), generator=generator,
@@ -522,6 +537,8 @@ def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: in
             host.append(elapsed * 1e6)
             waited = (shared.waited_s if shared is not None else 0.0) - waited
             busy.append((elapsed - waited) * 1e6)
+        for _ in range(ranks - 1 - rank if staggered else 0):
+            barrier.wait()  # the later ranks' turns
     barrier.wait()
     cache.close()
     return {"rank": rank, "host_us": host, "busy_us": busy, "device_ms": device_ms[warmup:]}

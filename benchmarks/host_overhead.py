@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None,
                         help="fewer layers than the preset's 61 (quick runs only)")
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each Triton JIT launch (an extra pass per cell)")
     parser.add_argument("--profile", action="store_true",

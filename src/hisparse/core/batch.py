@@ -262,15 +262,21 @@ class BatchPlan:
         self.slots = slots.slots_of(records)
         self._positions = positions = slots.lengths[self.slots]
         self.positions = tuple(positions.tolist())
+        self._shortest = min(self.positions)
         self.grow: list[tuple[RequestRecord, int]] = []  # (record, its batch row)
         self.full = ([records[b].request_id for b in np.flatnonzero(positions >= max_seq_len)]
                      if max(self.positions) >= max_seq_len else [])
         if self.full:
             return  # (past max_seq_len there is no page to look up)
-        extent = slots.pages[self.slots, positions // E]
-        self.host_rows = np.where(extent >= 0, extent * E + positions % E, -1)
-        if self.host_rows.min() < 0:
-            self.grow = [(records[b], b) for b in np.flatnonzero(extent < 0).tolist()]
+        # Few numpy calls (each costs more than its work at these sizes; benchmarks/NOTES.md).
+        page, offset = np.divmod(positions, E)
+        extent = slots.pages[self.slots, page]
+        self.host_rows = host_rows = extent * E
+        host_rows += offset
+        if extent.min() < 0:  # a token that starts an extent: no page yet
+            starts = np.flatnonzero(extent < 0)
+            host_rows[starts] = -1
+            self.grow = [(records[b], b) for b in starts.tolist()]
 
     def place_new_extents(self, extents: Sequence[int]) -> None:
         """The extent each `grow` entry's token starts, in order: its host row follows."""
@@ -281,7 +287,8 @@ class BatchPlan:
     def columns(self) -> dict[str, Sequence[int] | np.ndarray]:
         """The every-step fields of `BatchBuffers`."""
         H, S = self._tables.hot_slots, self._tables.slots_per_request
-        newest = self.slots * S + np.minimum(self._positions, H)  # short: its own slot
+        newest = self.slots * S
+        newest += H if self._shortest >= H else np.minimum(self._positions, H)  # short: own slot
         return {"req_slots": self.slots, "batch_slots": self.slots,
                 "num_real": [len(self.positions)], "newest_rows": newest,
                 "newest_rows_long": newest, "newest_host_rows": self.host_rows,
@@ -297,7 +304,7 @@ class BatchPlan:
             updates["page_extent"] = self.host_rows[grown] // t.extent_tokens
         # The token's own slot, tracked for the switch (a list's min: no numpy for the usual
         # step, whose requests are all long).
-        if min(self.positions) < t.hot_slots:
+        if self._shortest < t.hot_slots:
             short = self._positions < t.hot_slots
             slot, hot = self.slots[short], self._positions[short]
             key = (slot * t.positions_per_request + hot if t.residency_map == "position"

@@ -13,8 +13,9 @@ For each group size in `--ranks`, one process per rank (hisparse.tools.shared_po
   spent waiting for the writer inside the step) and, on a GPU, device time (events around
   the step). The ranks that do not write, against the ranks of a group of the same size
   with private pools (today: every rank backs its own tokens up), and a single rank alone.
-  Again with the ranks taking turns within each step (`timing_staggered`): each rank's cost
-  without the contention of ranks that share this machine's one GPU.
+  Again interleaved (`timing_interleaved`): the shared group, a private group and a single
+  rank run at once and take turns within each step, so that each process's time holds no
+  contention from the others and all of them see the machine at the same moments.
 * fuzz: `--fuzz-steps` decode steps per rank of random admit, PD, finish, abort, preempt,
   resume and cancel, every row read checked byte for byte against the rows the seeds give.
 
@@ -47,8 +48,14 @@ from hisparse.tools.shared_pool_run import (
 
 def group(target: Any, name: str | None, ranks: int, timeout_s: float = 580.0,
           **args: Any) -> list[dict[str, Any]]:
-    results = run_group(target, [dict(name=name, rank=r, ranks=ranks, **args)
-                                 for r in range(ranks)], timeout_s=timeout_s)
+    return checked(target, [dict(name=name, rank=r, ranks=ranks, **args) for r in range(ranks)],
+                   timeout_s)
+
+
+def checked(target: Any, entries: list[dict[str, Any]], timeout_s: float = 580.0
+            ) -> list[dict[str, Any]]:
+    """`target` in one process per entry; their results, or exit on the first failure."""
+    results = run_group(target, entries, timeout_s=timeout_s)
     failure = describe_failure(results)
     if failure or any("exitcode" in r for r in results):
         raise SystemExit(f"a rank failed: {failure or results}")
@@ -82,16 +89,34 @@ def stats_of(values: list[float]) -> dict[str, float] | None:
             "mean": statistics.fmean(ordered)}
 
 
-def timing(args: argparse.Namespace, ranks: int, staggered: bool = False) -> dict[str, Any]:
-    common = dict(steps=args.steps, batch=args.batch, device=args.device, staggered=staggered)
+def timing(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
+    common = dict(steps=args.steps, batch=args.batch, device=args.device)
     shared = group(timing_rank, f"bench-{os.getpid()}-time{ranks}", ranks, **common)
     private = group(timing_rank, None, ranks, **common)
+    single = group(timing_rank, None, 1, **common)[0]
+    return timing_summary(shared, private, single)
+
+
+def timing_interleaved(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
+    """The shared group (turns 0..n-1, the writer first), a private group (n..2n-1) and a
+    single rank (2n) in one barrier, taking turns within each step."""
+    name, turns = f"bench-{os.getpid()}-turns{ranks}", 2 * ranks + 1
+    common = dict(steps=args.steps, batch=args.batch, device=args.device, turns=turns)
+    entries = ([dict(name=name, rank=r, ranks=ranks, turn=r, **common) for r in range(ranks)]
+               + [dict(name=None, rank=r, ranks=ranks, turn=ranks + r, **common)
+                  for r in range(ranks)]
+               + [dict(name=None, rank=0, ranks=1, turn=2 * ranks, **common)])
+    results = checked(timing_rank, entries)
+    return timing_summary(results[:ranks], results[ranks:-1], results[-1])
+
+
+def timing_summary(shared: list[dict[str, Any]], private: list[dict[str, Any]],
+                   single: dict[str, Any]) -> dict[str, Any]:
     readers_host = [v for r in shared[1:] for v in r["host_us"]]
     readers_busy = [v for r in shared[1:] for v in r["busy_us"]]
     readers_device = [v for r in shared[1:] for v in r["device_ms"]]
     private_host = [v for r in private for v in r["host_us"]]
     private_device = [v for r in private for v in r["device_ms"]]
-    single = group(timing_rank, None, 1, **common)[0]
     out = {"non_writer_host_us": stats_of(readers_host),
            "non_writer_host_busy_us": stats_of(readers_busy),
            "writer_host_us": stats_of(shared[0]["host_us"]),
@@ -111,6 +136,24 @@ def timing(args: argparse.Namespace, ranks: int, staggered: bool = False) -> dic
     return out
 
 
+def summary_line(entry: dict[str, Any]) -> str:
+    said = []
+    if "memory" in entry:
+        m = entry["memory"]
+        said.append(f"host memory {m['shared']['pools']:.2f} pools shared vs "
+                    f"{m['private']['pools']:.2f} private")
+    for part, how in (("timing", "in lockstep"), ("timing_interleaved", "interleaved")):
+        if part in entry:
+            t = entry[part]
+            said.append(f"non-writer step {how} {t['non_writer_host_busy_us']['median']:.0f} us "
+                        f"host without waits vs {t['private_rank_host_us']['median']:.0f} us "
+                        "on a private pool")
+    if "fuzz" in entry:
+        said.append(f"fuzz {entry['fuzz_steps_total']} steps, {entry['fuzz_mismatches']} "
+                    "mismatches")
+    return "; ".join(said)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (every rank on it)")
@@ -125,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--fuzz-steps", type=non_negative_int, default=10000,
                         help="fuzz decode steps per rank (default: 10000; 0: no fuzz)")
+    parser.add_argument("--parts", nargs="+", default=["memory", "timing", "timing_interleaved"],
+                        choices=["memory", "timing", "timing_interleaved"],
+                        help="what to measure besides the fuzz (default: all three)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -132,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/shared_pool.py " + " ".join(
             sys.argv[1:] if argv is None else argv),
         **run_environment(args.device), "device": args.device, "groups": {}}
+    parts = {"memory": memory, "timing": timing, "timing_interleaved": timing_interleaved}
     for ranks in args.ranks:
-        entry: dict[str, Any] = {"memory": memory(args, ranks), "timing": timing(args, ranks),
-                                 "timing_staggered": timing(args, ranks, staggered=True)}
+        entry: dict[str, Any] = {part: parts[part](args, ranks) for part in args.parts}
         if args.fuzz_steps:
             fuzz = group(fuzz_rank, f"bench-{os.getpid()}-fuzz{ranks}", ranks, timeout_s=3600,
                          seed=args.seed + ranks, steps=args.fuzz_steps, device=args.device)
@@ -142,16 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["fuzz_mismatches"] = sum(r["mismatches"] for r in fuzz)
             entry["fuzz_steps_total"] = sum(r["steps"] for r in fuzz)
         result["groups"][str(ranks)] = entry
-        m, t, alone = entry["memory"], entry["timing"], entry["timing_staggered"]
-        print(f"{ranks} ranks: host memory {m['shared']['pools']:.2f} pools shared vs "
-              f"{m['private']['pools']:.2f} private; non-writer step "
-              f"{t['non_writer_host_us']['median']:.0f} us host "
-              f"({t['non_writer_host_busy_us']['median']:.0f} us without waits) vs "
-              f"{t['private_rank_host_us']['median']:.0f} us private (taking turns: "
-              f"{alone['non_writer_host_busy_us']['median']:.0f} vs "
-              f"{alone['private_rank_host_us']['median']:.0f} us)"
-              + (f"; fuzz {entry['fuzz_steps_total']} steps, {entry['fuzz_mismatches']} "
-                 "mismatches" if args.fuzz_steps else ""), flush=True)
+        print(f"{ranks} ranks: {summary_line(entry)}", flush=True)
     result["load_average_1_5_15_min_at_end"] = list(os.getloadavg())
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

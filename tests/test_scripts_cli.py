@@ -430,9 +430,10 @@ def test_shared_pool_benchmark_reports_memory_step_cost_and_a_clean_fuzz(
     assert memory["pool_bytes"] == 4 * 16384 * 64  # 4 layers of tiny's 64 B rows
     assert memory["pool_bytes"] <= memory["shared"]["shared_memory_bytes"]
     assert len(group["timing"]["non_writer_host_us"]) == 3  # median, p90, mean
-    staggered = group["timing_staggered"]
-    assert staggered["non_writer_host_busy_us"]["median"] > 0
-    assert staggered["private_rank_host_us"]["median"] > 0
+    interleaved = group["timing_interleaved"]
+    assert interleaved["non_writer_host_busy_us"]["median"] > 0
+    assert interleaved["private_rank_host_us"]["median"] > 0
+    assert interleaved["single_rank_alone_host_us"]["median"] > 0
     assert group["fuzz_mismatches"] == 0 and group["fuzz_steps_total"] == 40
 
 

@@ -488,14 +488,15 @@ def _fill(cache: Any, writer: bool, chunk: int = 1024) -> None:
 # --- timing ---------------------------------------------------------------------------------
 def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: int,
                 batch: int, device: str = "cpu", overrides: dict[str, Any] | None = None,
-                warmup: int = 20, staggered: bool = False) -> dict[str, Any]:
+                warmup: int = 20, turn: int | None = None, turns: int = 1) -> dict[str, Any]:
     """Per-step host time (begin, every layer's write_newest and swap_in, end) and, on a GPU,
     device time (events around the step) of one rank decoding `batch` long requests. The
     ranks start each step together, as a TP group's collectives keep them (the barrier is
     not timed); `busy_us` leaves out the time a rank waited for another inside the step.
-    `staggered`: the ranks take turns within each step, rank 0 (the writer) first, so that
-    a rank's time holds no contention from ranks that share its GPU and cores here but would
-    have their own in a deployment."""
+    `turn` of `turns`: the processes of the barrier (several groups at once) take turns
+    within each step, so that each process's time holds no contention from the others (which
+    share this machine's one GPU here but would have their own in a deployment) and every
+    group sees the machine at the same moments (its speed drifts over seconds)."""
     config = dict(num_layers=8, max_requests=batch, max_seq_len=4096, host_pool_tokens=
                   batch * 4096, **(overrides or {}))
     cache = _cache(name, rank, ranks, device, config)
@@ -513,8 +514,8 @@ def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: in
     barrier.wait()
     for step_index in range(warmup + steps):
         barrier.wait()  # lockstep, untimed
-        for _ in range(rank if staggered else 0):
-            barrier.wait()  # the earlier ranks' turns
+        for _ in range(turn or 0):
+            barrier.wait()  # the earlier turns
         waited = shared.waited_s if shared is not None else 0.0
         length = prompt + step_index
         top_k = torch.randint(0, length, (batch, cache.top_k), generator=generator,
@@ -537,8 +538,8 @@ def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: in
             host.append(elapsed * 1e6)
             waited = (shared.waited_s if shared is not None else 0.0) - waited
             busy.append((elapsed - waited) * 1e6)
-        for _ in range(ranks - 1 - rank if staggered else 0):
-            barrier.wait()  # the later ranks' turns
+        for _ in range(turns - 1 - turn if turn is not None else 0):
+            barrier.wait()  # the later turns
     barrier.wait()
     cache.close()
     return {"rank": rank, "host_us": host, "busy_us": busy, "device_ms": device_ms[warmup:]}

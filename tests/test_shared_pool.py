@@ -193,6 +193,34 @@ def test_another_request_order_is_a_divergence_too(pool_name: str) -> None:
     reader.close()
 
 
+def test_a_batch_list_changed_in_place_is_compared_by_its_new_ids(
+        pool_name: str, rng: torch.Generator) -> None:
+    """The ranks compare each call by its arguments, and reuse the last call's number when a
+    decode step repeats its batch: a caller that keeps one list and reorders it in place still
+    has its new order compared (a reader whose rows are in another order than the writer's
+    would put each request's tokens in another's rows)."""
+    writer, reader = group(pool_name, 2)
+    L, W = writer.num_layers, writer.row_bytes
+    for request in ("a", "b"):
+        on_all([writer, reader], "admit", request, 20)
+        on_all([writer, reader], "write_prefill", request, random_bytes((L, 20, W), rng))
+        on_all([writer, reader], "commit_prefill", request)
+    kv = torch.zeros(2, W, dtype=torch.uint8)
+    batches = {writer: ["a", "b"], reader: ["a", "b"]}  # each rank's one list, reused
+    for _ in range(2):
+        for cache in (writer, reader):
+            step = cache.begin_decode_step(batches[cache])
+            for layer in range(L):
+                step.write_newest(layer, kv)
+            step.end()
+    writer.begin_decode_step(batches[writer]).cancel()
+    batches[reader].reverse()
+    with pytest.raises(SharedPoolError, match=r"diverged .* \(begin_decode_step \(\['b', 'a'\]"):
+        reader.begin_decode_step(batches[reader])
+    writer.close()
+    reader.close()
+
+
 def test_exhaustion_is_the_same_on_every_rank_and_changes_nothing(pool_name: str) -> None:
     caches = group(pool_name, 2, host_pool_tokens=128, max_seq_len=128)
     on_all(caches, "admit", "a", 100)

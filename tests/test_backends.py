@@ -6,6 +6,8 @@ the `backend` fixture runs the real-device cases wherever a device is present.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import re
 import subprocess
@@ -442,3 +444,67 @@ def test_fake_environments_never_touch_the_real_registries(fake_env) -> None:
     # runtime releasing them would leave them registered while their memory goes away.
     assert cuda.CudaBackend.host_registry is not cuda._registry
     assert rocm.RocmBackend.host_registry is not rocm._registry
+
+
+class _FakeAccelerator:
+    """torch.accelerator's stream calls over two devices, with streams as (device, name)."""
+
+    def __init__(self) -> None:
+        self.device = 0
+        self.current = {0: _FakeStream(0, "default"), 1: _FakeStream(1, "default")}
+
+    def current_device_index(self) -> int:
+        return self.device
+
+    def set_device_index(self, index: int) -> None:
+        self.device = index
+
+    def current_stream(self, index: int | None = None) -> _FakeStream:
+        return self.current[self.device if index is None else index]
+
+    def set_stream(self, stream: _FakeStream) -> None:  # torch's: the stream's device too
+        self.device = stream.device_index
+        self.current[stream.device_index] = stream
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeStream:
+    device_index: int
+    name: str
+
+
+class _FakeEvent:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, _FakeStream]] = []
+
+    def record(self, stream: _FakeStream) -> None:
+        self.calls.append(("record", stream))
+
+    def wait(self, stream: _FakeStream) -> None:
+        self.calls.append(("wait", stream))
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_a_stream_scope_restores_the_stream_and_the_device_it_found(
+        monkeypatch: pytest.MonkeyPatch, raises: bool) -> None:
+    """Inside the scope the side stream is its device's current one (and that device the
+    current device, as under torch.cuda.stream); after it, even after an error, both
+    devices' streams and the current device are what they were."""
+    fake = _FakeAccelerator()
+    for name in ("current_device_index", "set_device_index", "current_stream", "set_stream"):
+        monkeypatch.setattr(torch.accelerator, name, getattr(fake, name))
+    backend = registry.find_backend("cuda")
+    side = _FakeStream(1, "side")
+    before = dict(fake.current)
+    with contextlib.suppress(RuntimeError), backend.stream_scope(side):
+        assert fake.current_stream(1) is side and fake.device == 1
+        event = _FakeEvent()
+        backend.record_event(event, torch.device("cuda", 1))
+        backend.wait_event(event)  # no device: the current one's stream
+        assert event.calls == [("record", side), ("wait", side)]
+        if raises:
+            raise RuntimeError("a launch failed inside the scope")
+    assert fake.current == before and fake.device == 0
+    event = _FakeEvent()
+    backend.record_event(event, torch.device("cuda", 1))
+    assert event.calls == [("record", before[1])]

@@ -19,7 +19,12 @@ if not ON_GPU:
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
 
-from hisparse.kernels import backup_triton, newest_triton, union_triton  # noqa: E402
+from hisparse.kernels import (  # noqa: E402
+    advance_triton,
+    backup_triton,
+    newest_triton,
+    union_triton,
+)
 from hisparse.kernels import swap_in as swap_in_triton  # noqa: E402, F401 (for the tests)
 from hisparse.kernels.swap_in import select  # noqa: E402
 
@@ -36,6 +41,8 @@ if not ON_GPU:
         union_triton = importlib.reload(union_triton)
     if type(newest_triton._write_newest_kernel).__name__ != "InterpretedFunction":
         newest_triton = importlib.reload(newest_triton)
+    if type(advance_triton._advance_kernel).__name__ != "InterpretedFunction":
+        advance_triton = importlib.reload(advance_triton)
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # The marker of every test in a kernel test module (`pytestmark = KERNEL_MARK`).

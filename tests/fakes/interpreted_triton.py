@@ -17,7 +17,7 @@ import torch
 
 from hisparse.backends.base import BackupFn, CopyPlannedFn, SwapInFn
 from hisparse.backends.cpu import CpuBackend
-from interpreted_kernels import ON_GPU, backup_triton, swap_in_triton, union_triton
+from interpreted_kernels import ON_GPU, advance_triton, backup_triton, swap_in_triton, union_triton
 
 
 class InterpretedTritonCpu(CpuBackend):
@@ -53,3 +53,9 @@ class InterpretedTritonCpu(CpuBackend):
         return union_triton.UnionLauncher(tokens, top_k, first, draft_base, num_real,
                                           union_top_k, union_out, rows, counters, direct=False,
                                           table=table)
+
+    def batch_advance(self, batch_slots: torch.Tensor, num_real: torch.Tensor,
+                      newest_host_rows: torch.Tensor, new_seq_lens: torch.Tensor,
+                      seq_lens: torch.Tensor) -> Any:
+        return advance_triton.AdvanceTriton(batch_slots, num_real, newest_host_rows,
+                                            new_seq_lens, seq_lens, direct=False)

@@ -29,6 +29,7 @@ _KERNELS = {
     "UnionLauncher": ("hisparse.kernels.union_triton", None),
     "BackupLauncher": ("hisparse.kernels.backup_triton", None),
     "NewestWriterTriton": ("hisparse.kernels.newest_triton", None),
+    "AdvanceTriton": ("hisparse.kernels.advance_triton", None),
 }
 _warned_no_triton = False
 
@@ -182,6 +183,17 @@ class AcceleratorBackend(Backend):
             return super().newest_writer(device_kv, newest_rows, newest_rows_long)
         return writer(device_kv, newest_rows, newest_rows_long,
                       direct=self.direct_kernel_launch)
+
+    def batch_advance(self, batch_slots: torch.Tensor, num_real: torch.Tensor,
+                      newest_host_rows: torch.Tensor, new_seq_lens: torch.Tensor,
+                      seq_lens: torch.Tensor) -> Any:
+        # As the newest writer: one bound launch where it goes straight to the driver.
+        advance = bind_triton_kernel("AdvanceTriton") if self.direct_kernel_launch else None
+        if advance is None:
+            return super().batch_advance(batch_slots, num_real, newest_host_rows,
+                                         new_seq_lens, seq_lens)
+        return advance(batch_slots, num_real, newest_host_rows, new_seq_lens, seq_lens,
+                       direct=self.direct_kernel_launch)
 
     def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
                          out: torch.Tensor, *, plans: Any = None, skip_io: bool = False

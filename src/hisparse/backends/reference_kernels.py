@@ -63,3 +63,14 @@ class ReferenceKernelBindings:
         from hisparse.kernels.newest_reference import NewestWriterReference
 
         return NewestWriterReference(device_kv, newest_rows, newest_rows_long)
+
+    def batch_advance(self, batch_slots: torch.Tensor, num_real: torch.Tensor,
+                      newest_host_rows: torch.Tensor, new_seq_lens: torch.Tensor,
+                      seq_lens: torch.Tensor) -> Callable[[int], None]:
+        """A quiet step's `advance(rows)` of the batch buffers and the tables' lengths
+        (`kernels.advance_reference`): three torch ops here; the GPU backends bind a Triton
+        launch."""
+        from hisparse.kernels.advance_reference import AdvanceReference
+
+        return AdvanceReference(batch_slots, num_real, newest_host_rows, new_seq_lens,
+                                seq_lens)

@@ -141,6 +141,7 @@ class DeviceBlock:
             self._fields[name] = _Field(dtype, offset, length, padding)
             offset += -(-length * dtype.itemsize // _ALIGN) * _ALIGN
         self.device = device
+        self.uploads = 0  # how many uploads the block has had (core.batch.QuietRun)
         self.tensor = torch.zeros(offset, dtype=torch.uint8, device=device)
         self._prefix = {offset: self.tensor}
         # What the host sends before the values go in: every field's padding.
@@ -183,6 +184,7 @@ class DeviceBlock:
         if source is None:  # (an `end_of` size asked for after this copy was made)
             source = staged.prefix[size] = staged.tensor[:size]
         self._prefix[size].copy_(source, non_blocking=True)
+        self.uploads += 1
         self._staging.sent(staged)
 
     def _host_view(self, host: np.ndarray, name: str) -> np.ndarray:
@@ -277,6 +279,18 @@ class BatchPlan:
             starts = np.flatnonzero(extent < 0)
             host_rows[starts] = -1
             self.grow = [(records[b], b) for b in starts.tolist()]
+        self._offsets = offset
+        self._max_seq_len = max_seq_len
+
+    def quiet_steps(self) -> int:
+        """How many steps after this one are this one moved on by a token (`QuietRun`): none
+        while a request is short (its new token takes a slot of its own), else until a row's
+        token starts the next extent or reaches max_seq_len."""
+        if self._shortest < self._tables.hot_slots:
+            return 0
+        E = self._tables.extent_tokens
+        return min(E - 1 - int(self._offsets.max()),
+                   self._max_seq_len - 1 - max(self.positions))
 
     def place_new_extents(self, extents: Sequence[int]) -> None:
         """The extent each `grow` entry's token starts, in order: its host row follows."""
@@ -312,3 +326,46 @@ class BatchPlan:
             updates |= {"short_slot": slot, "short_hot": hot, "short_key": key,
                         "short_key_i32": key, "short_hot_resident": hot}
         return updates
+
+
+@dataclass(eq=False)
+class QuietRun:
+    """The last decode step's batch, while its next steps are that step moved on by a token.
+
+    A batch of long requests whose new tokens all stay inside their extents and under
+    `max_seq_len` (`BatchPlan.quiet_steps`) needs no plan and no upload: the device moves
+    each row's host row and length on by one (`kernels.advance_reference`) and the host its
+    lengths. It holds while nothing else touched the batch: the same record list, no record
+    changed state or slot (`RequestRecord.changes`), no length or page entry was written but
+    by these steps (`RequestRecord.length_writes`), and the batch buffers had no other upload.
+    """
+
+    records: list[RequestRecord]
+    slots: np.ndarray
+    positions: np.ndarray  # the last step's
+    steps: int  # how many more steps may move on
+    changes: int
+    length_writes: int
+    uploads: int
+
+    @classmethod
+    def after(cls, plan: BatchPlan, records: list[RequestRecord], block: DeviceBlock
+              ) -> QuietRun | None:
+        """The run a step's plan starts (called once the step's append is done)."""
+        steps = plan.quiet_steps()
+        if steps <= 0:
+            return None
+        return cls(records, plan.slots, plan._positions, steps, RequestRecord.changes,
+                   RequestRecord.length_writes, block.uploads)
+
+    def holds_for(self, records: list[RequestRecord], block: DeviceBlock) -> bool:
+        return (self.steps > 0 and records is self.records
+                and self.changes == RequestRecord.changes
+                and self.length_writes == RequestRecord.length_writes
+                and self.uploads == block.uploads)
+
+    def step(self) -> np.ndarray:
+        """The next step's positions (and one step fewer left)."""
+        self.steps -= 1
+        self.positions = self.positions + 1
+        return self.positions

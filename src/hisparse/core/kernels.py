@@ -32,7 +32,8 @@ class DecodeKernels:
     def __init__(self, backend: Backend, skip_io: bool, zero_copy: bool, tables: CacheTables,
                  req_slots: torch.Tensor, num_real: torch.Tensor, out: torch.Tensor,
                  plans: Sequence[MissPlan | None],
-                 newest_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 newest_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 advance: tuple[torch.Tensor, ...] | None = None) -> None:
         self.skip_io = skip_io
         # Asked for by name so that a backend without the feature raises here.
         if skip_io:
@@ -48,6 +49,10 @@ class DecodeKernels:
         # None for a launcher that writes no newest rows (a verify step's union widths).
         self.write_newest = (backend.newest_writer(tables.device_kv, *newest_rows)
                              if newest_rows is not None else None)
+        # A quiet step's `advance(rows)` of the batch buffers `(batch_slots, num_real,
+        # newest_host_rows, new_seq_lens)` and the tables' lengths (core.batch.QuietRun).
+        self._advance = (backend.batch_advance(*advance, tables.seq_lens)
+                         if advance is not None else None)
         self.failure: str | None = None
 
     def launch_swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:
@@ -57,6 +62,15 @@ class DecodeKernels:
             self.launcher.swap_in(layer, group, rows, top_k)
         except BaseException as exc:
             self._failed(f"swap_in({layer})", exc)
+            raise
+
+    def launch_advance(self, rows: int) -> None:
+        """Move the first `rows` batch rows and their lengths on by one token, on the device."""
+        assert self._advance is not None
+        try:
+            self._advance(rows)
+        except BaseException as exc:
+            self._failed("the batch advance", exc)
             raise
 
     def launch_replay(self, layer: int, group: int, rows: int) -> None:

@@ -79,6 +79,11 @@ class RequestRecord:
     # memo of `RequestTable.remembered_batch` and `SlotAllocator.slots_of`). Each value comes
     # from one counter, so a thread that stores a stale one never restores a remembered one.
     changes = 0
+    # The same for every write of a slot holder's length or page entries other than a decode
+    # step's own append (a cancel, a verify step, a new extent, a private prefix copy, a slot
+    # taken or given back): while it and `changes` stand still, the batch's next step is its
+    # last one moved on by a token (core.batch.QuietRun).
+    length_writes = 0
 
     def __init__(self, request_id: Hashable, state: RequestState, admitted_tokens: int,
                  num_tokens: int, extents: list[int] | None = None,
@@ -116,6 +121,7 @@ class RequestRecord:
             self._tokens = value
         else:
             self._lengths[self._slot] = value
+            RequestRecord.length_writes = next(_CHANGES)
 
     @property
     def slot(self) -> int | None:
@@ -170,7 +176,7 @@ class SlotAllocator:
     def take(self, record: RequestRecord) -> int:
         """Give `record` the lowest free slot; its length moves into `lengths`."""
         slot = heapq.heappop(self._free)
-        RequestRecord.changes = next(_CHANGES)
+        RequestRecord.changes = RequestRecord.length_writes = next(_CHANGES)
         self.lengths[slot] = record._tokens
         record._slot, record._lengths = slot, self.lengths
         self.sync_pages(record)
@@ -180,7 +186,7 @@ class SlotAllocator:
         """Take `record`'s slot back; its length moves back into the record."""
         slot = record._slot
         assert slot is not None
-        RequestRecord.changes = next(_CHANGES)
+        RequestRecord.changes = RequestRecord.length_writes = next(_CHANGES)
         record._tokens = int(self.lengths[slot])
         record._slot, record._lengths = None, None
         self.lengths[slot] = 0
@@ -189,6 +195,7 @@ class SlotAllocator:
 
     def sync_pages(self, record: RequestRecord) -> None:
         """`pages` of the record's slot from its extents (after they changed)."""
+        RequestRecord.length_writes = next(_CHANGES)
         row, extents = self.pages[record._slot], record.extents
         row.fill(-1)
         row[: len(extents)] = extents

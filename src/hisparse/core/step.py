@@ -15,10 +15,11 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from hisparse.backends.base import Backend
-from hisparse.core.batch import BatchBuffers, BatchPlan
+from hisparse.core.batch import BatchBuffers, BatchPlan, QuietRun
 from hisparse.core.host_pool import HostPool
 from hisparse.core.kernels import DecodeKernels
 from hisparse.core.ordering import DecodeOrdering, SideStreamReplay
@@ -60,6 +61,7 @@ class DecodeContext:
     prefetch_stream: Any | None  # where followers replay (None: inline)
     shared: Any | None = None  # a shared host pool's SharedPoolSync (core/shared_pool.py)
     slots: Any = None  # the cache's SlotAllocator: lengths and host pages per request slot
+    quiet: QuietRun | None = None  # the last step's batch, while its next steps move on
 
     @classmethod
     def build(cls, config: HiSparseConfig, backend: Backend, device: torch.device,
@@ -76,7 +78,9 @@ class DecodeContext:
                  for _ in range(num_groups)]
         kernels = DecodeKernels(backend, config.skip_io, config.zero_copy_swap_in, tables,
                                 buffers.req_slots, buffers.num_real, buffers.out, plans,
-                                (buffers.newest_rows, buffers.newest_rows_long))
+                                (buffers.newest_rows, buffers.newest_rows_long),
+                                (buffers.field("batch_slots"), buffers.num_real,
+                                 buffers.newest_host_rows, buffers.field("new_seq_lens")))
         backup_stream = backend.backup_stream() if config.async_backup else None
         prefetch = config.shared_index_prefetch and size > 1
         prefetch_stream = backend.prefetch_stream() if prefetch else None
@@ -162,6 +166,10 @@ class DecodeStep:
             c.shared.before_read()  # swap-in reads the writer's rows of every earlier step
         if c.validate:
             c.slots.check(records)
+        run = c.quiet
+        if run is not None and run.holds_for(records, c.buffers.block):
+            return cls._move_on(c, run, request_ids, records)
+        c.quiet = None
         plan = BatchPlan(records, c.slots, c.tables, c.max_seq_len)
         if plan.full:
             raise InvalidInputError(
@@ -190,7 +198,22 @@ class DecodeStep:
             c.slots.sync_pages(record)
         c.slots.lengths[plan.slots] += 1  # every record's num_tokens (they read this array)
         _install_table_updates(c, len(records), updates)
+        c.quiet = QuietRun.after(plan, records, c.buffers.block)
         return cls(c, request_ids, plan.positions, records, grew)
+
+    @classmethod
+    def _move_on(cls, c: DecodeContext, run: QuietRun, request_ids: tuple[Hashable, ...],
+                 records: list[RequestRecord]) -> DecodeStep:
+        """`begin` of a quiet step: the last step's batch buffers moved on on the device."""
+        expected = BatchPlan(records, c.slots, c.tables, c.max_seq_len) if c.validate else None
+        c.order.backup.wait()  # the last backup reads the host rows this moves on
+        c.order.tables_changed.wait()
+        c.kernels.launch_advance(len(records))
+        positions = run.step()
+        c.slots.lengths[run.slots] += 1
+        if expected is not None:
+            _check_moved_on(c, expected, len(records))
+        return cls(c, request_ids, tuple(positions.tolist()), records, [])
 
     # --- per layer ------------------------------------------------------------------------
     def write_newest(self, layer: int, kv: torch.Tensor) -> None:
@@ -477,6 +500,19 @@ def _install_table_updates(c: DecodeContext, batch: int, updates: dict[str, Any]
         slot, hot = b.field("short_slot", count), b.field("short_hot", count)
         t.slot_key[:, slot, hot] = b.field("short_key_i32", count)
         t.resident[:, b.field("short_key", count)] = b.field("short_hot_resident", count)
+
+
+def _check_moved_on(c: DecodeContext, plan: BatchPlan, rows: int) -> None:
+    """Validate mode: a quiet step's buffers and lengths are what a plan would have sent."""
+    b, got = c.buffers, {}
+    for name in ("req_slots", "newest_rows", "newest_host_rows", "new_seq_lens"):
+        got[name] = b.field(name, rows).tolist()
+    got["seq_lens"] = c.tables.seq_lens.cpu()[plan.slots.tolist()].tolist()
+    columns = plan.columns()
+    want = {name: np.asarray(columns[name]).tolist() for name in got if name != "seq_lens"}
+    want["seq_lens"] = np.asarray(columns["new_seq_lens"]).tolist()
+    if got != want:
+        raise AssertionError(f"a quiet step's moved-on batch {got} is not its plan's {want}")
 
 
 def _check_single_accepted(accepted: Any, batch_size: int) -> None:

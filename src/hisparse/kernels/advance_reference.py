@@ -23,8 +23,14 @@ class AdvanceReference:
         self._host_rows = newest_host_rows  # [Bcap] int32
         self._lengths = new_seq_lens  # [Bcap] int32
         self._seq_lens = seq_lens  # [R] int32, the tables'
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # by row count: no slicing
 
     def __call__(self, rows: int) -> None:
-        self._host_rows[:rows] += 1
-        self._lengths[:rows] += 1
-        self._seq_lens.index_copy_(0, self._slots[:rows], self._lengths[:rows])
+        views = self._views.get(rows)
+        if views is None:
+            views = self._views[rows] = (self._host_rows[:rows], self._lengths[:rows],
+                                         self._slots[:rows])
+        host_rows, lengths, slots = views
+        host_rows += 1
+        lengths += 1
+        self._seq_lens.index_copy_(0, slots, lengths)

@@ -58,12 +58,17 @@ def make_cache(device: object, max_batch: int, seq_len: int, steps: int, layers:
         hisparse.HiSparseConfig.from_preset("deepseek-v3.2", **overrides), device=device)
 
 
-def admit_all(cache: hisparse.HiSparseCache, count: int, seq_len: int) -> list[str]:
+def admit_all(cache: hisparse.HiSparseCache, count: int, seq_len: int,
+              ragged: bool = False) -> list[str]:
     """Requests whose host rows are reserved and marked transferred (the PD path: no prefill
-    bytes to write; the rows' content does not change host time)."""
+    bytes to write; the rows' content does not change host time). `ragged`: request i has
+    `(97 * i) % extent_tokens` more tokens, so that the batch's requests start their next
+    extents at different steps, as a served batch's do (every step that one does is planned,
+    the others are quiet: core.batch.QuietRun)."""
     ids = [f"r{i}" for i in range(count)]
-    for request_id in ids:
-        cache.reserve_host_slots(request_id, seq_len)
+    for index, request_id in enumerate(ids):
+        extra = (97 * index) % cache.extent_tokens if ragged else 0
+        cache.reserve_host_slots(request_id, seq_len + extra)
         cache.complete_transfer(request_id)
     return ids
 
@@ -192,14 +197,16 @@ def run_trace(cache: hisparse.HiSparseCache, ids: list[str], trace: TopK, kv: to
 
 def measure(device: object, batches: list[int], churns: list[float], seq_len: int, warmup: int,
             steps: int, layers: int | None, breakdown: bool, profile: bool, seed: int,
-            shape: dict[str, int] | None = None) -> dict[str, object]:
+            shape: dict[str, int] | None = None, ragged: bool = False) -> dict[str, object]:
     passes = 1 + breakdown + profile
+    probe = hisparse.HiSparseConfig.from_preset("deepseek-v3.2", **(shape or {}))
     cache = make_cache(device, max(batches), seq_len, len(batches) * len(churns) *
-                       (warmup + steps) * passes, layers, shape)
+                       (warmup + steps) * passes + (probe.extent_tokens if ragged else 0),
+                       layers, shape)
     dev = cache.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (
         (lambda: torch.xpu.synchronize(dev)) if dev.type == "xpu" else (lambda: None))
-    ids = admit_all(cache, max(batches), seq_len)
+    ids = admit_all(cache, max(batches), seq_len, ragged)
     cells = []
     for batch in batches:
         kv = torch.randint(0, 256, (cache.num_layers, batch, cache.row_bytes),
@@ -359,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noop-kernels", action="store_true",
                         help="the CPU backend with kernels that do nothing "
                              "(tests/fakes/noop_kernels.py): the engine's own Python per call")
+    parser.add_argument("--ragged", action="store_true",
+                        help="request lengths spread over an extent (a served batch), instead "
+                             "of one length: the batch starts extents at different steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -380,8 +390,9 @@ def main(argv: list[str] | None = None) -> int:
                 "between steps only",
         "environment": run_environment("cpu" if args.noop_kernels else device),
         "targets_us": TARGETS_US,
+        "lengths": "ragged" if args.ragged else "equal",
         **measure(device, args.batches, args.churns, args.seq_len, args.warmup, args.steps,
-                  args.layers, args.breakdown, args.profile, args.seed, shape),
+                  args.layers, args.breakdown, args.profile, args.seed, shape, args.ragged),
     }
     if args.floors:
         try:

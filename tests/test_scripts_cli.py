@@ -444,3 +444,27 @@ def test_shared_pool_benchmark_usage_errors(capsys: pytest.CaptureFixture[str],
 
     assert_main_refuses(capsys, shared_pool.main, ["--ranks", "0"], "--ranks")
     assert_main_refuses(capsys, shared_pool.main, ["--fuzz-steps", "-1"], "--fuzz-steps")
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_host_overhead_benchmark_times_every_call_of_every_cell(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ragged: bool) -> None:
+    """The eager host-time benchmark, on the CPU backend whose kernels do nothing (small
+    tables): every call of every cell timed, the targets and the length mode recorded."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import host_overhead
+
+    out = tmp_path / "host-overhead.json"
+    argv = ["--noop-kernels", "--top-k", "16", "--row-bytes", "64", "--seq-len", "256",
+            "--layers", "2", "--batches", "1", "3", "--churns", "0", "0.2", "--steps", "5",
+            "--warmup", "1", "--output", str(out), *(["--ragged"] if ragged else [])]
+    assert host_overhead.main(argv) == 0
+    document = json.loads(out.read_text())
+    assert document["lengths"] == ("ragged" if ragged else "equal")
+    assert document["targets_us"] == host_overhead.TARGETS_US
+    assert [(c["batch"], c["churn"]) for c in document["cells"]] == [
+        (1, 0.0), (1, 0.2), (3, 0.0), (3, 0.2)]
+    for cell in document["cells"]:
+        assert cell["begin_decode_step"]["calls"] == cell["end_decode_step"]["calls"] == 5
+        assert cell["swap_in"]["calls"] == cell["write_newest"]["calls"] == 5 * 2
+        assert 0 < cell["begin_plus_end"]["median_us"] < cell["step"]["median_us"]

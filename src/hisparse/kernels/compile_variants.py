@@ -80,8 +80,11 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
     (small-batch classify chunk, PDL copy), 64 and 128 (address-ordered plan, wide batches).
     Residency by host row and by position; Tuning's boolean switches flipped
     (early_loads with both residency maps, relaxed_counters, pdl), its numbers as shipped.
+    The rest of the decode path (`_decode_path_launches`): the verify union's plan and
+    scatter at S = 2, 4 and 8 (each chunk and block width the launch code picks), the
+    newest-token writer at each warp count, the quiet step's advance at each warp count.
     """
-    from hisparse.kernels import backup_triton
+    from hisparse.kernels import advance_triton, backup_triton, newest_triton, union_triton
     from hisparse.kernels.swap_in import launch as swap_in_launch
     from hisparse.kernels.swap_in import plan as swap_in_plan
 
@@ -91,6 +94,10 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
         "copy": (swap_in_launch, "copy_kernel"),
         "copy_prefetched": (swap_in_launch, "copy_prefetched_kernel"),
         "backup": (backup_triton, "_backup_kernel"),
+        "union_plan": (union_triton, "union_plan_kernel"),
+        "union_scatter": (union_triton, "union_scatter_kernel"),
+        "newest": (newest_triton, "_write_newest_kernel"),
+        "advance": (advance_triton, "_advance_kernel"),
     }
     no_early = {"early_loads": False}
     scenarios = [
@@ -129,7 +136,44 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
         for scenario in scenarios:
             if scenario.quick or not quick:
                 run(scenario, launches)
+        _decode_path_launches(launches, quick)
     return _dedupe(launches.specialized(target))
+
+
+def _decode_path_launches(launches: _Launches, quick: bool) -> None:
+    """The verify union, the newest writer and the quiet step's advance through their own
+    launchers, on CPU tensors (never touched): (tokens, top_k), (row bytes) and (batch
+    capacity) as the shipped presets and the launch code's width switches have them."""
+    import torch
+
+    from hisparse.kernels import advance_triton, newest_triton, union_triton
+
+    i32, i64 = torch.int32, torch.int64
+    unions = [(2, 64)] if quick else [(2, 64), (2, 2048), (4, 2048), (8, 2048)]
+    for tokens, k in unions:
+        launches.scenario = f"verify S={tokens} K={k}"
+        rows, width = 16, tokens * k
+        top_k = torch.empty(rows, tokens, k, dtype=i32)
+        inverse = torch.empty(rows, width, dtype=i32)
+        union_triton.union_plan_triton(
+            top_k, torch.empty(rows, dtype=i64), torch.empty(1, dtype=i32),
+            torch.empty(rows, width, dtype=i32), inverse, torch.empty(rows, 4096, dtype=i32))
+        union_triton.union_scatter_triton(
+            inverse, torch.empty(rows, width, dtype=i32), torch.empty(rows, dtype=i64),
+            torch.empty(rows, tokens, k, dtype=i32), torch.empty(3, dtype=i64))
+    for row_bytes in [64] if quick else [64, 656, 1152]:
+        launches.scenario = f"newest rows {row_bytes} B"
+        device_kv = torch.empty(1, 17, row_bytes, dtype=torch.uint8)
+        newest = torch.empty(16, dtype=i32)
+        writer = newest_triton.NewestWriterTriton(device_kv, newest, newest.long(), direct=False)
+        writer(0, torch.empty(16, row_bytes, dtype=torch.uint8))
+    for capacity in [8] if quick else [8, 128, 256]:
+        launches.scenario = f"quiet-step advance Bcap={capacity}"
+        advance = advance_triton.AdvanceTriton(
+            torch.empty(capacity, dtype=i64), torch.empty(1, dtype=i32),
+            torch.empty(capacity, dtype=i32), torch.empty(capacity, dtype=i32),
+            torch.empty(16, dtype=i32), direct=False)
+        advance(capacity)
 
 
 def _scenario_tables(s: _Scenario, torch: Any) -> tuple[Any, dict[str, Any]]:

@@ -504,6 +504,9 @@ def _install_table_updates(c: DecodeContext, batch: int, updates: dict[str, Any]
 
 def _check_moved_on(c: DecodeContext, plan: BatchPlan, rows: int) -> None:
     """Validate mode: a quiet step's buffers and lengths are what a plan would have sent."""
+    if plan.full or plan.grow:
+        raise AssertionError("a quiet step moved on a batch whose plan would refuse it or "
+                             f"give it extents (full: {plan.full}, grow: {len(plan.grow)})")
     b, got = c.buffers, {}
     for name in ("req_slots", "newest_rows", "newest_host_rows", "new_seq_lens"):
         got[name] = b.field(name, rows).tolist()

@@ -118,6 +118,8 @@ def test_sharing_lifecycles_through_the_triton_kernels(interpreted: InterpretedT
 
     counts = LockstepRun(interpreted, FUZZ_SHAPES[seed % len(FUZZ_SHAPES)], bool(seed % 2), 24,
                          seed, SHARING_WEIGHTS, residency_map="position").run(
-                             decode_steps=12, max_operations=60)
+                             decode_steps=12, max_operations=150)
+    # (60 operations drew no plain admit or reserve, so nothing to share, for 1 seed in ~70:
+    # (27/29)^60; at 150 it is 1 in ~45,000, and the run still stops at 12 decode steps.)
     assert counts.mismatches == 0, counts.failures
     assert counts.shared_admits > 0, counts

@@ -32,6 +32,7 @@ from hisparse.core.validation import (
     check_layer,
     check_positions_against_lengths,
     check_tensor,
+    is_plain_int32,
 )
 from hisparse.errors import InvalidInputError, RequestStateError
 from hisparse.layout.tables import CacheTables, MissPlan
@@ -301,11 +302,7 @@ class DecodeStep:
         return replay.ready_rows(layer)
 
     def _check_top_k(self, c: DecodeContext, top_k: object) -> int:
-        # The usual call (a dense int32 [B, K] on our device) passes attribute reads only, ~1 us
-        # instead of `check_tensor`'s 3-4; anything else gets the full checks and messages.
-        if (type(top_k) is torch.Tensor and top_k.dtype is torch.int32 and top_k.dim() == 2
-                and top_k.layout is torch.strided and not top_k.is_nested
-                and top_k.device == c.device and top_k.is_contiguous()):
+        if is_plain_int32(top_k, 2, c.device):
             rows, columns = top_k.shape
             if columns == c.top_k_columns and self.batch_size <= rows <= c.batch_capacity:
                 return rows

@@ -27,7 +27,13 @@ from hisparse.core.batch import DeviceBlock
 from hisparse.core.requests import RequestRecord
 from hisparse.core.step import DecodeContext, DecodeStep, StepState, host_row_of, slot_of
 from hisparse.core.union import UnionWidth, build_width
-from hisparse.core.validation import as_rows, check_batch_rows, check_layer, check_tensor
+from hisparse.core.validation import (
+    as_rows,
+    check_batch_rows,
+    check_layer,
+    check_tensor,
+    is_plain_int32,
+)
 from hisparse.errors import InvalidInputError
 from hisparse.kernels.union_reference import presence_table
 
@@ -217,6 +223,11 @@ class VerifyStep(DecodeStep):
     def _check_verify_top_k(self, c: DecodeContext, top_k: object) -> tuple[int, torch.Tensor]:
         S, K = self.num_tokens, self._verify.top_k
         ndim = 3 if S > 1 else 2
+        if is_plain_int32(top_k, ndim, c.device):
+            rows = top_k.shape[0]
+            if (tuple(top_k.shape[1:]) == ((S, K) if S > 1 else (K,))
+                    and self.batch_size <= rows <= c.batch_capacity):
+                return rows, top_k
         top_k = check_tensor("top_k", top_k, dtype=torch.int32, device=c.device, ndim=ndim)
         rows = top_k.shape[0]
         check_batch_rows("top_k", rows, self.batch_size, c.batch_capacity)

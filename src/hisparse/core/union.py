@@ -93,12 +93,15 @@ class UnionWidth:
 
 def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: CacheTables,
                 req_slots: torch.Tensor, num_real: torch.Tensor, first: torch.Tensor,
-                draft_base: torch.Tensor, top_k: int, num_layers: int, group_size: int,
+                draft_base: torch.Tensor, draft_rows: tuple[torch.Tensor, torch.Tensor],
+                top_k: int, num_layers: int, group_size: int,
                 skip_io: bool, zero_copy: bool, prefetch_stream: Any | None,
                 table: Callable[[], torch.Tensor]) -> UnionWidth:
     """The launchers, buffers, miss plans and group replays for verify steps of `tokens`;
-    `first` and `draft_base` are the begin block's persistent `[Bcap]` int64 fields, `table`
-    hands the cache's presence table to a launcher that needs it."""
+    `first` and `draft_base` are the begin block's persistent `[Bcap]` int64 fields,
+    `draft_rows` its `[Bcap * S]` device rows of the step's tokens (int32 and int64: what the
+    width's newest writer writes to), `table` hands the cache's presence table to a launcher
+    that needs it."""
     capacity = int(req_slots.shape[0])
     device = tables.seq_lens.device
     num_groups = -(-num_layers // group_size)
@@ -108,7 +111,7 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
     plans = [MissPlan.empty(capacity, width, device) if group_size > 1 else None
              for _ in range(num_groups)]
     kernels = _UnionKernels(main, backend, skip_io, zero_copy, tables, req_slots, num_real,
-                            union_out, plans)
+                            union_out, plans, draft_rows)
     replays: list[GroupReplay | None] = [None] * num_groups
     for group in range(num_groups if group_size > 1 else 0):
         anchor = group * group_size

@@ -93,6 +93,8 @@ class VerifyContext:
             width = self.widths[tokens] = build_width(
                 tokens, self.backend, c.kernels, c.tables, c.buffers.req_slots,
                 c.buffers.num_real, block.field("first"), block.field("draft_base"),
+                (block.field("draft_rows", c.batch_capacity * tokens),
+                 block.field("draft_rows_long", c.batch_capacity * tokens)),
                 self.top_k, c.num_layers, self.group_size, self.skip_io, self.zero_copy,
                 c.prefetch_stream, self.table)
         return width
@@ -121,7 +123,6 @@ class VerifyStep(DecodeStep):
         cap = context.batch_capacity
         rows = block.field("draft_rows", cap * tokens)
         self.newest_rows = rows.view(cap, tokens) if tokens > 1 else rows
-        self._draft_rows_long = block.field("draft_rows_long", cap * tokens)
 
     # --- opening --------------------------------------------------------------------------
     @classmethod
@@ -173,17 +174,25 @@ class VerifyStep(DecodeStep):
         """Write the step's S tokens of `layer`: `kv [B, S, W]` (`[B, W]` when S = 1), B
         between the step's request count and `max_batch` (padding rows go to the sink)."""
         c = self._usable("write_newest")
-        check_layer(layer, c.num_layers)
+        if type(layer) is not int or not 0 <= layer < c.num_layers:
+            check_layer(layer, c.num_layers)
         S = self.num_tokens
-        rows = as_rows("kv", kv, c.row_bytes, 3 if S > 1 else 2, device=c.device)
-        count = rows.shape[0]
-        check_batch_rows("kv", count, self.batch_size, c.batch_capacity)
-        if S > 1 and rows.shape[1] != S:
-            raise InvalidInputError(
-                f"kv has {rows.shape[1]} tokens per request, the verify step appends "
-                f"num_tokens={S}; pass kv as [B, {S}, W]")
-        c.layer_kv[layer].index_copy_(0, self._draft_rows_long[: count * S],
-                                      rows.reshape(count * S, -1))
+        # The usual call (dense uint8 [B, S, W] on our device) passes attribute reads, as a
+        # single-token step's does; any other goes through `as_rows`'s checks and messages.
+        shape = (S, c.row_bytes) if S > 1 else (c.row_bytes,)
+        if not (type(kv) is torch.Tensor and kv.dtype is torch.uint8 and kv.dim() == len(shape) + 1
+                and kv.layout is torch.strided and not kv.is_nested
+                and tuple(kv.shape[1:]) == shape and kv.device == c.device):
+            kv = as_rows("kv", kv, c.row_bytes, len(shape) + 1, device=c.device)
+            if S > 1 and kv.shape[1] != S:
+                raise InvalidInputError(
+                    f"kv has {kv.shape[1]} tokens per request, the verify step appends "
+                    f"num_tokens={S}; pass kv as [B, {S}, W]")
+        count = kv.shape[0]
+        if not self.batch_size <= count <= c.batch_capacity:
+            check_batch_rows("kv", count, self.batch_size, c.batch_capacity)
+        # The backend's newest writer over the draft slots (one bound launch on the GPUs).
+        self._width.kernels.write_newest(layer, kv.reshape(count * S, c.row_bytes))
         self._written.add(layer)
 
     def swap_in(self, layer: int, top_k: torch.Tensor | None = None) -> torch.Tensor:

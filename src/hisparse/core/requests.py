@@ -193,6 +193,12 @@ class SlotAllocator:
         self.pages[slot] = -1
         heapq.heappush(self._free, slot)
 
+    def add_tokens(self, slots: np.ndarray, tokens: np.ndarray | int) -> None:
+        """Every slot's request gets `tokens` more (a verify step's append or accept), as its
+        record's `num_tokens` setter would give it: one numpy operation for the batch."""
+        self.lengths[slots] += tokens
+        RequestRecord.length_writes = next(_CHANGES)
+
     def sync_pages(self, record: RequestRecord) -> None:
         """`pages` of the record's slot from its extents (after they changed)."""
         RequestRecord.length_writes = next(_CHANGES)

@@ -20,6 +20,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from hisparse.backends.base import Backend
@@ -131,43 +132,47 @@ class VerifyStep(DecodeStep):
                      tokens: int) -> VerifyStep:
         """Append `tokens` tokens to each record: extents first, then one upload of the batch
         and table updates; a failure before the records change leaves nothing taken."""
-        t, E = c.tables, c.tables.extent_tokens
-        H, SPR, P = t.hot_slots, t.slots_per_request, t.page_table.shape[1]
-        full = [r.request_id for r in records if r.num_tokens + tokens > c.max_seq_len]
-        if full:
+        E = c.tables.extent_tokens
+        # Numpy over the batch's slots, as a single-token step's plan (core.batch.BatchPlan):
+        # per-request Python only for the requests that take extents.
+        slots = c.slots.slots_of(records)
+        first = c.slots.lengths[slots]
+        if int(first.max()) + tokens > c.max_seq_len:
+            full = [records[b].request_id
+                    for b in np.flatnonzero(first + tokens > c.max_seq_len).tolist()]
             raise InvalidInputError(
                 f"requests {full!r} have fewer than num_tokens={tokens} tokens left before "
                 f"max_seq_len={c.max_seq_len}; verify fewer tokens, finish them or raise "
                 "max_seq_len")
-        need = [r.extents_to_grow(tokens, E) for r in records]
-        c.pool.check_free(sum(need))
-        taken: list[list[int]] = []
+        before = np.fromiter(map(len, (r.extents for r in records)), np.int64, len(records))
+        need = np.maximum(0, -(-(first + tokens) // E) - before)
+        c.pool.check_free(int(need.sum()))
+        taken: dict[int, list[int]] = {}  # batch row -> the extents it takes, in row order
         try:
-            for record, count in zip(records, need, strict=True):
-                after = taken[-1][-1] if taken and taken[-1] else record.extents[-1]
-                taken.append(c.pool.allocate(count, after=after) if count else [])
-            values = _begin_values(records, taken, tokens, H, SPR, P, E)
+            for b in np.flatnonzero(need).tolist():
+                previous = taken.get(b - 1)
+                after = previous[-1] if previous else records[b].extents[-1]
+                taken[b] = c.pool.allocate(int(need[b]), after=after)
+            values = _begin_values(c, slots, first, before, taken, tokens)
             c.order.backup.wait()
             c.order.tables_changed.wait()
             c.buffers.upload(values.pop("columns"))
             v.begin_block.upload(values)
         except BaseException:
-            c.pool.release([e for extents in taken for e in extents])
+            c.pool.release([e for extents in taken.values() for e in extents])
             raise
-        first = [r.num_tokens for r in records]
-        before = [len(r.extents) for r in records]
-        for record, extents in zip(records, taken, strict=True):
-            record.extents.extend(extents)
-            record.num_tokens += tokens
-            if extents:
-                c.slots.sync_pages(record)
+        for b, extents in taken.items():
+            records[b].extents.extend(extents)
+            c.slots.sync_pages(records[b])
+        c.slots.add_tokens(slots, tokens)
         views = c.buffers.views(len(records))
+        t = c.tables
         t.seq_lens.index_copy_(0, views.batch_slots, views.seq_lens)
-        pages = sum(map(len, taken))
+        pages = sum(map(len, taken.values()))
         if pages:
             c.page_entries.index_copy_(0, v.begin_block.field("page_index", pages),
                                        v.begin_block.field("page_extent", pages))
-        return cls(c, v, request_ids, records, first, before, tokens)
+        return cls(c, v, request_ids, records, first.tolist(), before.tolist(), tokens)
 
     # --- per layer ------------------------------------------------------------------------
     def write_newest(self, layer: int, kv: torch.Tensor) -> None:
@@ -303,8 +308,18 @@ class VerifyStep(DecodeStep):
     def _settle(self, c: DecodeContext, accepted: list[int]) -> tuple[int, int]:
         """Table and record updates for `accepted` tokens per request (0: a cancel). Returns
         how many rows to back up and to move, uploaded to the end block."""
-        values, released = _end_values(c, self._records, self._first, self._extents_before,
-                                       accepted)
+        records = self._records
+        slots = c.slots.slots_of(records)
+        kept = np.asarray(accepted, dtype=np.int64)
+        first = np.asarray(self._first, dtype=np.int64)
+        if ((first + kept <= c.tables.hot_slots) & (kept > 0)).any():
+            # A request still short: each kept token moves into its own slot (rare enough
+            # for a loop over the records).
+            values, released = _end_values(c, records, self._first, self._extents_before,
+                                           accepted)
+        else:
+            values, released = _long_end_values(c, records, slots, first, kept,
+                                                self._extents_before)
         block = self._verify.end_block
         block.upload(values)
         t = c.tables
@@ -319,9 +334,8 @@ class VerifyStep(DecodeStep):
             t.slot_key[:, slot, hot] = block.field("short_key_i32", short)
             t.resident[:, block.field("short_key", short)] = block.field(
                 "short_hot_resident", short)
-        for record, first, extents, kept in zip(self._records, self._first, released, accepted,
-                                                strict=True):
-            record.num_tokens = first + kept
+        c.slots.add_tokens(slots, kept - self.num_tokens)  # first + kept each
+        for record, extents in zip(records, released, strict=True):
             if extents:
                 del record.extents[-len(extents):]
                 c.slots.sync_pages(record)
@@ -370,27 +384,63 @@ def check_num_tokens(num_tokens: object, dedupe: object, max_draft_tokens: int) 
         raise InvalidInputError(f"dedupe must be True or False, got {dedupe!r}")
 
 
-def _begin_values(records: list[RequestRecord], taken: list[list[int]], tokens: int, H: int,
-                  SPR: int, P: int, E: int) -> dict[str, Any]:
-    """The begin block's fields and the batch buffers' columns for a verify step."""
-    slots = [slot_of(r) for r in records]
-    first = [r.num_tokens for r in records]
-    base = [s * SPR + H for s in slots]
-    draft = [b + i for b in base for i in range(tokens)]
+def _begin_values(c: DecodeContext, slots: np.ndarray, first: np.ndarray, before: np.ndarray,
+                  taken: dict[int, list[int]], tokens: int) -> dict[str, Any]:
+    """The begin block's fields and the batch buffers' columns for a verify step: each
+    request's draft slots, its first token's host row, and the page entries it takes."""
+    t = c.tables
+    H, SPR, E = t.hot_slots, t.slots_per_request, t.extent_tokens
+    P = int(t.page_table.shape[1])
+    base = slots * SPR + H
+    draft = (base[:, None] + np.arange(tokens)).reshape(-1)
+    page = first // E
+    extent = c.slots.pages[slots, page]  # -1 where the first token starts a taken extent
     page_index, page_extent = [], []
-    for record, slot, extents in zip(records, slots, taken, strict=True):
-        for i, extent in enumerate(extents):
-            page_index.append(slot * P + len(record.extents) + i)
-            page_extent.append(extent)
-    host = []
-    for record, extents, n in zip(records, taken, first, strict=True):
-        pages = record.extents + extents
-        host.append(pages[(n) // E] * E + n % E)
-    columns = {"req_slots": slots, "batch_slots": slots, "num_real": [len(records)],
+    for b, extents in taken.items():
+        held = int(before[b])
+        page_index += [int(slots[b]) * P + held + i for i in range(len(extents))]
+        page_extent += extents
+        if page[b] >= held:
+            extent[b] = extents[page[b] - held]
+    host = extent * E + first % E
+    columns = {"req_slots": slots, "batch_slots": slots, "num_real": [len(slots)],
                "newest_rows": base, "newest_rows_long": base, "newest_host_rows": host,
-               "new_seq_lens": [n + tokens for n in first]}
+               "new_seq_lens": first + tokens}
     return {"columns": columns, "draft_rows_long": draft, "draft_rows": draft, "first": first,
             "draft_base": base, "page_index": page_index, "page_extent": page_extent}
+
+
+def _long_end_values(c: DecodeContext, records: list[RequestRecord], slots: np.ndarray,
+                     first: np.ndarray, kept: np.ndarray, extents_before: list[int]
+                     ) -> tuple[dict[str, Any], list[list[int]]]:
+    """`_end_values` for a batch whose requests are all long after the step (or keep no
+    token): numpy over the slots, per-request Python only for those giving extents back."""
+    t = c.tables
+    H, SPR, E = t.hot_slots, t.slots_per_request, t.extent_tokens
+    P = int(t.page_table.shape[1])
+    last = first + kept
+    keep = np.maximum(np.asarray(extents_before, dtype=np.int64), -(-last // E))
+    held = np.fromiter(map(len, (r.extents for r in records)), np.int64, len(records))
+    released: list[list[int]] = [[] for _ in records]
+    page_reset: list[int] = []
+    for b in np.flatnonzero(keep < held).tolist():
+        released[b] = records[b].extents[keep[b]:]
+        page_reset += [int(slots[b]) * P + page for page in range(keep[b], held[b])]
+    draft = slots * SPR + H
+    token = np.arange(max(1, int(kept.max())))
+    mask = token[None, :] < kept[:, None]  # the kept tokens, request by request
+    position = (first[:, None] + token)[mask]
+    backup_host = (c.slots.pages[np.broadcast_to(slots[:, None], mask.shape)[mask],
+                                 position // E] * E + position % E)
+    moved = kept > 1  # the last kept token is the next step's newest, in slot H
+    none: list[int] = []
+    values = {"seq_slot": slots, "seq_len": last, "page_reset": page_reset,
+              "backup_rows": (draft[:, None] + token)[mask], "backup_host": backup_host,
+              "commit_src": (draft + kept - 1)[moved], "commit_dst": draft[moved],
+              "short_slot": none, "short_hot": none, "short_key": none,
+              "backup_count": [int(mask.sum())], "short_key_i32": none,
+              "short_hot_resident": none}
+    return values, released
 
 
 def _end_values(c: DecodeContext, records: list[RequestRecord], first: list[int],

@@ -49,11 +49,13 @@ def check_slot_arrays(cache: hisparse.HiSparseCache) -> None:
         row = slots.pages[record.slot]
         count = len(record.extents)
         assert row[:count].tolist() == record.extents and (row[count:] == -1).all()
+        assert slots.held[record.slot] == count
         if record.state is RequestState.RUNNING:  # seeded: the device tables hold it too
             assert tables.page_table[record.slot].tolist() == row.tolist()
             assert int(tables.seq_lens[record.slot]) == record.num_tokens
     for slot in set(range(slots.num_slots)) - set(held):
         assert slots.lengths[slot] == 0 and (slots.pages[slot] == -1).all()
+        assert slots.held[slot] == 0
 
 
 def _step(cache: hisparse.HiSparseCache, rng: random.Random, ids: list[Hashable]) -> None:

@@ -141,6 +141,7 @@ class SlotAllocator:
     """Device request slots `0..R-1`, lowest free first, and what a decode step reads of the
     request holding each: its length (the one copy of it, see `RequestRecord`) and `pages`,
     the host twin of the device page table (extent of each page, -1 past the request's),
+    with `held`, how many extents it holds,
     written wherever the device table is (seed, release, a step's new extent, a cancel, a
     verify step, a private prefix copy) and checked against the records in validate mode."""
 
@@ -149,6 +150,7 @@ class SlotAllocator:
         self._free = list(range(num_slots))  # already a heap
         self.lengths = np.zeros(num_slots, dtype=np.int64)
         self.pages = np.full((num_slots, pages_per_request), -1, dtype=np.int64)
+        self.held = np.zeros(num_slots, dtype=np.int64)  # extents of each slot's request
         self._memo: tuple[int, list[RequestRecord], np.ndarray] | None = None
 
     def slots_of(self, records: list[RequestRecord]) -> np.ndarray:
@@ -191,6 +193,7 @@ class SlotAllocator:
         record._slot, record._lengths = None, None
         self.lengths[slot] = 0
         self.pages[slot] = -1
+        self.held[slot] = 0
         heapq.heappush(self._free, slot)
 
     def add_tokens(self, slots: np.ndarray, tokens: np.ndarray | int) -> None:
@@ -205,10 +208,11 @@ class SlotAllocator:
         row, extents = self.pages[record._slot], record.extents
         row.fill(-1)
         row[: len(extents)] = extents
+        self.held[record._slot] = len(extents)
 
     def check(self, records: list[RequestRecord]) -> None:
         """Validate mode: the batch's slots are its records', and every slot holder's
-        `pages` row matches its extents."""
+        `pages` row (and `held` count) matches its extents."""
         if self.slots_of(records).tolist() != [r.slot for r in records]:
             raise AssertionError("the decode batch's remembered slots are not its records'")
         for record in records:
@@ -216,7 +220,8 @@ class SlotAllocator:
                 continue
             row = self.pages[record._slot]
             count = len(record.extents)
-            if row[:count].tolist() != record.extents or (row[count:] != -1).any():
+            if (row[:count].tolist() != record.extents or (row[count:] != -1).any()
+                    or self.held[record._slot] != count):
                 raise AssertionError(
                     f"slot {record._slot}'s host page table {row.tolist()} disagrees with "
                     f"request {record.request_id!r}'s extents {record.extents}")

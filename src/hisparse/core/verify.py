@@ -112,8 +112,9 @@ class VerifyStep(DecodeStep):
     def __init__(self, context: DecodeContext, verify: VerifyContext,
                  request_ids: tuple[Hashable, ...], records: list[RequestRecord],
                  first: list[int], extents_before: list[int], tokens: int) -> None:
-        positions: tuple[Any, ...] = tuple(
-            tuple(range(n, n + tokens)) if tokens > 1 else n for n in first)
+        positions: tuple[Any, ...] = (
+            tuple(map(tuple, (np.asarray(first)[:, None] + np.arange(tokens)).tolist()))
+            if tokens > 1 else tuple(first))
         super().__init__(context, request_ids, positions, records, [])
         self.num_tokens = tokens
         self._verify = verify
@@ -144,7 +145,7 @@ class VerifyStep(DecodeStep):
                 f"requests {full!r} have fewer than num_tokens={tokens} tokens left before "
                 f"max_seq_len={c.max_seq_len}; verify fewer tokens, finish them or raise "
                 "max_seq_len")
-        before = np.fromiter(map(len, (r.extents for r in records)), np.int64, len(records))
+        before = c.slots.held[slots]
         need = np.maximum(0, -(-(first + tokens) // E) - before)
         c.pool.check_free(int(need.sum()))
         taken: dict[int, list[int]] = {}  # batch row -> the extents it takes, in row order
@@ -298,7 +299,9 @@ class VerifyStep(DecodeStep):
                     f"{accepted.dtype} tensor of shape {tuple(accepted.shape)}")
             accepted = accepted.tolist()
         values = list(accepted)
-        if len(values) != B or any(type(a) is not int or not 1 <= a <= S for a in values):
+        # Python ints (not bools, floats or numpy scalars) in 1..S, checked at C speed.
+        if (len(values) != B or set(map(type, values)) != {int}
+                or min(values) < 1 or max(values) > S):
             raise InvalidInputError(
                 f"accepted must list one int in 1..{S} (num_tokens) per request of the step "
                 f"({B} requests), got {values!r:.200}; the first token of a verify step is "
@@ -420,7 +423,7 @@ def _long_end_values(c: DecodeContext, records: list[RequestRecord], slots: np.n
     P = int(t.page_table.shape[1])
     last = first + kept
     keep = np.maximum(np.asarray(extents_before, dtype=np.int64), -(-last // E))
-    held = np.fromiter(map(len, (r.extents for r in records)), np.int64, len(records))
+    held = c.slots.held[slots]
     released: list[list[int]] = [[] for _ in records]
     page_reset: list[int] = []
     for b in np.flatnonzero(keep < held).tolist():

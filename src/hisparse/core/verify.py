@@ -315,9 +315,9 @@ class VerifyStep(DecodeStep):
         slots = c.slots.slots_of(records)
         kept = np.asarray(accepted, dtype=np.int64)
         first = np.asarray(self._first, dtype=np.int64)
-        if ((first + kept <= c.tables.hot_slots) & (kept > 0)).any():
-            # A request still short: each kept token moves into its own slot (rare enough
-            # for a loop over the records).
+        if len(records) <= 8 or ((first + kept <= c.tables.hot_slots) & (kept > 0)).any():
+            # A few requests (a loop costs less than numpy's ~15 calls), or one still short:
+            # each kept token moves into its own slot (rare enough for the loop).
             values, released = _end_values(c, records, self._first, self._extents_before,
                                            accepted)
         else:

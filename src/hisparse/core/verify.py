@@ -209,7 +209,8 @@ class VerifyStep(DecodeStep):
         after the query token) and padding. A follower of an index group gets its anchor's.
         """
         c = self._usable("swap_in")
-        check_layer(layer, c.num_layers)
+        if type(layer) is not int or not 0 <= layer < c.num_layers:
+            check_layer(layer, c.num_layers)
         width = self._width
         group = c.layer_group[layer]
         replay = width.replays[group]

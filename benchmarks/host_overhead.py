@@ -45,12 +45,16 @@ CALLS = ("begin_decode_step", "write_newest", "swap_in", "end_decode_step")
 
 
 def make_cache(device: object, max_batch: int, seq_len: int, steps: int, layers: int | None,
-               shape: dict[str, int] | None = None) -> hisparse.HiSparseCache:
+               shape: dict[str, int] | None = None, ragged: bool = False
+               ) -> hisparse.HiSparseCache:
     overrides: dict[str, object] = {"max_requests": max_batch,
                                     "max_seq_len": seq_len + steps + 8, **(shape or {})}
     if layers is not None:
         overrides["num_layers"] = layers
     probe = hisparse.HiSparseConfig.from_preset("deepseek-v3.2", **overrides)
+    if ragged:  # room for `admit_all`'s up to extent_tokens - 1 more tokens a request
+        seq_len += probe.extent_tokens
+        overrides["max_seq_len"] = seq_len + steps + 8
     # Whole extents for every request and its decoded tokens, nothing more (host RAM).
     per_request = -(-(seq_len + steps + 1) // probe.extent_tokens) + 1
     overrides["host_pool_tokens"] = max_batch * per_request * probe.extent_tokens
@@ -199,10 +203,8 @@ def measure(device: object, batches: list[int], churns: list[float], seq_len: in
             steps: int, layers: int | None, breakdown: bool, profile: bool, seed: int,
             shape: dict[str, int] | None = None, ragged: bool = False) -> dict[str, object]:
     passes = 1 + breakdown + profile
-    probe = hisparse.HiSparseConfig.from_preset("deepseek-v3.2", **(shape or {}))
     cache = make_cache(device, max(batches), seq_len, len(batches) * len(churns) *
-                       (warmup + steps) * passes + (probe.extent_tokens if ragged else 0),
-                       layers, shape)
+                       (warmup + steps) * passes, layers, shape, ragged)
     dev = cache.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (
         (lambda: torch.xpu.synchronize(dev)) if dev.type == "xpu" else (lambda: None))

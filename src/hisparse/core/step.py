@@ -32,7 +32,7 @@ from hisparse.core.validation import (
     check_layer,
     check_positions_against_lengths,
     check_tensor,
-    is_plain_int32,
+    is_plain_tensor,
 )
 from hisparse.errors import InvalidInputError, RequestStateError
 from hisparse.layout.tables import CacheTables, MissPlan
@@ -221,13 +221,11 @@ class DecodeStep:
         """Write the new token's row of `layer` for every request: `kv [B, W]`, B between the
         step's request count and `max_batch` (padding rows go to the sink row)."""
         c = self._usable("write_newest")
-        if type(layer) is not int or not 0 <= layer < c.num_layers:
-            check_layer(layer, c.num_layers)
-        # The usual call (dense uint8 rows on our device) passes five attribute reads; any
-        # other goes through `as_rows`, which views other dtypes as bytes or says what is wrong.
-        if (type(kv) is torch.Tensor and kv.dtype is torch.uint8 and kv.dim() == 2
-                and kv.layout is torch.strided and not kv.is_nested
-                and kv.shape[1] == c.row_bytes and kv.device == c.device):
+        check_layer(layer, c.num_layers)
+        # The usual call (dense uint8 rows on our device) passes attribute reads; any other
+        # goes through `as_rows`, which views other dtypes as bytes or says what is wrong.
+        if (is_plain_tensor(kv, torch.uint8, 2, c.device, contiguous=False)
+                and kv.shape[1] == c.row_bytes):
             rows = kv
         else:
             rows = as_rows("kv", kv, c.row_bytes, 2, device=c.device)
@@ -252,8 +250,7 @@ class DecodeStep:
             view of a buffer reused by the group's next call; a follower gets its anchor's.
         """
         c = self._usable("swap_in")
-        if type(layer) is not int or not 0 <= layer < c.num_layers:
-            check_layer(layer, c.num_layers)
+        check_layer(layer, c.num_layers)
         group = c.layer_group[layer]
         replay = c.replays[group]
         if replay is not None and layer != replay.anchor:
@@ -302,7 +299,7 @@ class DecodeStep:
         return replay.ready_rows(layer)
 
     def _check_top_k(self, c: DecodeContext, top_k: object) -> int:
-        if is_plain_int32(top_k, 2, c.device):
+        if is_plain_tensor(top_k, torch.int32, 2, c.device):
             rows, columns = top_k.shape
             if columns == c.top_k_columns and self.batch_size <= rows <= c.batch_capacity:
                 return rows

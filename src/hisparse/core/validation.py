@@ -14,13 +14,14 @@ import torch
 from hisparse.errors import InvalidInputError
 
 
-def is_plain_int32(value: object, ndim: int, device: torch.device) -> bool:
-    """Whether `value` is the usual top-k: a dense contiguous int32 tensor of `ndim`
-    dimensions on `device`. A per-layer call checks this with attribute reads (~1 us) and
+def is_plain_tensor(value: object, dtype: torch.dtype, ndim: int, device: torch.device,
+                    contiguous: bool = True) -> bool:
+    """Whether `value` passes `check_tensor` with these arguments, for the usual tensor (a
+    dense torch.Tensor, exactly of `dtype`): attribute reads (~1 us), where a per-layer call
     gives anything else `check_tensor`'s full checks and messages (3-4 us)."""
-    return (type(value) is torch.Tensor and value.dtype is torch.int32 and value.dim() == ndim
+    return (type(value) is torch.Tensor and value.dtype is dtype and value.dim() == ndim
             and value.layout is torch.strided and not value.is_nested
-            and value.device == device and value.is_contiguous())
+            and value.device == device and (not contiguous or value.is_contiguous()))
 
 
 def check_tensor(
@@ -72,6 +73,8 @@ def is_count(value: object) -> bool:
 
 
 def check_layer(layer: object, num_layers: int) -> None:
+    if type(layer) is int and 0 <= layer < num_layers:  # the usual call: no more checks
+        return
     if not is_count(layer) or not 0 <= layer < num_layers:  # type: ignore[operator]
         raise InvalidInputError(
             f"layer must be an int in 0..{num_layers - 1}, got {layer!r}; pass the "

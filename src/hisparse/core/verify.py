@@ -33,7 +33,7 @@ from hisparse.core.validation import (
     check_batch_rows,
     check_layer,
     check_tensor,
-    is_plain_int32,
+    is_plain_tensor,
 )
 from hisparse.errors import InvalidInputError
 from hisparse.kernels.union_reference import presence_table
@@ -180,15 +180,13 @@ class VerifyStep(DecodeStep):
         """Write the step's S tokens of `layer`: `kv [B, S, W]` (`[B, W]` when S = 1), B
         between the step's request count and `max_batch` (padding rows go to the sink)."""
         c = self._usable("write_newest")
-        if type(layer) is not int or not 0 <= layer < c.num_layers:
-            check_layer(layer, c.num_layers)
+        check_layer(layer, c.num_layers)
         S = self.num_tokens
         # The usual call (dense uint8 [B, S, W] on our device) passes attribute reads, as a
         # single-token step's does; any other goes through `as_rows`'s checks and messages.
         shape = (S, c.row_bytes) if S > 1 else (c.row_bytes,)
-        if not (type(kv) is torch.Tensor and kv.dtype is torch.uint8 and kv.dim() == len(shape) + 1
-                and kv.layout is torch.strided and not kv.is_nested
-                and tuple(kv.shape[1:]) == shape and kv.device == c.device):
+        if not (is_plain_tensor(kv, torch.uint8, len(shape) + 1, c.device, contiguous=False)
+                and tuple(kv.shape[1:]) == shape):
             kv = as_rows("kv", kv, c.row_bytes, len(shape) + 1, device=c.device)
             if S > 1 and kv.shape[1] != S:
                 raise InvalidInputError(
@@ -209,8 +207,7 @@ class VerifyStep(DecodeStep):
         after the query token) and padding. A follower of an index group gets its anchor's.
         """
         c = self._usable("swap_in")
-        if type(layer) is not int or not 0 <= layer < c.num_layers:
-            check_layer(layer, c.num_layers)
+        check_layer(layer, c.num_layers)
         width = self._width
         group = c.layer_group[layer]
         replay = width.replays[group]
@@ -239,7 +236,7 @@ class VerifyStep(DecodeStep):
     def _check_verify_top_k(self, c: DecodeContext, top_k: object) -> tuple[int, torch.Tensor]:
         S, K = self.num_tokens, self._verify.top_k
         ndim = 3 if S > 1 else 2
-        if is_plain_int32(top_k, ndim, c.device):
+        if is_plain_tensor(top_k, torch.int32, ndim, c.device):
             rows = top_k.shape[0]
             if (tuple(top_k.shape[1:]) == ((S, K) if S > 1 else (K,))
                     and self.batch_size <= rows <= c.batch_capacity):

@@ -18,8 +18,9 @@ the admit-to-first-decode time a scheduler sees, with the part up to `commit_pre
 bytes the prefill offload wrote per request (stats' device-to-host bytes less the
 first token's backup), the host extents held once all N are admitted against the formula
 P_E + N x own (whole extents), and `stats()`'s `host_bytes_saved`. Both modes use
-`residency_map: position` (sharing needs it), and every shared request's host rows are
-checked against the prompt's bytes.
+`--residency-map` (default host_row, the config's, which shares through alias key extents;
+the results recorded before 2026-12-02 used position), and every shared request's host rows
+are checked against the prompt's bytes.
 
     PYTHONPATH=src python benchmarks/prefix_sharing.py --device cpu \\
         --output benchmarks/results/prefix-sharing-cpu.json
@@ -46,7 +47,8 @@ from hisparse.tools.benchmarking import run_environment
 
 
 def make_cache(args: argparse.Namespace) -> hisparse.HiSparseCache:
-    overrides: dict[str, Any] = {"residency_map": "position", "max_requests": args.requests + 2}
+    overrides: dict[str, Any] = {"residency_map": args.residency_map,
+                                 "max_requests": args.requests + 2}
     if args.layers is not None:
         overrides["num_layers"] = args.layers
     probe = hisparse.HiSparseConfig.from_preset(args.preset, **overrides)
@@ -168,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="backend or device (default: cpu)")
     parser.add_argument("--preset", default="deepseek-v3.2")
+    parser.add_argument("--residency-map", choices=("host_row", "position"), default="host_row",
+                        help="what the residency map is keyed by (default: host_row)")
     parser.add_argument("--layers", type=positive_int, default=None,
                         help="override the preset's layer count (host memory)")
     parser.add_argument("--prefix-tokens", type=positive_int, default=8192)
@@ -204,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset, "num_layers": L, "row_bytes": W,
         "extent_tokens": config.extent_tokens, "hot_slots": config.hot_slots
         or 2 * config.top_k, "top_k": config.top_k,
-        "prefix_tokens": args.prefix_tokens, "own_tokens": args.own_tokens,
+        "residency_map": args.residency_map, "prefix_tokens": args.prefix_tokens,
+        "own_tokens": args.own_tokens,
         "requests": args.requests, "rounds": args.rounds, "cpu_threads": args.cpu_threads,
         "modes": modes,
         "offload_ratio": (shared["prefill_bytes_offloaded_per_request"]

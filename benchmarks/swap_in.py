@@ -485,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", *sys.argv]),
         "workload": {"seq_len": SIZES.seq_len, "top_k": SIZES.top_k, "hot": SIZES.hot_slots,
                      "row_bytes": SIZES.row_bytes, "warmup": args.warmup, "steps": args.steps,
+                     "host_row_tables": "key extents, as the engine's default config builds "
+                                        "them (alias_extents = the pool's extents, none "
+                                        "taken): a miss reads its host row through "
+                                        "key_host_extent",
                      "timing": "CUDA graph replay queued behind a GPU sleep: device time",
                      "caches": f"flushed before every step (2 x L2 {args.flush} over), then "
                                "the top-k copied in: tables cold, top-k warm, as between two "

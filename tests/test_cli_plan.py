@@ -125,8 +125,11 @@ def test_plan_json_for_the_deepseek_preset(capsys: pytest.CaptureFixture[str]) -
     first, second = doc["contexts"]
     assert first["context_tokens"] == 32768 and second["context_tokens"] == 8192
     assert first["baseline_max_requests"] == 34
-    assert first["hisparse_max_requests"] == 123
-    assert first["hisparse_footprint"]["total"] == 433_790_536
+    assert first["hisparse_max_requests"] == 122  # 53,687,091,200 / 437,788,232 = 122.6
+    # The preset keys its residency map by host row with as many alias key extents as the
+    # pool has extents (shared prefixes): twice the resident map of a plain host-row one.
+    assert first["hisparse_footprint"]["resident_map"] == 2 * 3_997_696
+    assert first["hisparse_footprint"]["total"] == 433_790_536 + 3_997_696
     assert set(first) >= {"host_pool_bytes", "h2d_bytes_per_step", "h2d_seconds_per_step",
                           "d2h_bytes_per_step", "limited_by", "gain"}
 
@@ -144,7 +147,7 @@ def test_plan_table_names_the_columns(capsys: pytest.CaptureFixture[str]) -> Non
     assert "deepseek-v3.2 fp8: 61 layers, 656 B rows" in text
     assert "HiSparse" in text and "H2D time/step" in text
     row = next(line for line in text.splitlines() if line.startswith("32768"))
-    assert row.split()[1:3] == ["34", "123"]
+    assert row.split()[1:3] == ["34", "122"]
 
 
 @pytest.mark.parametrize(
@@ -196,6 +199,18 @@ def test_resident_entry_bytes_match_the_engines_table_dtype() -> None:
 
     for hot in (1, 4096, 32766, 32767, 32768, 65536):
         assert planning.resident_entry_bytes(hot) == residency_dtype(hot).itemsize, hot
+
+
+def test_alias_key_extents_add_their_share_of_the_resident_map() -> None:
+    """host_row with alias key extents (shared prefixes) holds a residency entry per key row:
+    the pool's rows plus the aliases' (config alias_extents), so the per-request share grows
+    by alias_extents over the pool's extents."""
+    (plain,) = planning.plan(DSV32_FP8, ONE_H200, [32768])
+    (aliased,) = planning.plan(
+        DSV32_FP8, PlanSettings(**{**ONE_H200.__dict__, "resident_entries_per_token": 1.5}),
+        [32768])
+    assert aliased.hisparse_footprint.resident_map == 3 * plain.hisparse_footprint.resident_map // 2
+    assert aliased.hisparse_max_requests <= plain.hisparse_max_requests
 
 
 def test_draft_slots_count_in_the_device_budget() -> None:

@@ -66,6 +66,18 @@ def test_overrides_and_derived_fields() -> None:
     assert rounded.host_rows == 1500
 
 
+def test_alias_extents_default_to_the_pools_extent_count_under_host_row() -> None:
+    """One alias key extent per extent of the pool by default (host_row), none under
+    position; derived again when the pool or the map changes, kept when given."""
+    tiny = HiSparseConfig.from_preset("tiny")
+    assert (tiny.residency_map, tiny.alias_extents) == ("host_row", tiny.num_extents) == (
+        "host_row", 128)
+    assert tiny.replace(host_pool_tokens=4096).alias_extents == 64
+    assert tiny.replace(residency_map="position").alias_extents == 0
+    assert tiny.replace(alias_extents=5).replace(host_pool_tokens=4096).alias_extents == 5
+    assert HiSparseConfig().alias_extents == 2048  # deepseek-v3.2's 1 Mi-token pool
+
+
 def test_configs_are_frozen_and_hashable() -> None:
     config = HiSparseConfig.from_preset("tiny")
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -111,6 +123,9 @@ def test_every_problem_is_reported_at_once() -> None:
           "max_seq_len": 2**16, "host_pool_tokens": 2**16},
          "residency_map: position keys max_requests * max_seq_len (in whole extents) = "
          "2147483648, must be < 2**31"),
+        ({"alias_extents": -1}, "alias_extents: expected an int >= 0 or null"),
+        ({"alias_extents": 2**25}, "alias_extents: host_row keys (pool extents + "
+         "alias_extents) * extent_tokens = 2147491840, must be < 2**31"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(change: dict, named: str) -> None:

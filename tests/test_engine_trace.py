@@ -1,7 +1,7 @@
 """Random traces of the whole engine, compared step by step with the plain-Python oracle.
 
 Hypothesis drives the lifecycle (admit or PD reserve, prefill, decode with churn, preempt,
-resume, finish, abort, and with `residency_map: position` shared prefixes: retain, release,
+resume, finish, abort, and shared prefixes under either residency map: retain, release,
 admit or reserve on a prefix); after every rule the device tables, the hot rows' bytes, the
 host rows and the pool's holder counts are checked against `oracle.CacheModel`. Scale up
 with HISPARSE_FUZZ_EXAMPLES.
@@ -50,21 +50,25 @@ SHAPES = [(8, 4, 4, 1), (8, 8, 2, 2), (16, 8, 8, 2), (12, 6, 4, 4)]
 
 def build_cache(backend: str, hot: int, top_k: int, extent: int, group: int, validate: bool,
                 pool_extents: int, max_requests: int = 4, max_batch: int = 3,
-                residency_map: str = "host_row"):
+                residency_map: str = "host_row", alias_extents: int | None = None,
+                max_draft_tokens: int = 1):
     config = _config(hot, top_k, extent, group, validate, pool_extents, max_requests, max_batch,
-                     residency_map)
+                     residency_map, alias_extents, max_draft_tokens)
     return hisparse.HiSparseCache(config, device=backend)
 
 
 @functools.cache
 def _config(hot: int, top_k: int, extent: int, group: int, validate: bool, pool_extents: int,
-            max_requests: int, max_batch: int, residency_map: str) -> hisparse.HiSparseConfig:
+            max_requests: int, max_batch: int, residency_map: str,
+            alias_extents: int | None = None, max_draft_tokens: int = 1
+            ) -> hisparse.HiSparseConfig:
     """Configs are frozen, so one per argument tuple; parsing the preset was ~10% of the run."""
     return hisparse.HiSparseConfig.from_preset(
         "tiny", num_layers=NUM_LAYERS, row_bytes=ROW_BYTES, top_k=top_k,
         hot_slots=hot, index_group_size=group, extent_tokens=extent,
         max_requests=max_requests, max_batch=max_batch, host_pool_tokens=pool_extents * extent,
         max_seq_len=pool_extents * extent, validate=validate, residency_map=residency_map,
+        alias_extents=alias_extents, max_draft_tokens=max_draft_tokens,
     )
 
 
@@ -242,8 +246,10 @@ class EngineTrace(RuleBasedStateMachine):
             order.sort(key=lambda i: cache.seq_len(i) <= cache.hot_slots)
         batch = order[:count]
         padded = data.draw(st.integers(count, cache.batch_capacity))
-        # A request owns ceil(n / E) extents, so the next token needs a new one at n % E == 0.
+        # A request owns ceil(n / E) extents, so the next token needs a new one at n % E == 0;
+        # one whose last extent a retained prefix also holds takes a private copy of it first.
         grow = sum(cache.seq_len(i) % cache.extent_tokens == 0 for i in batch)
+        grow += len(cache._prefixes.writers_in([cache._requests.get(i, "t") for i in batch]))
         occupancy = cache.stats().occupancy
         at_limit = any(cache.seq_len(i) == cache.max_seq_len for i in batch)
         if at_limit or grow > occupancy.host_extents_total - occupancy.host_extents_used:
@@ -396,8 +402,8 @@ class EngineTrace(RuleBasedStateMachine):
         cache = self.cache
         sources = [r.request_id for r in cache._requests
                    if r.state in (RequestState.RUNNING, RequestState.PREEMPTED)]
-        if cache.config.residency_map != "position" or not sources:
-            return  # refusal under host_row: tests/test_prefix_sharing.py
+        if not sources:
+            return
         source = data.draw(st.sampled_from(sources))
         rows = self.model.requests[source].rows
         shared = data.draw(st.integers(1, len(rows[0])))
@@ -407,8 +413,10 @@ class EngineTrace(RuleBasedStateMachine):
             self.handles.append((prefix, [layer[:shared] for layer in rows]))
         tokens = min(shared + data.draw(st.integers(0, 24)), cache.max_seq_len)
         free = cache._pool.allocator.free_extents
+        aliases = cache._prefixes.aliases  # host_row: a key extent per shared extent
         if -(-tokens // cache.extent_tokens) - shared // cache.extent_tokens > free or (
-                not pd and cache._slots.free_slots == 0):
+                not pd and cache._slots.free_slots == 0) or (
+                aliases is not None and shared // cache.extent_tokens > aliases.free):
             return
         request_id, self.next_id = self.next_id, self.next_id + 1
         own = self.random_rows(NUM_LAYERS, tokens - shared)
@@ -494,12 +502,16 @@ def check_against_model(cache, model: CacheModel) -> None:
             continue
         r = cache.request_slot(request_id)
         assert int(seq_lens[r]) == n
+        # host_row: the tokens' key rows (their host rows but where an alias names a shared
+        # extent in the page table)
+        keys = token_rows(cache._requests.get(request_id, "check").key_extents(),
+                          cache.extent_tokens, 0, n)
         for group, buffer in enumerate(request.buffers):
             assert last_use[group, r].tolist() == buffer.last_use
             assert int(lru_clock[group, r]) == buffer.clock
             want = [-1] * H
             for position, slot in buffer.slot_of.items():
-                key = (int(rows[position]) if t.residency_map == "host_row"
+                key = (int(keys[position]) if t.residency_map == "host_row"
                        else r * t.positions_per_request + position)
                 want[slot] = key
                 resident[group, key] = slot

@@ -95,10 +95,10 @@ def test_every_value_of_every_launch_switch_is_built(builds, name: str) -> None:
     pdl = {True, False} if find_target(name).pdl else {False}
     expected = {
         "classify": {"EARLY_LOADS": {True, False}, "POSITION_KEYED": {True, False},
-                     "USE_PDL": pdl, "COUNTER_SEM": {"relaxed", "acq_rel"},
-                     "ADDRESS_ORDER": {True, False}},
+                     "KEY_EXTENTS": {True, False}, "USE_PDL": pdl,
+                     "COUNTER_SEM": {"relaxed", "acq_rel"}, "ADDRESS_ORDER": {True, False}},
         "select": {"EARLY_LOADS": {True, False}, "POSITION_KEYED": {True, False},
-                   "USE_PDL": pdl, "ADDRESS_ORDER": {True, False}},
+                   "KEY_EXTENTS": {True, False}, "USE_PDL": pdl, "ADDRESS_ORDER": {True, False}},
         "copy": {"USE_PDL": pdl},
         "copy_prefetched": {"USE_PDL": pdl, "MISS_ROW_CACHE": {".cg" if p else "" for p in pdl}},
     }

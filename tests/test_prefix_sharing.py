@@ -1,5 +1,7 @@
 """Shared prefixes in the host tier (core/prefixes.py): whole extents shared by holder count,
-the boundary extent copied, nothing shared ever written, and every bad call refused unchanged.
+the boundary extent copied, nothing shared ever written, and every bad call refused unchanged,
+under both residency maps (host_row through alias key extents: their lookups, exhaustion,
+release and the moved extent's keys have tests of their own below).
 
 The random lifecycles with sharing (retain, release, shared admits and PD reserves, cancel,
 preempt, finish in any order) run in tests/test_reliability_fuzz.py against the oracle.
@@ -29,6 +31,7 @@ from test_engine_trace import build_cache
 from test_reliability_state import (
     assert_same_state,
     check_holders,
+    check_key_extents,
     check_table_invariants,
     full_snapshot,
     row_pattern,
@@ -36,19 +39,32 @@ from test_reliability_state import (
 from test_validation import says_what_to_do
 
 L, W, E, H, K = 4, 32, 4, 8, 4
+MAPS = ["host_row", "position"]
+
+
+@pytest.fixture(params=MAPS)
+def residency_map(request: pytest.FixtureRequest) -> str:
+    """Both residency maps share: host_row through alias key extents, position as it is."""
+    return request.param
 
 
 class Sharing:
-    """A position-keyed cache plus the bytes every request's tokens must have."""
+    """A cache plus the bytes every request's tokens must have."""
 
     def __init__(self, group: int = 1, pool_extents: int = 32, max_requests: int = 4,
-                 residency_map: str = "position", backend: object = "cpu") -> None:
+                 residency_map: str = "host_row", backend: object = "cpu",
+                 alias_extents: int | None = None, drafts: int = 1) -> None:
         self.cache = build_cache(backend, H, K, E, group, True, pool_extents,
                                  max_requests=max_requests, max_batch=min(3, max_requests),
-                                 residency_map=residency_map)
+                                 residency_map=residency_map, alias_extents=alias_extents,
+                                 max_draft_tokens=drafts)
         self.rows: dict[Hashable, torch.Tensor] = {}  # [L, n, W] per live request
         self.uid = 0
         self.rng = np.random.default_rng(0)
+        # Every host row starts as bytes of its own that no token has: a read of a row nobody
+        # wrote (a miss copied from the wrong row, a key row taken for a host row) shows.
+        for layer, host in enumerate(self.cache.host_tensors()):
+            host.copy_(row_pattern(10**6, layer, torch.arange(host.shape[0]), W))
 
     def fresh(self, count: int) -> torch.Tensor:
         self.uid += 1
@@ -105,10 +121,13 @@ class Sharing:
                 top_k = torch.tensor(positions, dtype=torch.int32, device=device)
             out = cache.swap_in(layer, top_k).cpu()
             held = cache.device_kv(layer).cpu()
+            S = cache.slots_per_request
             for b, request_id in enumerate(ids):
                 mine = torch.cat([self.rows[request_id][layer], new[layer, b : b + 1]])
+                first = cache.request_slot(request_id) * S  # its own buffer's rows only
                 for k, p in enumerate(positions[b]):
                     if p >= 0:
+                        assert first <= int(out[b, k]) < first + S, (request_id, layer, p)
                         assert torch.equal(held[out[b, k]], mine[p]), (request_id, layer, p)
         if cancel:
             cache.cancel_decode_step()
@@ -116,6 +135,36 @@ class Sharing:
         cache.end_decode_step()
         for b, request_id in enumerate(ids):
             self.rows[request_id] = torch.cat([self.rows[request_id], new[:, b : b + 1]], 1)
+
+    def verify(self, ids: list[Hashable], tokens: int) -> None:
+        """One verify step of `tokens` tokens per request (each query token selecting up to
+        its own position), every returned row byte-checked, a random count accepted."""
+        cache = self.cache
+        step = cache.begin_decode_step(ids, num_tokens=tokens)
+        new = self.fresh(len(ids) * tokens).reshape(L, len(ids), tokens, W)
+        S = cache.slots_per_request
+        for layer in range(L):
+            cache.write_newest(layer, new[layer])
+            if layer % cache.index_group_size == 0:
+                top_k = torch.full((len(ids), tokens, K), -1, dtype=torch.int32)
+                for b, first in enumerate(p[0] for p in step.positions):
+                    for t in range(tokens):
+                        chosen = self.rng.permutation(first + t + 1)[:K]
+                        top_k[b, t, : len(chosen)] = torch.from_numpy(chosen)
+            out = cache.swap_in(layer, top_k)
+            held = cache.device_kv(layer)
+            for b, request_id in enumerate(ids):
+                mine = torch.cat([self.rows[request_id][layer], new[layer, b]])
+                first = cache.request_slot(request_id) * S
+                valid = top_k[b] >= 0
+                assert ((out[b][valid] >= first) & (out[b][valid] < first + S)).all()
+                assert torch.equal(held[out[b][valid].long()], mine[top_k[b][valid].long()]), (
+                    request_id, layer)
+        accepted = [int(a) for a in self.rng.integers(1, tokens + 1, len(ids))]
+        cache.end_decode_step(accepted=accepted)
+        for b, request_id in enumerate(ids):
+            self.rows[request_id] = torch.cat([self.rows[request_id],
+                                               new[:, b, : accepted[b]]], 1)
 
     def end(self, request_id: Hashable, how: str = "finish") -> None:
         getattr(self.cache, how)(request_id)
@@ -128,8 +177,8 @@ def extents_of(cache: hisparse.HiSparseCache, request_id: Hashable) -> list[int]
 
 # --- sharing, copying, writing only the new rows -----------------------------------------
 def test_a_request_on_a_retained_prefix_shares_whole_extents_and_copies_the_tail(
-        backend: object) -> None:
-    s = Sharing(backend=backend)
+        backend: object, residency_map: str) -> None:
+    s = Sharing(backend=backend, residency_map=residency_map)
     cache = s.cache
     s.prefill("a", 10)  # extents of 4: two whole, two tokens in the third
     handle = cache.retain_prefix("a", 10)
@@ -155,9 +204,9 @@ def test_a_request_on_a_retained_prefix_shares_whole_extents_and_copies_the_tail
 @pytest.mark.parametrize("prefix", [8, 10])  # whole extents, and a tail to copy
 @pytest.mark.parametrize("retained", [False, True])
 def test_n_requests_on_a_p_token_prefix_hold_p_plus_n_times_their_own_rows(
-    prefix: int, retained: bool, backend: object,
+    prefix: int, retained: bool, backend: object, residency_map: str,
 ) -> None:
-    s = Sharing(max_requests=5, backend=backend)
+    s = Sharing(max_requests=5, backend=backend, residency_map=residency_map)
     cache = s.cache
     s.prefill("src", prefix)
     named = cache.retain_prefix("src", prefix) if retained else ("src", prefix)
@@ -190,8 +239,8 @@ def test_n_requests_on_a_p_token_prefix_hold_p_plus_n_times_their_own_rows(
 
 
 def test_a_whole_prompt_prefix_needs_no_write_and_its_first_token_takes_a_new_extent(
-        backend: object) -> None:
-    s = Sharing(backend=backend)
+        backend: object, residency_map: str) -> None:
+    s = Sharing(backend=backend, residency_map=residency_map)
     cache = s.cache
     s.prefill("a", 8)
     s.prefill("b", 8, prefix=("a", 8), prefix_rows=s.rows["a"])  # nothing of b's own
@@ -203,8 +252,9 @@ def test_a_whole_prompt_prefix_needs_no_write_and_its_first_token_takes_a_new_ex
     s.check()
 
 
-def test_a_prefix_of_a_prefix_and_a_prefix_of_a_sharing_request(backend: object) -> None:
-    s = Sharing(backend=backend, max_requests=4)
+def test_a_prefix_of_a_prefix_and_a_prefix_of_a_sharing_request(
+        backend: object, residency_map: str) -> None:
+    s = Sharing(backend=backend, residency_map=residency_map, max_requests=4)
     cache = s.cache
     s.prefill("a", 14)
     long = cache.retain_prefix("a", 14)
@@ -221,8 +271,9 @@ def test_a_prefix_of_a_prefix_and_a_prefix_of_a_sharing_request(backend: object)
     assert torch.equal(s.retained_bytes(short), s.rows["b"][:, :6])
 
 
-def test_ending_or_parking_one_holder_never_changes_another_holders_rows(backend: object) -> None:
-    s = Sharing(backend=backend, max_requests=3)
+def test_ending_or_parking_one_holder_never_changes_another_holders_rows(
+        backend: object, residency_map: str) -> None:
+    s = Sharing(backend=backend, residency_map=residency_map, max_requests=3)
     cache = s.cache
     s.prefill("a", 13)
     handle = cache.retain_prefix("a", 12)
@@ -249,8 +300,9 @@ def test_ending_or_parking_one_holder_never_changes_another_holders_rows(backend
     assert cache._pool.allocator.free_runs() == [(0, cache._pool.num_extents)]
 
 
-def test_a_cancelled_step_keeps_the_private_copy_and_the_rows(backend: object) -> None:
-    s = Sharing(backend=backend)
+def test_a_cancelled_step_keeps_the_private_copy_and_the_rows(
+        backend: object, residency_map: str) -> None:
+    s = Sharing(backend=backend, residency_map=residency_map)
     cache = s.cache
     s.prefill("a", 10)
     handle = cache.retain_prefix("a", 9)
@@ -266,8 +318,9 @@ def test_a_cancelled_step_keeps_the_private_copy_and_the_rows(backend: object) -
     s.check()
 
 
-def test_releasing_the_handle_first_spares_the_copy(backend: object) -> None:
-    s = Sharing(backend=backend)
+def test_releasing_the_handle_first_spares_the_copy(
+        backend: object, residency_map: str) -> None:
+    s = Sharing(backend=backend, residency_map=residency_map)
     cache = s.cache
     s.prefill("a", 10)
     cache.release_prefix(cache.retain_prefix("a", 10))
@@ -279,8 +332,9 @@ def test_releasing_the_handle_first_spares_the_copy(backend: object) -> None:
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_index_groups_decode_sharing_requests_side_by_side(group: int, backend: object) -> None:
-    s = Sharing(group=group, backend=backend)
+def test_index_groups_decode_sharing_requests_side_by_side(
+        group: int, backend: object, residency_map: str) -> None:
+    s = Sharing(group=group, backend=backend, residency_map=residency_map)
     s.prefill("a", 21)
     s.prefill("b", 27, prefix=("a", 18), prefix_rows=s.rows["a"][:, :18])
     s.prefill("c", 19, prefix=("a", 19), prefix_rows=s.rows["a"][:, :19])
@@ -289,9 +343,29 @@ def test_index_groups_decode_sharing_requests_side_by_side(group: int, backend: 
         s.check()
 
 
+@pytest.mark.parametrize("group", [1, 2])
+def test_verify_steps_decode_sharing_requests_side_by_side(
+        group: int, backend: object, residency_map: str) -> None:
+    """Verify steps (S = 2 tokens, a random count accepted) over requests that share a
+    prefix, one of them moving to a private copy of the extent a retained prefix's tail
+    holds: every returned row is the request's own, with its bytes."""
+    s = Sharing(group=group, backend=backend, residency_map=residency_map, drafts=2)
+    s.prefill("a", 21)
+    handle = s.cache.retain_prefix("a", 21)  # a's next tokens land in the handle's tail
+    s.prefill("b", 27, prefix=handle, prefix_rows=s.rows["a"])
+    s.prefill("c", 19, prefix=("a", 18), prefix_rows=s.rows["a"][:, :18])
+    for index in range(6):
+        s.verify(["a", "b", "c"], 2)
+        if index == 2:
+            s.step(["c", "a"])
+        s.check()
+    assert torch.equal(s.retained_bytes(handle), s.rows["b"][:, :21])
+
+
 # --- PD -----------------------------------------------------------------------------------
-def test_a_pd_reservation_on_a_prefix_lists_only_the_rows_to_transfer(backend: object) -> None:
-    s = Sharing(backend=backend, max_requests=2)
+def test_a_pd_reservation_on_a_prefix_lists_only_the_rows_to_transfer(
+        backend: object, residency_map: str) -> None:
+    s = Sharing(backend=backend, residency_map=residency_map, max_requests=2)
     cache = s.cache
     s.prefill("a", 11)
     handle = cache.retain_prefix("a", 11)
@@ -311,8 +385,9 @@ def test_a_pd_reservation_on_a_prefix_lists_only_the_rows_to_transfer(backend: o
     s.check()
 
 
-def test_pd_failures_leave_every_holder_count_as_it_was(backend: object) -> None:
-    s = Sharing(backend=backend, max_requests=1)
+def test_pd_failures_leave_every_holder_count_as_it_was(
+        backend: object, residency_map: str) -> None:
+    s = Sharing(backend=backend, residency_map=residency_map, max_requests=1)
     cache = s.cache
     s.prefill("a", 10)
     handle = cache.retain_prefix("a", 10)
@@ -336,8 +411,9 @@ def test_pd_failures_leave_every_holder_count_as_it_was(backend: object) -> None
 
 
 # --- statistics ---------------------------------------------------------------------------
-def test_statistics_count_shared_extents_rows_and_bytes_saved(backend: object) -> None:
-    s = Sharing(backend=backend)
+def test_statistics_count_shared_extents_rows_and_bytes_saved(
+        backend: object, residency_map: str) -> None:
+    s = Sharing(backend=backend, residency_map=residency_map)
     cache = s.cache
     s.prefill("a", 10)
     empty = cache.stats().occupancy
@@ -352,8 +428,13 @@ def test_statistics_count_shared_extents_rows_and_bytes_saved(backend: object) -
     assert occupancy.retained_prefixes == 1
     assert occupancy.host_rows_used == 10 + 4  # a's 10, b's own extent (2 copied + 2 new)
     assert occupancy.host_extents_used == 4
+    # host_row: b names the two whole extents it shares by alias key extents, of as many as
+    # the pool has extents (alias_extents: null); position keys need none.
+    aliases = (2, 32) if residency_map == "host_row" else (0, 0)
+    assert (occupancy.alias_extents_used, occupancy.alias_extents_total) == aliases
     document = cache.stats().to_dict()["occupancy"]
     assert document["host_bytes_saved"] == occupancy.host_bytes_saved
+    assert document["alias_extents_used"] == aliases[0]
 
 
 # --- refused calls --------------------------------------------------------------------------
@@ -446,8 +527,8 @@ REFUSED: dict[str, tuple[type[Exception], Callable | None, Callable, str]] = {
 
 
 @pytest.mark.parametrize("name", REFUSED)
-def test_bad_sharing_calls_are_refused_and_change_nothing(name: str) -> None:
-    s = Sharing(pool_extents=32)
+def test_bad_sharing_calls_are_refused_and_change_nothing(name: str, residency_map: str) -> None:
+    s = Sharing(pool_extents=32, residency_map=residency_map)
     cache = s.cache
     s.prefill("a", 10)
     s.prefill("b", 6)
@@ -460,20 +541,235 @@ def test_bad_sharing_calls_are_refused_and_change_nothing(name: str) -> None:
     assert says_what_to_do(str(caught.value)), str(caught.value)
 
 
+def _calls(cache: hisparse.HiSparseCache, prefix: object, request_id: str = "n"
+           ) -> dict[str, Callable[[], object]]:
+    return {
+        "retain": lambda: cache.retain_prefix(*prefix),
+        "admit": lambda: cache.admit(request_id, 12, prefix=prefix),
+        "reserve": lambda: cache.reserve_host_slots(request_id, 12, prefix=prefix),
+    }
+
+
 @pytest.mark.parametrize("call", ["retain", "admit", "reserve"])
-def test_a_host_row_map_refuses_sharing_and_names_the_position_map(call: str) -> None:
-    s = Sharing(residency_map="host_row")
+def test_a_host_row_map_without_alias_extents_refuses_sharing(call: str) -> None:
+    """alias_extents: 0 keeps the plain host-row tables (no key extents: every page-table
+    entry a host extent) and refuses every sharing call, naming both ways to share."""
+    s = Sharing(residency_map="host_row", alias_extents=0)
+    cache = s.cache
+    assert cache.tables.key_host_extent is None
+    assert cache.tables.num_keys == cache._pool.num_rows
+    s.prefill("a", 10)
+    before = full_snapshot(cache)
+    with pytest.raises(InvalidInputError, match="alias_extents: 0") as caught:
+        _calls(cache, ("a", 8))[call]()
+    assert "residency_map: position" in str(caught.value)
+    assert says_what_to_do(str(caught.value)), str(caught.value)
+    assert_same_state(before, full_snapshot(cache))
+
+
+@pytest.mark.parametrize("call", ["admit", "reserve"])
+@pytest.mark.parametrize("retained", [False, True])
+def test_running_out_of_alias_extents_is_refused_and_changes_nothing(
+        call: str, retained: bool) -> None:
+    """Two whole extents shared take two alias key extents: with alias_extents=3 a second
+    such request finds one, is refused with what to raise, and leaves the cache as it was;
+    a prefix inside one extent shares none and needs none."""
+    s = Sharing(residency_map="host_row", alias_extents=3)
     cache = s.cache
     s.prefill("a", 10)
-    calls = {
-        "retain": lambda: cache.retain_prefix("a", 8),
-        "admit": lambda: cache.admit("b", 12, prefix=("a", 8)),
-        "reserve": lambda: cache.reserve_host_slots("b", 12, prefix=("a", 8)),
-    }
+    prefix = cache.retain_prefix("a", 9) if retained else ("a", 9)
+    s.prefill("b", 12, prefix=prefix, prefix_rows=s.rows["a"][:, :9])
+    assert cache._requests.get("b", "test").aliases == (32, 33)  # after the 32 host extents
+    assert cache._prefixes.aliases.free == 1
     before = full_snapshot(cache)
-    with pytest.raises(InvalidInputError, match="residency_map: position"):
-        calls[call]()
+    with pytest.raises(PoolExhaustedError, match="alias_extents=3") as caught:
+        _calls(cache, prefix)[call]()
+    message = str(caught.value)
+    assert "needs an alias key extent" in message and "raise alias_extents" in message
+    assert says_what_to_do(message), message
     assert_same_state(before, full_snapshot(cache))
+    _calls(cache, ("a", 3))[call]()  # no whole extent shared: no alias needed
+    assert cache._requests.get("n", "test").aliases == ()
+    assert cache._prefixes.aliases.free == 1
+    check_key_extents(cache)
+
+
+# How a request gives its alias key extents back (or keeps them, parked).
+def _preempt_and_finish(s: Sharing, request_id: str) -> None:
+    s.cache.preempt(request_id)
+    assert s.cache._requests.get(request_id, "test").aliases  # a parked request keeps them
+    s.cache.resume(request_id)
+    s.check()
+    s.step([request_id])
+    s.cache.preempt(request_id)
+    s.end(request_id)
+
+
+def _cancel_then_abort(s: Sharing, request_id: str) -> None:
+    s.step([request_id, "a"], cancel=True)
+    s.step([request_id])
+    s.end(request_id, "abort")
+
+
+ENDINGS: dict[str, Callable[[Sharing, str], None]] = {
+    "finish": lambda s, r: s.end(r),
+    "abort": lambda s, r: s.end(r, "abort"),
+    "preempt, resume, preempt, finish": _preempt_and_finish,
+    "a cancelled step, then abort": _cancel_then_abort,
+}
+
+
+@pytest.mark.parametrize("how", ENDINGS)
+def test_alias_key_extents_come_back_when_their_request_ends(how: str) -> None:
+    s = Sharing(residency_map="host_row", alias_extents=6)
+    cache = s.cache
+    aliases = cache._prefixes.aliases
+    s.prefill("a", 14)
+    handle = cache.retain_prefix("a", 13)
+    s.prefill("b", 15, prefix=handle, prefix_rows=s.rows["a"][:, :13])  # 3 whole extents
+    s.prefill("c", 9, prefix=("b", 8), prefix_rows=s.rows["a"][:, :8])  # 2 of b's
+    assert [len(cache._requests.get(r, "t").aliases) for r in "abc"] == [0, 3, 2]
+    assert cache.stats().occupancy.alias_extents_used == 5
+    s.check()
+    ENDINGS[how](s, "b")
+    assert aliases.free == 6 - 2  # c's two are still out
+    s.check()
+    ENDINGS[how](s, "c")
+    assert aliases.free == aliases.capacity
+    occupancy = cache.stats().occupancy
+    assert (occupancy.alias_extents_used, occupancy.alias_extents_total) == (0, 6)
+    # No page table names an alias now: every alias entry of key_host_extent is -1 again.
+    assert (cache.tables.key_host_extent[cache._pool.num_extents:] == -1).all()
+    cache.release_prefix(handle)
+    s.check()
+
+
+def test_pd_failures_give_the_alias_key_extents_back() -> None:
+    s = Sharing(residency_map="host_row", max_requests=1, alias_extents=2)
+    cache = s.cache
+    aliases = cache._prefixes.aliases
+    s.prefill("a", 10)
+    cache.reserve_host_slots("b", 14, prefix=("a", 8))  # the transfer fails: aborted
+    assert aliases.free == 0
+    cache.abort("b")
+    assert aliases.free == 2
+    res = cache.reserve_host_slots("c", 12, prefix=("a", 9))  # landed, but no device slot
+    for host in res.host_tensors:
+        host[torch.from_numpy(res.rows)] = 0
+    with pytest.raises(PoolExhaustedError):
+        cache.complete_transfer("c")
+    assert aliases.free == 0  # still reserved: it keeps them for a later completion
+    cache.abort("c")
+    assert aliases.free == 2
+    s.check()
+
+
+def test_a_shared_row_resident_in_two_buffers_serves_each_request_its_own_slot(
+        residency_map: str, backend: object) -> None:
+    """a and b hold the same 16 host rows, both resident in both hot buffers (each in its own
+    slot): every lookup returns the request's own slot holding that token. Under host_row the
+    two page tables name the shared extents by different key extents (b's aliases, whose
+    host extents are a's), so the rows have two `resident` entries, one per request."""
+    s = Sharing(residency_map=residency_map, backend=backend)
+    cache = s.cache
+    s.prefill("a", 20)
+    s.prefill("b", 20, prefix=("a", 16), prefix_rows=s.rows["a"][:, :16])
+    t = cache.tables
+    ra, rb = cache.request_slot("a"), cache.request_slot("b")
+    record = cache._requests.get("b", "test")
+    if residency_map == "host_row":
+        assert record.aliases == tuple(range(32, 36))
+        assert t.page_table[rb, :4].tolist() == list(record.aliases)
+        assert t.page_table[ra, :4].tolist() == extents_of(cache, "a")[:4]
+        assert t.key_host_extent[list(record.aliases)].tolist() == extents_of(cache, "a")[:4]
+    shared = [0, 1, 2, 3]  # four shared positions, in neither hot buffer after seeding
+    S = cache.slots_per_request
+    for repeat in range(3):
+        step = cache.begin_decode_step(["a", "b"])
+        top_k = torch.tensor([shared, shared], dtype=torch.int32)
+        new = s.fresh(2)
+        for layer in range(L):
+            cache.write_newest(layer, new[layer])
+            out = cache.swap_in(layer, top_k)
+            for b, (request_id, r) in enumerate((("a", ra), ("b", rb))):
+                assert ((out[b] >= r * S) & (out[b] < r * S + S)).all(), (repeat, request_id)
+                assert torch.equal(cache.device_kv(layer)[out[b].long()],
+                                   s.rows[request_id][layer, shared])
+        step.end()
+        for b, request_id in enumerate("ab"):
+            s.rows[request_id] = torch.cat([s.rows[request_id], new[:, b : b + 1]], 1)
+        s.check()
+    stats = {r.request_id: r for r in cache.stats().requests}
+    # Each request missed the four rows once (the first step) and hit them after, per group.
+    G = cache.num_groups
+    assert [(stats[r].misses, stats[r].hits) for r in "ab"] == [(4 * G, 8 * G)] * 2
+
+
+def test_the_moved_extent_keeps_its_hot_slots_under_the_new_key(
+        residency_map: str, monkeypatch: pytest.MonkeyPatch, backend: object) -> None:
+    """a decodes into the extent a retained prefix's tail holds, so its step moves it to a
+    private copy: a new host extent, and under host_row a new key extent, whose key rows its
+    hot slots of that extent now hold. The tokens resident there stay hits, with their bytes;
+    without the move of the keys (`move_keys` a no-op) the tables would name the old keys."""
+    s = Sharing(residency_map=residency_map, backend=backend)
+    cache = s.cache
+    s.prefill("a", 11)  # extents of 4: positions 8..10 in the third; 2..9 resident (LRU)
+    handle = cache.retain_prefix("a", 11)
+    old = extents_of(cache, "a")[2]
+    s.step(["a"])  # moves a to a copy of extent 2 first (its token 11 lands there)
+    new = extents_of(cache, "a")[2]
+    assert new != old and cache._pool.holders(old) == 1
+    r = cache.request_slot("a")
+    if residency_map == "host_row":
+        assert int(cache.tables.page_table[r, 2]) == new
+        keys = set(cache.tables.slot_key[:, r].flatten().tolist())
+        assert not keys & set(range(old * E, old * E + E)) and keys & {new * E, new * E + 1}
+    s.check()
+    before = {q.request_id: q for q in cache.stats().requests}["a"]
+    # Tokens 6..9 sit in the LRU's four newest slots: a step of K = 4 cannot have evicted
+    # them, and 8, 9 are in the moved extent.
+    step = cache.begin_decode_step(["a"])
+    picked = [8, 9, 6, 7]
+    top_k = torch.tensor([picked], dtype=torch.int32)
+    fresh = s.fresh(1)
+    for layer in range(L):
+        cache.write_newest(layer, fresh[layer])
+        out = cache.swap_in(layer, top_k)
+        assert torch.equal(cache.device_kv(layer)[out[0].long()], s.rows["a"][layer, picked])
+    step.end()
+    s.rows["a"] = torch.cat([s.rows["a"], fresh], 1)
+    after = {q.request_id: q for q in cache.stats().requests}["a"]
+    hits = 4 * cache.num_groups
+    assert (after.hits - before.hits, after.misses - before.misses) == (hits, 0)
+    s.check()
+    cache.release_prefix(handle)
+    if residency_map == "host_row":  # the same with the keys left where they were
+        from hisparse.core import sharing
+
+        monkeypatch.setattr(sharing, "move_keys", lambda *args: None)
+        s.prefill("c", 11)
+        cache.retain_prefix("c", 11)
+        s.step(["c"])
+        with pytest.raises(AssertionError):
+            check_table_invariants(cache)
+
+
+def test_a_miss_through_an_alias_reads_the_shared_host_row(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An alias key row lies past the host pool: a lookup that took it for the host row
+    would find no row (or, for a key extent inside the pool, another token's). Mutated so,
+    the engine's swap-in serves b a row that is not its token's, which the step's check
+    catches."""
+    from hisparse.kernels.swap_in import reference
+
+    s = Sharing(residency_map="host_row")
+    s.prefill("a", 20)
+    s.prefill("b", 20, prefix=("a", 16), prefix_rows=s.rows["a"][:, :16])
+    monkeypatch.setattr(reference, "_key_and_host_rows",
+                        lambda t, page, offset: (page * E + offset,) * 2)
+    with pytest.raises(AssertionError, match=r"\('b', 0"):
+        for _ in range(6):
+            s.step(["a", "b"])
 
 
 def test_a_closed_cache_refuses_retain_and_release() -> None:
@@ -487,19 +783,24 @@ def test_a_closed_cache_refuses_retain_and_release() -> None:
         s.cache.release_prefix(handle)
 
 
-def test_why_a_host_row_map_must_refuse_sharing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the refusal taken out, two running requests that hold one shared host row claim
-    one `resident` entry: the ARCHITECTURE.md invariant breaks and a lookup of one request
-    returns the other's slot id, a slot of its own buffer that holds another token."""
-    from hisparse.core import prefixes
+def test_why_host_row_sharing_needs_alias_key_extents(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the aliases taken out (every page table naming host extents), two running
+    requests that hold one shared host row claim one `resident` entry: the ARCHITECTURE.md
+    invariant breaks and a lookup of one request returns the other's slot id, a slot of its
+    own buffer that holds another token."""
+    import test_reliability_state
+    from hisparse.core.requests import RequestRecord
 
-    monkeypatch.setattr(prefixes.PrefixRegistry, "_check_residency_map", lambda self, a: None)
+    monkeypatch.setattr(RequestRecord, "key_extents", lambda self: self.extents)
     s = Sharing(residency_map="host_row")
     s.prefill("a", 20)
     check_table_invariants(s.cache)
     s.prefill("b", 20, prefix=("a", 16), prefix_rows=s.rows["a"][:, :16])
+    with pytest.raises(AssertionError, match="is held by 'a' and 'b'"):
+        check_table_invariants(s.cache)
+    monkeypatch.setattr(test_reliability_state, "check_key_extents", lambda cache: None)
     with pytest.raises(AssertionError, match="held twice"):  # b's seeding took a's entries
         check_table_invariants(s.cache)
-    with pytest.raises(AssertionError, match="'b', 0"):  # then a swap-in serves wrong bytes
+    with pytest.raises(AssertionError, match=r"\('[ab]', 0"):  # then swap-ins serve wrong bytes
         for _ in range(20):
             s.step(["a", "b"])

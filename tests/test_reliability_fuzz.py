@@ -11,7 +11,9 @@ pool's holder counts, the bytes of every retained prefix, and a checksum of ever
 row, which must not change while a holder (request or retained prefix) holds it. A run ends by
 releasing everything: the pool must be whole again. A mismatch is counted and recorded, and
 the run starts over with a fresh cache so a long run reports every independent failure.
-With `residency_map: host_row` every sharing call must be refused, unchanged.
+Both residency maps share: under `host_row` a request admitted on a prefix takes alias key
+extents (the small `alias_extents` of some runs exhausts them: refused, unchanged), and the
+full checks compare the key extents of every request and their host extents too.
 
 CI: hypothesis picks the shape, seed, validate mode, pool size and operation mix, bounded to
 a few seconds. Long mode: `scripts/fuzz-long` (HISPARSE_FUZZ_STEPS=100000) runs the same
@@ -21,6 +23,7 @@ driver for that many decode steps per backend and prints steps, mismatches, byte
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 import zlib
@@ -36,7 +39,7 @@ from hypothesis import strategies as st
 import hisparse
 from hisparse.core.host_pool import token_rows
 from hisparse.core.prefixes import PrefixHandle
-from hisparse.core.requests import RequestState
+from hisparse.core.requests import RequestRecord, RequestState
 from hisparse.errors import (
     HisparseError,
     InvalidInputError,
@@ -45,7 +48,12 @@ from hisparse.errors import (
 )
 from oracle import CacheModel
 from test_engine_trace import build_cache, check_against_model, rejected_top_k
-from test_reliability_state import assert_same_state, check_holders, full_snapshot
+from test_reliability_state import (
+    assert_same_state,
+    check_holders,
+    check_key_extents,
+    full_snapshot,
+)
 
 NUM_LAYERS, ROW_BYTES = 4, 32
 POISON = -7
@@ -93,21 +101,24 @@ class LockstepRun:
 
     def __init__(self, backend: Any, shape: tuple[int, int, int, int], validate: bool,
                  pool_extents: int, seed: int, weights: tuple[int, ...] = DEFAULT_WEIGHTS,
-                 full_check_every: int = 1, residency_map: str = "host_row") -> None:
+                 full_check_every: int = 1, residency_map: str = "host_row",
+                 alias_extents: int | None = None) -> None:
         hot, top_k, extent, group = shape
         self.cache = build_cache(backend, hot, top_k, extent, group, validate, pool_extents,
-                                 residency_map=residency_map)
+                                 residency_map=residency_map, alias_extents=alias_extents)
         self.model = CacheModel(NUM_LAYERS, hot, group)
         self.rng = np.random.default_rng(seed)
         self.replay = (f"shape={shape} validate={validate} pool_extents={pool_extents} "
-                       f"seed={seed} weights={weights} residency_map={residency_map}")
+                       f"seed={seed} weights={weights} residency_map={residency_map} "
+                       f"alias_extents={alias_extents}")
         probabilities = np.asarray(weights, dtype=float)
         self.probabilities = probabilities / probabilities.sum()
         self.full_check_every = full_check_every
         self.counts = FuzzCounts()
         self.next_id = 0
         self.previous_top_k: dict[int, set[int]] = {}
-        self.sharing = residency_map == "position"  # refused with host_row keys
+        # Refused only under host_row without alias key extents (alias_extents: 0).
+        self.sharing = residency_map == "position" or self.cache.config.alias_extents > 0
         # handle id -> (handle, the bytes of its rows per layer); released handles
         self.handles: dict[int, tuple[PrefixHandle, list[list[bytes]]]] = {}
         self.released: list[PrefixHandle] = []
@@ -419,7 +430,9 @@ class LockstepRun:
             return
         no_slot = cache._slots.free_slots == 0
         needed = -(-tokens // E) - shared // E
-        if needed > cache._pool.allocator.free_extents or (no_slot and not pd):
+        aliases = cache._prefixes.aliases  # host_row: an alias key extent per shared extent
+        if needed > cache._pool.allocator.free_extents or (no_slot and not pd) or (
+                aliases is not None and shared // E > aliases.free):
             self.expect_rejection(PoolExhaustedError,
                                   lambda: start(request_id, tokens, prefix=prefix))
             return
@@ -445,6 +458,7 @@ class LockstepRun:
         """Holder counts, retained prefixes' bytes, and shared rows unchanged while shared."""
         cache = self.cache
         check_holders(cache)
+        check_key_extents(cache)
         held = self._holder_rows()
         host = [h.numpy() for h in cache.host_tensors()]
         for handle_id, (_, rows) in self.handles.items():
@@ -483,6 +497,8 @@ class LockstepRun:
         pool = cache._pool
         assert pool.allocator.free_runs() == [(0, pool.num_extents)], "extents leaked"
         assert not any(pool._holders) and not cache._prefixes.writers
+        aliases = cache._prefixes.aliases
+        assert aliases is None or aliases.free == aliases.capacity, "alias key extents leaked"
 
     # --- pieces of a step ---------------------------------------------------------------
     def _top_k(self, batch: list[int], padded: int) -> torch.Tensor:
@@ -548,6 +564,7 @@ def fuzz(backend: Any, decode_steps: int, seed: int, run_steps: int = 400,
             int(rng.integers(10, 48)), int(rng.integers(2**31)),
             (int(rng.integers(8, 17)), *(int(w) for w in rng.integers(1, 5, len(OPERATIONS) - 1))),
             full_check_every, "position" if rng.random() < 0.5 else "host_row",
+            None if rng.random() < 0.7 else int(rng.integers(0, 4)),  # alias_extents
         )
         counts = run.run(min(run_steps, decode_steps - total.decode_steps))
         if counts.decode_steps == 0 and not counts.mismatches:
@@ -562,12 +579,15 @@ def fuzz(backend: Any, decode_steps: int, seed: int, run_steps: int = 400,
 @given(shape=st.sampled_from(SHAPES), validate=st.booleans(),
        pool_extents=st.integers(8, 40), seed=st.integers(0, 2**31 - 1),
        weights=st.tuples(*[st.integers(1, 9) for _ in OPERATIONS]),
-       residency_map=st.sampled_from(["host_row", "position"]))
+       residency_map=st.sampled_from(["host_row", "position"]),
+       alias_extents=st.sampled_from([None, None, 2]))
 def test_random_lifecycles_match_the_oracle(backend: Any, shape: tuple[int, int, int, int],
                                             validate: bool, pool_extents: int, seed: int,
-                                            weights: tuple[int, ...], residency_map: str) -> None:
+                                            weights: tuple[int, ...], residency_map: str,
+                                            alias_extents: int | None) -> None:
     counts = LockstepRun(backend, shape, validate, pool_extents, seed, weights,
-                         residency_map=residency_map).run(decode_steps=25, max_operations=120)
+                         residency_map=residency_map, alias_extents=alias_extents).run(
+                             decode_steps=25, max_operations=120)
     assert counts.mismatches == 0, counts.failures
     assert counts.bytes_verified == counts.rows_verified * ROW_BYTES
 
@@ -577,16 +597,20 @@ def test_random_lifecycles_match_the_oracle(backend: Any, shape: tuple[int, int,
 SHARING_WEIGHTS = (6, 1, 1, 2, 2, 2, 1, 1, 3, 1, 4, 2, 2)
 
 
+@pytest.mark.parametrize("residency_map", ["host_row", "position"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[str(s) for s in SHAPES])
 def test_sharing_lifecycles_match_the_oracle_and_leave_the_pool_whole(
-    shape: tuple[int, int, int, int], seed: int, backend: Any,
+    shape: tuple[int, int, int, int], seed: int, backend: Any, residency_map: str,
 ) -> None:
-    """Retain, release, shared admits and reserves, private copies, cancels, in any order."""
+    """Retain, release, shared admits and reserves, private copies, cancels, in any order;
+    under host_row the last run has only 3 alias key extents, so shared admits run out of
+    them (refused, unchanged) and get them back as sharing requests end."""
     total = FuzzCounts()
     for run in range(4):
+        aliases = 3 if run == 3 and residency_map == "host_row" else None
         total.add(LockstepRun(backend, shape, bool(run % 2), 24, seed + run, SHARING_WEIGHTS,
-                              residency_map="position").run(decode_steps=30,
-                                                            max_operations=150))
+                              residency_map=residency_map, alias_extents=aliases).run(
+                                  decode_steps=30, max_operations=150))
     assert total.mismatches == 0, total.failures
     assert total.shared_admits > 0 and total.shared_rows_watched > 0, total
     assert total.cancelled_steps > 0, total
@@ -609,29 +633,47 @@ def test_the_fuzzer_finds_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 BROKEN_SHARES = ("shares the boundary extent", "skips the private copy", "frees a shared extent")
+KEY_BUGS = ("keys the shared rows by host row", "misses read the key row")  # host_row's own
+BROKEN = [(bug, residency_map) for residency_map in ("host_row", "position")
+          for bug in BROKEN_SHARES + (KEY_BUGS if residency_map == "host_row" else ())]
 
 
-@pytest.mark.parametrize("bug", BROKEN_SHARES)
-def test_the_fuzzer_catches_a_broken_share(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("bug", "residency_map"), BROKEN)
+def test_the_fuzzer_catches_a_broken_share(bug: str, residency_map: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Each a counted mismatch: the extent at a prefix's boundary shared instead of copied
     (the new request's prefill then writes rows its source holds: the checksums see it, with
     the new-token check off), a writer that decodes into the extent of a retained prefix's
-    tail without its private copy, a release that frees extents another holder still has."""
+    tail without its private copy, a release that frees extents another holder still has;
+    under host_row, page tables naming shared extents by their host extents (no aliases: two
+    requests' tokens on one `resident` entry, with the key-extent check off) and a miss that
+    copies from its key row instead of its key extent's host row."""
     from hisparse.core import host_pool, prefixes
 
     if bug == "shares the boundary extent":
         def share_all(self, prefix, num_tokens, drain, action):
             if prefix is None:
-                return self.pool.allocate(self.pool.extents_for(num_tokens))
+                return self.pool.allocate(self.pool.extents_for(num_tokens)), ()
             shared = list(prefix.extents)
             own = self.pool.extents_for(num_tokens) - len(shared)
+            if self.aliases is not None:  # (a key extent each, so only the rows go wrong)
+                self.aliases.check_free(len(shared), action)
             self.pool.share(shared)
-            return shared + (self.pool.allocate(own) if own else [])
+            aliases = self.aliases.take(len(shared)) if self.aliases is not None else ()
+            return shared + (self.pool.allocate(own) if own else []), aliases
 
         monkeypatch.setattr(prefixes.PrefixRegistry, "extents_for_new", share_all)
         monkeypatch.setattr(LockstepRun, "check_newest_extent", False)
     elif bug == "skips the private copy":
         monkeypatch.setattr(prefixes.PrefixRegistry, "writers_in", lambda self, records: [])
+    elif bug == "keys the shared rows by host row":  # no alias key extents in the tables
+        monkeypatch.setattr(RequestRecord, "key_extents", lambda self: self.extents)
+        monkeypatch.setattr(sys.modules[__name__], "check_key_extents", lambda cache: None)
+    elif bug == "misses read the key row":  # the translation left out
+        from hisparse.kernels.swap_in import reference
+
+        monkeypatch.setattr(reference, "_key_and_host_rows",
+                            lambda t, page, offset: (page * t.extent_tokens + offset,) * 2)
     else:
         real = host_pool.HostPool.release
 
@@ -646,8 +688,8 @@ def test_the_fuzzer_catches_a_broken_share(bug: str, monkeypatch: pytest.MonkeyP
     for seed in range(12):
         shape = SHAPES[seed % len(SHAPES)]
         total.add(LockstepRun("cpu", shape, False, 24, seed, SHARING_WEIGHTS,
-                              residency_map="position").run(decode_steps=30,
-                                                            max_operations=150))
+                              residency_map=residency_map).run(decode_steps=30,
+                                                               max_operations=150))
     assert total.mismatches >= 1
     if bug == "shares the boundary extent":
         assert any("changed while" in failure for failure in total.failures), total.failures

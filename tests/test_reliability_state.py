@@ -7,7 +7,8 @@ full_snapshot(cache)       everything a rejected call must leave as it was: ever
                            statistics, the open step and its bookkeeping flags
 assert_same_state(a, b)    names the first part that differs
 check_table_invariants(c)  the ARCHITECTURE.md invariants between the engine's records and
-                           its device tables, without an oracle (for threaded tests)
+                           its device tables, without an oracle (for threaded tests), with
+                           check_key_extents(c): host_row's key extents, one request each
 check_holders(c)           the host pool's holder count of every extent is the number of
                            requests and retained prefixes listing it; free means none
 row_pattern(...)           deterministic row bytes of (request uid, layer, position), so a
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 import hisparse
+from hisparse.core.host_pool import token_rows
 from hisparse.core.requests import RequestState
 
 _M31 = (1 << 31) - 1
@@ -87,7 +89,7 @@ def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
         state["flags"] = (host_rows.copies_in_flight, host_rows.rows_recycled)
     state["requests"] = [
         (r.request_id, r.state, r.admitted_tokens, r.num_tokens, list(r.extents), r.slot,
-         r.prefix_tokens)
+         r.prefix_tokens, r.aliases)
         for r in cache._requests
     ]
     state["ended"] = list(cache._requests._ended.items())
@@ -98,13 +100,14 @@ def full_snapshot(cache: hisparse.HiSparseCache) -> dict[str, Any]:
     state["prefixes"] = sorted(prefixes._retained.items())
     state["prefixes.released"] = list(prefixes._released)
     state["prefixes.writers"] = sorted(r.request_id for r in prefixes.writers.values())
+    state["prefixes.aliases"] = prefixes.aliases.state() if prefixes.aliases else None
     state["pool.layers"] = [h.data_ptr() for h in cache._pool.layers]
     state["slots.free"] = sorted(cache._slots._free)
     state["slots.lengths"] = cache._slots.lengths.tolist()
     state["slots.pages"] = cache._slots.pages.tolist()
     traffic = cache._traffic
     state["traffic"] = [traffic.seeded_tokens.copy(), traffic.offloaded_tokens.copy(),
-                        traffic.backed_up_tokens.copy()]
+                        traffic.backed_up_tokens]
     step = cache._step
     state["step"] = None if step is None else (id(step), step.request_ids, step.positions)
     if step is not None:
@@ -141,6 +144,7 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
     last_use, lru_clock = t.last_use.cpu(), t.lru_clock.cpu()
     expected_resident = torch.full_like(resident, -1)
     used_slots = set()
+    check_key_extents(cache)
     for record in cache._requests:
         if record.slot is None:
             assert record.state is not RequestState.RUNNING
@@ -150,10 +154,13 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
         assert record.state is RequestState.RUNNING
         assert int(seq_lens[r]) == record.num_tokens
         pages = page_table[r].tolist()
-        assert pages[: len(record.extents)] == record.extents
-        assert all(p == -1 for p in pages[len(record.extents):])
-        # The residency keys of its tokens: host rows, or r*T + position (position map).
-        own_rows = (set(cache.host_rows(record.request_id).tolist())
+        # host_row: key extents (aliases for the shared extents it joined); position: extents
+        keys = record.key_extents() if t.residency_map == "host_row" else record.extents
+        assert pages[: len(keys)] == keys
+        assert all(p == -1 for p in pages[len(keys):])
+        # The residency keys of its tokens: key rows (its host rows but for aliases), or
+        # r*T + position (position map).
+        own_rows = (set(token_rows(keys, t.extent_tokens, 0, record.num_tokens).tolist())
                     if t.residency_map == "host_row" else
                     {r * t.positions_per_request + p for p in range(record.num_tokens)})
         for group in range(cache.num_groups):
@@ -179,6 +186,40 @@ def check_table_invariants(cache: hisparse.HiSparseCache) -> None:
     assert cache._pool.allocator.used_extents == len(set(held))
 
 
+def check_key_extents(cache: hisparse.HiSparseCache) -> None:
+    """host_row: one key extent, one request (so one request slot's `resident` entries), and
+    `key_host_extent` names its host extent exactly while a slot holder's page table names
+    it: identity for the pool's extents, an alias -> the shared extent it stands for, -1 for
+    an alias no running request holds. The alias allocator's free ids are the rest."""
+    t, prefixes = cache.tables, cache._prefixes
+    if t.residency_map != "host_row":
+        assert prefixes.aliases is None
+        assert all(not r.aliases for r in cache._requests)
+        return
+    num_extents = cache._pool.num_extents
+    holder: dict[int, object] = {}
+    for record in cache._requests:
+        assert all(a >= num_extents for a in record.aliases), record.aliases
+        assert len(record.aliases) <= len(record.extents)
+        for key in record.key_extents():
+            assert key not in holder, (
+                f"key extent {key} is held by {holder[key]!r} and {record.request_id!r}")
+            holder[key] = record.request_id
+    aliases = prefixes.aliases
+    held = [a for r in cache._requests for a in r.aliases]
+    assert sorted(held + aliases.state()) == list(
+        range(num_extents, num_extents + aliases.capacity))
+    if t.key_host_extent is None:
+        assert not held and aliases.capacity == 0
+        return
+    expected = list(range(num_extents)) + [-1] * aliases.capacity
+    for record in cache._requests:
+        if record.state is RequestState.RUNNING:  # seeded (a prefilling slot is not yet)
+            for alias, extent in zip(record.aliases, record.extents, strict=False):
+                expected[alias] = extent
+    assert t.key_host_extent.cpu().tolist() == expected
+
+
 def check_holders(cache: hisparse.HiSparseCache) -> None:
     """The pool's holder counts are the holders' extents, and free means no holder."""
     pool = cache._pool
@@ -195,11 +236,11 @@ def check_holders(cache: hisparse.HiSparseCache) -> None:
 
 
 # --- the helpers catch what they must ---------------------------------------------------
-def _small_cache() -> hisparse.HiSparseCache:
+def _small_cache(residency_map: str = "position") -> hisparse.HiSparseCache:
     config = hisparse.HiSparseConfig.from_preset(
         "tiny", num_layers=2, row_bytes=16, top_k=2, hot_slots=4, extent_tokens=2,
         max_requests=2, max_batch=2, host_pool_tokens=32, max_seq_len=32, validate=True,
-        residency_map="position",  # so that a prefix can be retained
+        residency_map=residency_map,
     )
     cache = hisparse.HiSparseCache(config, device="cpu")
     cache.admit("a", 7)
@@ -243,6 +284,27 @@ def test_the_snapshot_sees_every_kind_of_change(what: str) -> None:
     MUTATIONS[what](cache)
     with pytest.raises(AssertionError, match="changed"):
         assert_same_state(before, full_snapshot(cache))
+
+
+# host_row's key extents: the alias allocator, a request's aliases, an alias's host extent.
+KEY_MUTATIONS: dict[str, Callable[[hisparse.HiSparseCache], None]] = {
+    "an alias taken": lambda c: c._prefixes.aliases.take(1),
+    "a request's aliases": lambda c: setattr(next(iter(c._requests)), "aliases", (16,)),
+    "an alias's host extent": lambda c: c.tables.key_host_extent[16].fill_(3),
+}
+
+
+@pytest.mark.parametrize("what", KEY_MUTATIONS)
+def test_the_snapshot_and_the_invariants_see_the_key_extents(what: str) -> None:
+    cache = _small_cache("host_row")
+    cache.retain_prefix("a", 5)
+    check_table_invariants(cache)
+    before = full_snapshot(cache)
+    KEY_MUTATIONS[what](cache)
+    with pytest.raises(AssertionError, match="changed"):
+        assert_same_state(before, full_snapshot(cache))
+    with pytest.raises(AssertionError):
+        check_table_invariants(cache)
 
 
 def test_invariants_hold_and_catch_a_stale_resident_entry() -> None:

@@ -234,13 +234,15 @@ def test_exhaustion_is_the_same_on_every_rank_and_changes_nothing(pool_name: str
     on_all(caches, "close")
 
 
+@pytest.mark.parametrize("residency_map", ["host_row", "position"])
 def test_shared_prefixes_keep_every_rank_byte_exact_and_give_every_extent_back(
-        pool_name: str, rng: torch.Generator) -> None:
+        pool_name: str, rng: torch.Generator, residency_map: str) -> None:
     """Sharing on a shared pool: "b" is admitted on a retained prefix of "a" that ends inside
     an extent (its tail copied, by the writer only), and "a", decoding on, moves to a private
     copy of that extent at its next step (again copied by the writer only). Every rank reads
-    every token's bytes, holds the same extents and page table, and gets every extent back."""
-    caches = group(pool_name, 2, residency_map="position")
+    every token's bytes, holds the same extents, page table (under host_row: the same alias
+    key extents, whose host extents agree too) and gets every extent and alias back."""
+    caches = group(pool_name, 2, residency_map=residency_map)
     L, W, E = caches[0].num_layers, caches[0].row_bytes, caches[0].extent_tokens
     kv = {r: random_bytes((L, 64, W), rng) for r in "ab"}
     on_all(caches, "admit", "a", 40)
@@ -272,6 +274,10 @@ def test_shared_prefixes_keep_every_rank_byte_exact_and_give_every_extent_back(
     assert records[0] == records[1] and records[0]["a"][2] != tail
     assert [c._pool.holders(tail) for c in caches] == [1, 1]  # the handle's alone now
     assert torch.equal(caches[0].tables.page_table, caches[1].tables.page_table)
+    if residency_map == "host_row":
+        assert caches[0]._requests.get("b", "x").aliases == (
+            caches[1]._requests.get("b", "x").aliases) != ()
+        assert torch.equal(caches[0].tables.key_host_extent, caches[1].tables.key_host_extent)
     assert caches[1].stats().occupancy == caches[0].stats().occupancy
     for _ in range(3):
         step(["a", "b"])
@@ -286,6 +292,7 @@ def test_shared_prefixes_keep_every_rank_byte_exact_and_give_every_extent_back(
     on_all(caches, "finish", "b")
     assert [c._pool.allocator.free_extents for c in caches] == [c._pool.num_extents
                                                                  for c in caches]
+    assert [c.stats().occupancy.alias_extents_used for c in caches] == [0, 0]
     assert caches[0]._shared.seq == caches[1]._shared.seq
     on_all(caches, "close")
 

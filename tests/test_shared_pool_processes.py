@@ -134,16 +134,18 @@ def test_multi_process_fuzz_is_byte_exact_on_every_rank(pool_name: str) -> None:
     assert counts[0] == counts[1] and counts[0]["checked_rows"] > 10000, (seed, counts)
 
 
+@pytest.mark.parametrize("residency_map", ["host_row", "position"])
 def test_multi_process_fuzz_with_shared_prefixes_is_byte_exact_and_leaks_nothing(
-        pool_name: str) -> None:
-    """The fuzz with prefix sharing on (residency_map: position): retains and releases,
-    admits and PD reservations on a retained prefix or a live request's first tokens, random
-    finish order, preempt/resume, cancel, and decoding requests sent to a private copy of a
-    retained tail's extent. Both ranks read every token's bytes (their origin's, across the
-    prefix), and once everything is released every extent is free again on both."""
+        pool_name: str, residency_map: str) -> None:
+    """The fuzz with prefix sharing on (host_row through alias key extents, or position):
+    retains and releases, admits and PD reservations on a retained prefix or a live
+    request's first tokens, random finish order, preempt/resume, cancel, and decoding
+    requests sent to a private copy of a retained tail's extent. Both ranks read every
+    token's bytes (their origin's, across the prefix), and once everything is released every
+    extent is free again on both."""
     seed = int(torch.randint(0, 2**31, (1,)))
     results = run_group(fuzz_rank, ranks_of(pool_name, 2, seed=seed, steps=300,
-                                            overrides=dict(residency_map="position")),
+                                            overrides=dict(residency_map=residency_map)),
                         timeout_s=240)
     assert not describe_failure(results), describe_failure(results)
     counts = [{k: v for k, v in r.items() if k not in ("rank", "seconds")} for r in results]
@@ -154,7 +156,7 @@ def test_multi_process_fuzz_with_shared_prefixes_is_byte_exact_and_leaks_nothing
 
 
 @requires_cuda
-@pytest.mark.parametrize("residency_map", ["host_row", "position"])  # position: with sharing
+@pytest.mark.parametrize("residency_map", ["host_row", "position"])  # both: with sharing
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_gpu_fuzz_with_ranks_sharing_one_gpu(pool_name: str, ranks: int,
                                              residency_map: str) -> None:
@@ -164,8 +166,7 @@ def test_gpu_fuzz_with_ranks_sharing_one_gpu(pool_name: str, ranks: int,
                         timeout_s=580)
     assert not describe_failure(results), describe_failure(results)
     assert all(r["mismatches"] == 0 and r["steps"] == 2500 for r in results), results
-    if residency_map == "position":
-        assert all(r["leaked_extents"] == 0 and r["shared_admits"] > 0 for r in results), results
+    assert all(r["leaked_extents"] == 0 and r["shared_admits"] > 0 for r in results), results
 
 
 @requires_cuda

@@ -22,15 +22,18 @@ import torch
 import hisparse
 from hisparse.core.requests import RequestState
 from hisparse.errors import HisparseError
+from test_reliability_state import check_key_extents
 
 L, W, K, HOT, E = 2, 16, 4, 8, 4
 
 
-def _cache(validate: bool, group: int) -> hisparse.HiSparseCache:
+def _cache(validate: bool, group: int, residency_map: str = "position"
+           ) -> hisparse.HiSparseCache:
     config = hisparse.HiSparseConfig.from_preset(
         "tiny", num_layers=L, row_bytes=W, top_k=K, hot_slots=HOT, index_group_size=group,
         extent_tokens=E, max_requests=4, max_batch=3, host_pool_tokens=80 * E,
-        max_seq_len=24 * E, max_draft_tokens=2, validate=validate, residency_map="position")
+        max_seq_len=24 * E, max_draft_tokens=2, validate=validate,
+        residency_map=residency_map)
     return hisparse.HiSparseCache(config, device="cpu")
 
 
@@ -51,8 +54,13 @@ def check_slot_arrays(cache: hisparse.HiSparseCache) -> None:
         assert row[:count].tolist() == record.extents and (row[count:] == -1).all()
         assert slots.held[record.slot] == count
         if record.state is RequestState.RUNNING:  # seeded: the device tables hold it too
-            assert tables.page_table[record.slot].tolist() == row.tolist()
+            # (host_row: the key extents, the host ones but for the aliases of shared ones)
+            keys = (record.key_extents() if tables.residency_map == "host_row"
+                    else record.extents)
+            assert tables.page_table[record.slot].tolist()[:count] == keys
+            assert (tables.page_table[record.slot][count:] == -1).all()
             assert int(tables.seq_lens[record.slot]) == record.num_tokens
+    check_key_extents(cache)
     for slot in set(range(slots.num_slots)) - set(held):
         assert slots.lengths[slot] == 0 and (slots.pages[slot] == -1).all()
         assert slots.held[slot] == 0
@@ -124,13 +132,14 @@ def _lifecycle_call(cache: hisparse.HiSparseCache, rng: random.Random, names: li
             cache.finish(request_id)
 
 
+@pytest.mark.parametrize("residency_map", ["host_row", "position"])
 @pytest.mark.parametrize("validate", [False, True])
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("seed", range(6))
 def test_the_slot_arrays_agree_with_records_and_tables_after_random_lifecycles(
-        validate: bool, group: int, seed: int) -> None:
+        validate: bool, group: int, seed: int, residency_map: str) -> None:
     rng = random.Random(seed)
-    cache = _cache(validate, group)
+    cache = _cache(validate, group, residency_map)
     names: list[str] = []
     handles: list[object] = []
     calls = 0

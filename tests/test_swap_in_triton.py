@@ -63,10 +63,14 @@ def _host_tensor(rows: int, row_bytes: int, gen: torch.Generator) -> torch.Tenso
     return data.pin_memory() if ON_GPU else data
 
 
-def make_tables(sizes: Sizes, gen: torch.Generator,
-                residency_map: ResidencyMap = "host_row") -> CacheTables:
+def make_tables(sizes: Sizes, gen: torch.Generator, residency_map: ResidencyMap = "host_row",
+                key_extents: bool = False) -> CacheTables:
     """Random requests (free, short, at the switch, long) seeded as docs/ARCHITECTURE.md says,
-    their residency map keyed by host row or by (request slot, position)."""
+    their residency map keyed by host row or by (request slot, position). `key_extents`
+    (host_row): the page tables hold key extents out of twice the pool's extents, each held
+    by one request, whose host extents `key_host_extent` gives at random, so requests share
+    host extents under distinct keys and a key row is some other token's host row (a miss
+    that copied from its key row would copy another token's bytes)."""
     hot, ext, num_req = sizes.hot, sizes.extent, sizes.num_requests
     slots = hot + 1
     kinds = torch.randint(0, 4, (num_req,), generator=gen).tolist()
@@ -86,12 +90,19 @@ def make_tables(sizes: Sizes, gen: torch.Generator,
     pages = [math.ceil(n / ext) for n in seq_lens]
     max_pages = max(pages) + 1
     num_extents = sum(pages) + 3  # some extents stay free
-    extent_ids = torch.randperm(num_extents, generator=gen).tolist()
+    num_keys = 2 * num_extents if key_extents else num_extents
+    extent_ids = torch.randperm(num_keys, generator=gen).tolist()
     page_table = torch.full((num_req, max_pages), -1, dtype=torch.int32)
     for r, count in enumerate(pages):
         page_table[r, :count] = torch.tensor(extent_ids[:count], dtype=torch.int32)
         extent_ids = extent_ids[count:]
     num_host_rows = num_extents * ext
+    key_host_extent = None
+    if key_extents:  # every held key extent names a host extent; a few share one
+        key_host_extent = torch.full((num_keys,), -1, dtype=torch.int32)
+        held = page_table[page_table >= 0].long()
+        key_host_extent[held] = torch.randint(0, num_extents, (held.numel(),), generator=gen,
+                                              dtype=torch.int32)
     num_layers, num_groups = len(LAYER_GROUPS), max(LAYER_GROUPS) + 1
     host_kv = [_host_tensor(num_host_rows, sizes.row_bytes, gen) for _ in range(num_layers)]
     device_kv = torch.randint(
@@ -100,7 +111,7 @@ def make_tables(sizes: Sizes, gen: torch.Generator,
     positions = max_pages * ext
     by_position = residency_map == "position"
     slot_key = torch.full((num_groups, num_req, hot), -1, dtype=torch.int32)
-    resident = torch.full((num_groups, num_req * positions if by_position else num_host_rows),
+    resident = torch.full((num_groups, num_req * positions if by_position else num_keys * ext),
                           -1, dtype=sizes.resident_dtype)
     # Seeded (-1, clock 0) or later states: stamps below the clock, in a narrow range (ties
     # decide most victims) or spread over 2^20 steps (the selection's bit search decides).
@@ -116,8 +127,13 @@ def make_tables(sizes: Sizes, gen: torch.Generator,
                 last_use[g, r] = torch.randint(low, clock, (hot,), generator=gen,
                                                dtype=torch.int32)
 
-    def host_row(r: int, pos: int) -> int:
+    def key_row(r: int, pos: int) -> int:
         return int(page_table[r, pos // ext]) * ext + pos % ext
+
+    def host_row(r: int, pos: int) -> int:
+        page = int(page_table[r, pos // ext])
+        host = page if key_host_extent is None else int(key_host_extent[page])
+        return host * ext + pos % ext
 
     for r, n in enumerate(seq_lens):
         if n == 0:
@@ -130,7 +146,7 @@ def make_tables(sizes: Sizes, gen: torch.Generator,
                 device_kv[layer, r * slots + hot] = host_kv[layer][host_row(r, n - 1)]
         for s, pos in seeded.items():
             row = host_row(r, pos)
-            key = r * positions + pos if by_position else row
+            key = r * positions + pos if by_position else key_row(r, pos)
             slot_key[:, r, s] = key
             resident[:, key] = s
             for layer in range(num_layers):
@@ -151,6 +167,7 @@ def make_tables(sizes: Sizes, gen: torch.Generator,
         # Not zero: the swap-in must add to what a request has counted, not overwrite it.
         request_counters=torch.randint(0, 1000, (num_req, 2), generator=gen,
                                        dtype=torch.int64).to(DEVICE),
+        key_host_extent=None if key_host_extent is None else key_host_extent.to(DEVICE),
     )
 
 
@@ -170,6 +187,7 @@ def clone_tables(t: CacheTables) -> CacheTables:
         residency_map=t.residency_map,
         request_counters=(None if t.request_counters is None
                           else t.request_counters.clone()),
+        key_host_extent=t.key_host_extent,  # read-only for swap-in
     )
 
 
@@ -238,7 +256,10 @@ def assert_rows_match_host(
     written = out >= 0
     requests = req_slots.cpu().long()[:, None].expand_as(top_k)[written]
     positions = top_k[written]
-    host_rows = tables.page_table.cpu().long()[requests, positions // ext] * ext + positions % ext
+    extents = tables.page_table.cpu().long()[requests, positions // ext]
+    if tables.key_host_extent is not None:  # key extents: their host extents hold the rows
+        extents = tables.key_host_extent.cpu().long()[extents]
+    host_rows = extents * ext + positions % ext
     device_rows = tables.device_kv[layer][out[written].to(DEVICE)].cpu()
     assert torch.equal(device_rows, tables.host_kv[layer][host_rows].cpu())
 
@@ -279,7 +300,9 @@ VARIANTS = {
 # those whose lookup or selection code differs there.
 POSITION_KEYED = ("default", "late-loads", "address-order", "prefetched-copy")
 CASES = [pytest.param(v, "host_row", id=v) for v in VARIANTS] + [
-    pytest.param(v, "position", id=f"position-keyed-{v}") for v in POSITION_KEYED]
+    pytest.param(v, "position", id=f"position-keyed-{v}") for v in POSITION_KEYED] + [
+    # ...and over key extents (host_row with shared prefixes): the same four differ there.
+    pytest.param(v, "key_row", id=f"key-rows-{v}") for v in POSITION_KEYED]
 
 
 def plans_in_address_order(tune: triton_kernels.Tuning, sizes: Sizes) -> bool:
@@ -323,10 +346,11 @@ def assert_plan_matches(got: MissPlan, want: MissPlan, address_order: bool, buck
 
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"K{s.top_k}-H{s.hot}-W{s.row_bytes}")
 @pytest.mark.parametrize(("variant", "residency_map"), CASES)
-def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, residency_map: ResidencyMap,
+def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, residency_map: str,
                                         rng: torch.Generator) -> None:
     gen = rng
-    want = make_tables(sizes, gen, residency_map)
+    key_extents = residency_map == "key_row"
+    want = make_tables(sizes, gen, "host_row" if key_extents else residency_map, key_extents)
     got = clone_tables(want)
     previous: dict[int, list[int]] = {}
     overrides: dict[str, object] = {"classify_chunk_k": 16, "small_batch_classify_chunk_k": None,
@@ -361,6 +385,45 @@ def test_matches_reference_over_a_trace(sizes: Sizes, variant: str, residency_ma
                 assert_same_state(got, want)
                 assert_rows_match_host(got, layer, req_slots, top_k, out_got)
     assert int(got.counters[:, 1].sum()) > 0, "trace produced no misses: the test is too weak"
+
+
+@pytest.mark.parametrize("bug", ["key row as host row", "alias to the wrong extent"])
+def test_the_trace_catches_a_miss_copied_from_the_wrong_host_row(
+        bug: str, rng: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over key extents a miss must copy from its key extent's host extent: a reference that
+    took the key row for the host row (another token's row, or none past the pool), or read
+    the next key extent's host extent, serves other bytes, and the comparison of the trace
+    above (outputs, tables and bytes against the Triton kernels and the host) says so."""
+    from hisparse.kernels.swap_in import reference
+
+    real = reference._key_and_host_rows
+
+    def wrong(t: CacheTables, page: torch.Tensor, offset: torch.Tensor):
+        key_row, host_row = real(t, page, offset)
+        if bug == "key row as host row":
+            return key_row, torch.where(key_row < t.num_host_rows, key_row, -1)
+        _, shifted = real(t, torch.where(page >= 0, (page + 1) % t.key_host_extent.numel(),
+                                         page), offset)
+        return key_row, torch.where(host_row >= 0, shifted, -1)
+
+    monkeypatch.setattr(reference, "_key_and_host_rows", wrong)
+    sizes = SMALL[0]
+    want = make_tables(sizes, rng, key_extents=True)
+    got = clone_tables(want)
+    previous: dict[int, list[int]] = {}
+    with pytest.raises(AssertionError), triton_kernels.tuning(classify_chunk_k=16,
+                                                              copy_rows=4):
+        for _ in range(5):
+            req_slots, top_k, num_real = next_top_k(want, sizes, previous, rng)
+            for layer, group in SWAP_IN_CALLS:
+                out_want = torch.full_like(top_k, POISON)
+                out_got = torch.full_like(top_k, POISON)
+                swap_in_reference(want, layer, group, req_slots, top_k, num_real, out_want)
+                triton_kernels.swap_in_triton(got, layer, group, req_slots, top_k, num_real,
+                                              out_got)
+                assert torch.equal(out_got, out_want)
+                assert_same_state(got, want)
+                assert_rows_match_host(want, layer, req_slots, top_k, out_want)
 
 
 def test_skip_io_plans_without_moving_rows(rng: torch.Generator) -> None:

@@ -102,6 +102,15 @@ def fill_pool(world: World) -> None:
     world.cache.reserve_host_slots("hog3", free * EXTENT)
 
 
+def take_aliases(world: World) -> None:
+    """Reservations on all 20 tokens of "long" (5 whole extents: no own extent, no slot) until
+    fewer than 5 of the cache's alias key extents are left."""
+    index = 0
+    while world.cache._prefixes.aliases.free >= 5:
+        world.cache.reserve_host_slots(f"alias{index}", 20, prefix=("long", 20))
+        index += 1
+
+
 SETUPS: dict[str, Callable[[World], None]] = {
     "idle": lambda w: None,
     "in_step": open_step,
@@ -110,6 +119,7 @@ SETUPS: dict[str, Callable[[World], None]] = {
     "full_pool": fill_pool,
     "at_limit": lambda w: w.admit("max", MAX_SEQ),
     "closed": lambda w: w.cache.close(),
+    "aliases_taken": take_aliases,
 }
 
 
@@ -336,16 +346,14 @@ BAD_CALLS: dict[str, BadCall] = {
                                           lambda c, w: c.host_rows("gone")),
     "device_kv layer 4": BadCall("idle", InvalidInputError, "got 4",
                                  lambda c, w: c.device_kv(4)),
-    # shared prefixes: a host-row map refuses them (tests/test_prefix_sharing.py: the rest)
-    "retain a prefix, host-row map": BadCall(
-        "idle", InvalidInputError, "residency_map: position",
-        lambda c, w: c.retain_prefix("long", 8)),
-    "admit on a prefix, host-row map": BadCall(
-        "idle", InvalidInputError, "residency_map: position",
-        lambda c, w: c.admit("x", 9, prefix=("long", 8))),
-    "reserve on a prefix, host-row map": BadCall(
-        "idle", InvalidInputError, "residency_map: position",
-        lambda c, w: c.reserve_host_slots("x", 9, prefix=("long", 8))),
+    # shared prefixes: a host-row map out of alias key extents refuses them (the rest:
+    # tests/test_prefix_sharing.py)
+    "admit on a prefix, no alias key extent free": BadCall(
+        "aliases_taken", PoolExhaustedError, "alias key extent.*alias_extents=",
+        lambda c, w: c.admit("x", 20, prefix=("long", 20))),
+    "reserve on a prefix, no alias key extent free": BadCall(
+        "aliases_taken", PoolExhaustedError, "alias key extent.*alias_extents=",
+        lambda c, w: c.reserve_host_slots("x", 20, prefix=("long", 20))),
     "release a non-handle": BadCall("idle", InvalidInputError, "'long' is a str",
                                     lambda c, w: c.release_prefix("long")),
 }

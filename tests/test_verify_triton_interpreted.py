@@ -105,19 +105,37 @@ def test_repeated_misses_through_the_triton_launcher(interpreted: InterpretedTri
         dedupe, interpreted, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("residency_map", sharing.MAPS)
 def test_sharing_requests_decode_through_the_triton_kernels(
-        interpreted: InterpretedTritonCpu) -> None:
-    # Index groups of 2: followers replay the anchor's plan through the Triton copy.
-    sharing.test_index_groups_decode_sharing_requests_side_by_side(2, interpreted)
-    sharing.test_ending_or_parking_one_holder_never_changes_another_holders_rows(interpreted)
+        interpreted: InterpretedTritonCpu, residency_map: str) -> None:
+    # Index groups of 2: followers replay the anchor's plan through the Triton copy. Under
+    # host_row the lookups go through alias key extents (the KEY_EXTENTS kernels).
+    sharing.test_index_groups_decode_sharing_requests_side_by_side(2, interpreted,
+                                                                   residency_map)
+    sharing.test_ending_or_parking_one_holder_never_changes_another_holders_rows(
+        interpreted, residency_map)
+    sharing.test_a_shared_row_resident_in_two_buffers_serves_each_request_its_own_slot(
+        residency_map, interpreted)
+    # Verify steps over them: the union's swap-in (width U = 8) through the same kernels.
+    sharing.test_verify_steps_decode_sharing_requests_side_by_side(2, interpreted,
+                                                                   residency_map)
 
 
+@pytest.mark.parametrize("residency_map", sharing.MAPS)
+def test_a_moved_extent_keeps_its_keys_through_the_triton_kernels(
+        interpreted: InterpretedTritonCpu, residency_map: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    sharing.test_the_moved_extent_keeps_its_hot_slots_under_the_new_key(
+        residency_map, monkeypatch, interpreted)
+
+
+@pytest.mark.parametrize("residency_map", sharing.MAPS)
 def test_sharing_lifecycles_through_the_triton_kernels(interpreted: InterpretedTritonCpu,
-                                                       seed: int) -> None:
+                                                       seed: int, residency_map: str) -> None:
     from test_reliability_fuzz import SHAPES as FUZZ_SHAPES
 
     counts = LockstepRun(interpreted, FUZZ_SHAPES[seed % len(FUZZ_SHAPES)], bool(seed % 2), 24,
-                         seed, SHARING_WEIGHTS, residency_map="position").run(
+                         seed, SHARING_WEIGHTS, residency_map=residency_map).run(
                              decode_steps=12, max_operations=150)
     # (60 operations drew no plain admit or reserve, so nothing to share, for 1 seed in ~70:
     # (27/29)^60; at 150 it is 1 in ~45,000, and the run still stops at 12 decode steps.)

@@ -43,8 +43,9 @@ class HiSparseConfig:
 
     Defaults describe DeepSeek-V3.2 (configs/default.yaml lists them). Fields left as None
     are derived: `row_bytes` from `row_bytes_by_dtype[kv_dtype]`, `hot_slots` as
-    `2 * top_k`, `max_batch` as `max_requests`, `residency_map` as `"host_row"`; `replace()`
-    derives them again.
+    `2 * top_k`, `max_batch` as `max_requests`, `residency_map` as `"host_row"`,
+    `alias_extents` as the pool's extent count (0 under `position`); `replace()` derives them
+    again.
     """
 
     model: str = "default"
@@ -63,6 +64,12 @@ class HiSparseConfig:
     host_pool_tokens: int = 1048576
     extent_tokens: int = 512
     residency_map: str | None = None
+    # host_row only: residency-key extents for requests admitted on a shared prefix, one per
+    # shared extent such a request holds (core/prefixes.py), so that two requests holding one
+    # host row never share a `resident` entry. None: as many as the pool has extents (the
+    # residency map doubles: G x alias_extents x extent_tokens more int16 entries); 0: sharing
+    # is refused under host_row. Unused (derived 0) under position.
+    alias_extents: int | None = None
     graph_capture: bool | None = None
     async_backup: bool | None = None
     shared_index_prefetch: bool | None = None
@@ -125,6 +132,7 @@ class HiSparseConfig:
             problems.append(f"residency_map: got {self.residency_map!r}; valid choices: "
                             f"{', '.join(RESIDENCY_MAPS)} or null (host_row)")
             bad.add("residency_map")
+        self._derive_alias_extents(problems, derived, bad)
 
         for name in FEATURE_FLAGS:
             value = getattr(self, name)
@@ -140,6 +148,20 @@ class HiSparseConfig:
         if problems:
             raise ConfigError(problems)
         set_field(self, "_derived", frozenset(derived))
+
+    def _derive_alias_extents(self, problems: list[str], derived: set[str],
+                              bad: set[str]) -> None:
+        """`alias_extents` for the residency map: the pool's extent count under host_row."""
+        value = self.alias_extents
+        if value is None:
+            if not {"host_pool_tokens", "extent_tokens", "residency_map"} & bad:
+                object.__setattr__(self, "alias_extents",
+                                   self.num_extents if self.residency_map == "host_row" else 0)
+                derived.add("alias_extents")
+        elif not _is_int(value) or value < 0:
+            problems.append(f"alias_extents: expected an int >= 0 or null (the pool's extent "
+                            f"count), got {value!r}")
+            bad.add("alias_extents")
 
     def _derive_row_bytes(self, problems: list[str], derived: set[str]) -> None:
         """`row_bytes` from `row_bytes_by_dtype[kv_dtype]` where it is not given."""
@@ -209,6 +231,12 @@ class HiSparseConfig:
             problems.append(
                 f"residency_map: position keys max_requests * max_seq_len (in whole extents) = "
                 f"{position_keys}, must be < 2**31; use host_row or fewer requests"
+            )
+        host_keys = (self.num_extents + (self.alias_extents or 0)) * self.extent_tokens
+        if self.residency_map == "host_row" and host_keys >= INT32_LIMIT:
+            problems.append(
+                f"alias_extents: host_row keys (pool extents + alias_extents) * extent_tokens "
+                f"= {host_keys}, must be < 2**31; lower alias_extents or host_pool_tokens"
             )
         if self.max_requests * self.slots_per_request >= INT32_LIMIT:
             problems.append(

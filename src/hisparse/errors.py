@@ -61,7 +61,8 @@ class RequestStateError(InvalidInputError):
 
 
 class PoolExhaustedError(HisparseError, MemoryError):
-    """Not enough free host rows or device request slots; nothing was allocated."""
+    """Not enough free host rows, device request slots or (shared prefixes under
+    `residency_map: host_row`) alias key extents; nothing was allocated."""
 
 
 class MissingDependencyError(HisparseError, ImportError):

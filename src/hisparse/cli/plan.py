@@ -155,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         shared_prefix_tokens=args.shared_prefix,
         sharing_requests=args.sharing_requests,
         tp_ranks=args.tp,
+        resident_entries_per_token=(1 + config.alias_extents / config.num_extents
+                                    if config.residency_map == "host_row" else 1.0),
     )
     if settings.available_bytes <= 0:
         parser.error(

@@ -321,6 +321,8 @@ class BatchPlan:
         if self._shortest < t.hot_slots:
             short = self._positions < t.hot_slots
             slot, hot = self.slots[short], self._positions[short]
+            # host_row: a new token lands in an extent of its request's own, whose key rows
+            # are its host rows (aliases name only shared extents, which nobody writes).
             key = (slot * t.positions_per_request + hot if t.residency_map == "position"
                    else self.host_rows[short])
             updates |= {"short_slot": slot, "short_hot": hot, "short_key": key,

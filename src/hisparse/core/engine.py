@@ -117,7 +117,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
             self._closed = False
             self._shared: SharedPoolSync | None
             self._pool, self._shared = build_host_pool(backend, config, shared_pool)
-            self._prefixes = PrefixRegistry(self._pool, config.residency_map)
+            self._prefixes = PrefixRegistry(self._pool, config.residency_map, config.alias_extents)
             try:
                 self._build_device_state()
             except BaseException:
@@ -149,7 +149,8 @@ class HiSparseCache(PrefixSharing, RequestQueries):
 
         Raises:
             RequestStateError: the id is live. InvalidInputError: bad `num_tokens`/`prefix`.
-            PoolExhaustedError: no slot or too few extents (nothing is taken).
+            PoolExhaustedError: no slot, too few extents or alias key extents (nothing is
+                taken).
         """
         self._check_open()
         self._requests.check_new(request_id, "admit")
@@ -157,11 +158,12 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         action = f"admit request {request_id!r}"
         shared = self._shared_prefix(prefix, action)
         self._slots.check_free(f"admitting request {request_id!r}")
-        extents = self._prefixes.extents_for_new(shared, num_tokens, self._order.host_rows.drain,
-                                                 action)
+        extents, aliases = self._prefixes.extents_for_new(shared, num_tokens,
+                                                          self._order.host_rows.drain, action)
         first = shared.num_tokens if shared else 0
         record = RequestRecord(request_id, RequestState.PREFILLING, num_tokens, num_tokens,
-                               extents, PromptCoverage(self.num_layers, num_tokens, first), first)
+                               extents, PromptCoverage(self.num_layers, num_tokens, first), first,
+                               aliases)
         self._slots.take(record)
         self._requests.add(record)
 
@@ -184,11 +186,11 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         # their previous owner may still be touching them. Drained before anything is taken,
         # so that a drain that fails leaves no reservation behind.
         self._order.host_rows.drain()
-        extents = self._prefixes.extents_for_new(shared, num_tokens, self._order.host_rows.drain,
-                                                 action)
+        extents, aliases = self._prefixes.extents_for_new(shared, num_tokens,
+                                                          self._order.host_rows.drain, action)
         first = shared.num_tokens if shared else 0
         record = RequestRecord(request_id, RequestState.RESERVED, num_tokens, num_tokens, extents,
-                               prefix_tokens=first)
+                               prefix_tokens=first, aliases=aliases)
         self._requests.add(record)
         return self._pool.reservation(request_id, extents, num_tokens, first)
 

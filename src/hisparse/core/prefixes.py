@@ -18,15 +18,29 @@ into each request admitted on it): when the request it came from keeps decoding 
 extent, its next decode step first moves it to a private copy (`writers_in`, `private_copy`,
 `moved`), so the newest token always lands in an extent its request holds alone.
 
-Why `residency_map: position` only. With `host_row` keys, `resident[g, row]` is one entry per
-host row: two running requests holding a shared row in their hot buffers (each in its own
-slot) would claim the same entry, and a lookup of one would return the other's slot id, a
-slot of its own buffer that holds another token. Keyed by position, every request slot has
-its own keys, so sharing host rows leaves the device tables exactly as without sharing.
+Why a request admitted on a prefix gets alias key extents under `residency_map: host_row`.
+Keyed by host row, `resident[g, row]` is one entry per host row: two running requests holding
+one shared row in their hot buffers (each in its own slot) would claim the same entry, and a
+lookup of one would return the other's slot id, a slot of its own buffer that holds another
+token. So the device page table holds *key extents*: a request's own extents are their own
+keys, and for each shared extent it joins on admission (`extents_for_new`) it takes an alias
+key extent from `AliasKeys` (ids from N / E on; `alias_extents` of them), which
+`key_host_extent` maps back to the shared host extent. A hit needs the key alone; a miss
+copies from the host row the key extent maps to (kernels/swap_in). Invariant: one key extent
+is held by one request at a time (an own extent's key by the request that allocated it, an
+alias by the request that took it, until it ends), so `resident` stays one entry per token of
+one request slot, as without sharing. A request only ever writes rows of its own extents,
+whose keys are their host rows: every host-row write (prefill, PD transfer, newest-token
+backup) goes to the row it names. The moved case keeps this: the private copy is a new own
+extent, so its key changes too and the request's `resident` entries and `slot_key`s of that
+extent move with it (`slot_tables.move_keys`). Keyed by position, every request slot has its
+own keys already: sharing host rows leaves the device tables exactly as without sharing, and
+no aliases are taken.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -36,7 +50,7 @@ import numpy as np
 
 from hisparse.core.host_pool import HostPool
 from hisparse.core.requests import RequestRecord, RequestState, RequestTable
-from hisparse.errors import InvalidInputError, RequestStateError
+from hisparse.errors import InvalidInputError, PoolExhaustedError, RequestStateError
 
 _cache_ids = itertools.count(1)
 
@@ -76,15 +90,55 @@ class HostUsage:
     extents_saved: int  # extents the holders would allocate on top if none shared
 
 
+class AliasKeys:
+    """Alias key extents `first .. first + capacity - 1` (host_row residency keys of shared
+    extents, one per request holding one), lowest free first: the ranks of a shared pool
+    take the same ids in the same operations."""
+
+    def __init__(self, first: int, capacity: int) -> None:
+        self.first, self.capacity = first, capacity
+        self._free = list(range(first, first + capacity))  # sorted: already a heap
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def check_free(self, count: int, action: str) -> None:
+        if count > len(self._free):
+            raise PoolExhaustedError(
+                f"cannot {action}: it shares {count} whole extents of its prefix and needs an "
+                f"alias key extent for each (residency_map: host_row keys every request's "
+                f"shared extents apart), but only {len(self._free)} of alias_extents="
+                f"{self.capacity} are free; finish or abort requests admitted on shared "
+                "prefixes first, or raise alias_extents (each costs index groups x "
+                "extent_tokens x 2 B of device memory) or use residency_map: position"
+            )
+
+    def take(self, count: int) -> tuple[int, ...]:
+        return tuple(heapq.heappop(self._free) for _ in range(count))
+
+    def give_back(self, aliases: Iterable[int]) -> None:
+        for alias in aliases:
+            heapq.heappush(self._free, alias)
+
+    def state(self) -> list[int]:
+        """The free ids, sorted (tests compare it before and after a refused call)."""
+        return sorted(self._free)
+
+
 class PrefixRegistry:
     """The retained prefixes of one cache, and the requests that must copy before writing."""
 
     _FORGET_AFTER = 4096  # released handle ids remembered, for a clear double-release error
 
-    def __init__(self, pool: HostPool, residency_map: str) -> None:
+    def __init__(self, pool: HostPool, residency_map: str, alias_extents: int = 0) -> None:
         self.pool = pool
         self.extent_tokens = pool.extent_tokens
         self.residency_map = residency_map
+        # host_row: the alias key extents, numbered after the pool's own (None: position
+        # keys need none; an empty allocator refuses sharing).
+        self.aliases = (AliasKeys(pool.num_extents, alias_extents)
+                        if residency_map == "host_row" else None)
         self.cache_id = next(_cache_ids)
         self._ids = itertools.count(1)
         self._retained: dict[int, tuple[PrefixHandle, PrefixRows]] = {}
@@ -162,13 +216,13 @@ class PrefixRegistry:
         )
 
     def _check_residency_map(self, action: str) -> None:
-        if self.residency_map != "position":
+        if self.aliases is not None and not self.aliases.capacity:
             raise InvalidInputError(
-                f"cannot {action}: shared prefixes need residency_map: position, and this "
-                f"cache keys its residency map by host row (residency_map: "
-                f"{self.residency_map}), where two running requests holding one shared host "
-                "row in their hot buffers would claim one `resident` entry and read each "
-                "other's slots; create the cache with residency_map: position "
+                f"cannot {action}: under residency_map: host_row a request admitted on a "
+                "shared prefix needs alias key extents, so that two running requests holding "
+                "one shared host row keep apart in the residency map, and this cache has "
+                "alias_extents: 0; create the cache with alias_extents > 0 (null: the pool's "
+                "extent count) or with residency_map: position "
                 "(HiSparseConfig.from_preset(..., residency_map='position'))"
             )
 
@@ -213,12 +267,18 @@ class PrefixRegistry:
         return freed
 
     def forget(self, record: RequestRecord) -> None:
-        """The request ended: its extents are released by the caller."""
+        """The request ended: its extents are released by the caller, its alias key extents
+        here (its slot, which named them, was cleared first)."""
         self.writers.pop(id(record), None)
+        if record.aliases:
+            assert self.aliases is not None
+            self.aliases.give_back(record.aliases)
+            record.aliases = ()
 
     # --- extents of a new request ---------------------------------------------------------
     def check_room(self, prefix: PrefixRows | None, num_tokens: int, action: str) -> None:
-        """Raise what `extents_for_new` would raise for a bad length or a full pool."""
+        """Raise what `extents_for_new` would raise for a bad length, a full pool or (host_row)
+        too few free alias key extents."""
         pool = self.pool
         if prefix is None:
             pool.check_free(pool.extents_for(num_tokens))
@@ -229,17 +289,22 @@ class PrefixRegistry:
                 f"{num_tokens} tokens of the request; pass a prefix of at most {num_tokens} "
                 "tokens (retain_prefix(handle, n) cuts a shorter one from a handle)"
             )
-        pool.check_free(pool.extents_for(num_tokens) - prefix.num_tokens // self.extent_tokens)
+        shared = prefix.num_tokens // self.extent_tokens
+        pool.check_free(pool.extents_for(num_tokens) - shared)
+        if self.aliases is not None:
+            self.aliases.check_free(shared, action)
 
     def extents_for_new(self, prefix: PrefixRows | None, num_tokens: int,
-                        drain: Callable[[], None], action: str) -> list[int]:
+                        drain: Callable[[], None], action: str
+                        ) -> tuple[list[int], tuple[int, ...]]:
         """Extents for a new `num_tokens` request: the prefix's whole extents, shared, then
-        its own, the first of which gets the prefix's tail rows copied. Raises before any
+        its own, the first of which gets the prefix's tail rows copied; and (host_row) the
+        alias key extents that name the shared ones in its page table. Raises before any
         change (PoolExhaustedError, or a prefix longer than the request)."""
         pool, E = self.pool, self.extent_tokens
         self.check_room(prefix, num_tokens, action)
         if prefix is None:
-            return pool.allocate(pool.extents_for(num_tokens))
+            return pool.allocate(pool.extents_for(num_tokens)), ()
         shared = list(prefix.extents[: prefix.num_tokens // E])
         own_count = pool.extents_for(num_tokens) - len(shared)
         tail = prefix.num_tokens % E
@@ -255,7 +320,8 @@ class PrefixRegistry:
             pool.release(own)
             raise
         pool.share(shared)
-        return shared + own
+        aliases = self.aliases.take(len(shared)) if self.aliases is not None else ()
+        return shared + own, aliases
 
     # --- a writer's private copy (decode steps) -------------------------------------------
     def writers_in(self, records: Sequence[RequestRecord]) -> list[RequestRecord]:

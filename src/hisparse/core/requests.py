@@ -72,8 +72,8 @@ class RequestRecord:
     and advances for the whole batch with one numpy operation; `num_tokens` reads and writes
     that entry, so the record and the array can never disagree."""
 
-    __slots__ = ("_lengths", "_slot", "_state", "_tokens", "admitted_tokens", "extents",
-                 "prefix_tokens", "prompt_written", "request_id")
+    __slots__ = ("_lengths", "_slot", "_state", "_tokens", "admitted_tokens", "aliases",
+                 "extents", "prefix_tokens", "prompt_written", "request_id")
     # A new value at every change of any record's state or slot: while it stands still, a
     # decode batch of the same ids has the same records, all running, in the same slots (the
     # memo of `RequestTable.remembered_batch` and `SlotAllocator.slots_of`). Each value comes
@@ -87,7 +87,8 @@ class RequestRecord:
 
     def __init__(self, request_id: Hashable, state: RequestState, admitted_tokens: int,
                  num_tokens: int, extents: list[int] | None = None,
-                 prompt_written: PromptCoverage | None = None, prefix_tokens: int = 0) -> None:
+                 prompt_written: PromptCoverage | None = None, prefix_tokens: int = 0,
+                 aliases: tuple[int, ...] = ()) -> None:
         self.request_id = request_id
         self.state = state
         self.admitted_tokens = admitted_tokens  # prompt length given to admit / reserve
@@ -96,6 +97,10 @@ class RequestRecord:
         self.prompt_written = prompt_written
         # Tokens admitted on a shared prefix: on the host already, never written by this one.
         self.prefix_tokens = prefix_tokens
+        # residency_map: host_row only: the key extents that name the first len(aliases)
+        # extents (those shared on admission) in the page table and `resident`, this
+        # request's alone (core/prefixes.py). Every later extent is its own key.
+        self.aliases = aliases
         self._tokens = num_tokens  # the length while no slot is held
         self._slot: int | None = None
         self._lengths: np.ndarray | None = None  # the allocator's lengths while a slot is held
@@ -127,6 +132,11 @@ class RequestRecord:
     def slot(self) -> int | None:
         """The device request slot, None while none is held (`SlotAllocator.take`)."""
         return self._slot
+
+    def key_extents(self) -> list[int]:
+        """The page table's entries in host_row mode: the aliases, then the own extents."""
+        aliases = self.aliases
+        return [*aliases, *self.extents[len(aliases):]] if aliases else self.extents
 
     def extents_to_grow(self, tokens: int, extent_tokens: int) -> int:
         """The new extents that appending `tokens` tokens to the request takes."""

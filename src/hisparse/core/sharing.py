@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from hisparse.core.operations import operation
 from hisparse.core.prefixes import PrefixHandle, PrefixRows
+from hisparse.core.slot_tables import move_keys
 
 if TYPE_CHECKING:
     from hisparse.core.requests import RequestRecord
@@ -41,9 +42,10 @@ class PrefixSharing:
         admitted with `prefix=handle`, until `release_prefix(handle)`. Shared by reference; a
         request that goes on decoding gets a private copy of an extent it shares with the
         handle's tail at its next step (none if the handle is released or the request ends
-        first, as when a prefix cache retains a finishing request's tokens). Needs
-        `residency_map: position` (docs/integration.md). On a shared pool every rank makes
-        the same call and gets a handle of the same number."""
+        first, as when a prefix cache retains a finishing request's tokens). Under
+        `residency_map: host_row` a request admitted on it takes an alias key extent per
+        shared extent (`alias_extents`; docs/integration.md). On a shared pool every rank
+        makes the same call and gets a handle of the same number."""
         self._check_open()
         return self._prefixes.retain(source, num_tokens, self._requests, self._in_step)
 
@@ -92,9 +94,14 @@ class PrefixSharing:
         # by a finish) may still be read by a step in flight: on a shared pool, any rank's.
         self._order.host_rows.drain()
         extent = self._prefixes.private_copy(record)
+        # The extent it writes into is its own (never an alias), so it is its own key too.
+        assert len(record.aliases) < len(record.extents)
         if record.slot is not None:
             try:
                 self._order.step_end.wait()  # the last step's kernels read the page table
+                # host_row: the new extent is the page's key now, so the request's hot slots
+                # of the old one move to it (hits stay hits); position keys stay as they are.
+                move_keys(self.tables, record.slot, record.extents[-1], extent)
                 self.tables.page_table[record.slot, len(record.extents) - 1] = extent
                 self._order.tables_changed.mark()
             except BaseException:

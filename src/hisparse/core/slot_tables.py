@@ -26,6 +26,14 @@ def build_tables(config: HiSparseConfig, backend: Backend, pool: HostPool, devic
     pages = -(-config.max_seq_len // E)
     i32 = {"dtype": torch.int32, "device": device}
     by_position = config.residency_map == "position"
+    # host_row with shared prefixes: every host extent is its own key extent, and the
+    # alias_extents after them name shared ones for the requests that joined them (their
+    # entries are written when such a request is seeded).
+    aliased = not by_position and config.alias_extents > 0
+    key_extents = pool.num_extents + config.alias_extents if aliased else 0
+    # resident's entries: one per position of every request slot (keyed by position), per
+    # key row (host rows, then the aliases' rows), or per host row.
+    keys = R * pages * E if by_position else key_extents * E if aliased else pool.num_rows
     return CacheTables(
         device_kv=torch.zeros(L, R * S + 1, config.row_bytes, dtype=torch.uint8, device=device),
         host_kv=pool.layers,
@@ -34,15 +42,17 @@ def build_tables(config: HiSparseConfig, backend: Backend, pool: HostPool, devic
         slot_key=torch.full((G, R, H), -1, **i32),
         last_use=torch.full((G, R, H), -1, **i32),
         lru_clock=torch.zeros(G, R, **i32),
-        # Keyed by position: one entry per position of every request slot.
-        resident=torch.full((G, R * pages * E if by_position else pool.num_rows), -1,
-                            dtype=residency_dtype(H), device=device),
+        resident=torch.full((G, keys), -1, dtype=residency_dtype(H), device=device),
         counters=torch.zeros(L, 3, dtype=torch.int64, device=device),
         request_counters=torch.zeros(R, 2, dtype=torch.int64, device=device),
         hot_slots=H,
         extent_tokens=E,
         residency_map=config.residency_map,
         reserved_slots=config.max_draft_tokens,
+        # An alias names a host extent only while a running request's page table holds it.
+        key_host_extent=(torch.cat([torch.arange(pool.num_extents, **i32),
+                                    torch.full((config.alias_extents,), -1, **i32)])
+                         if aliased else None),
         # What the fused backup kernel writes through (device-side on ROCm).
         host_kv_addresses=torch.tensor(
             [backend.device_address(layer) for layer in pool.layers],
@@ -64,10 +74,18 @@ def seed_slot(tables: CacheTables, pool: HostPool, record: RequestRecord) -> Non
         pieces, lru_tokens = [(0, n, 0)], (0, n)
     else:
         pieces, lru_tokens = [(n - 1 - H, H, 0), (n - 1, 1, H)], (n - 1 - H, n - 1)
+    # host_row: key extents (its aliases name the shared extents it joined), whose host
+    # extents the aliases' entries of key_host_extent give; position: host extents.
+    keys = record.key_extents() if t.residency_map == "host_row" else record.extents
     t.page_table[r].fill_(-1)
-    t.page_table[r, : len(record.extents)] = torch.tensor(record.extents, dtype=torch.int32)
+    t.page_table[r, : len(keys)] = torch.tensor(keys, dtype=torch.int32)
+    if record.aliases:
+        assert t.key_host_extent is not None
+        aliases = torch.tensor(record.aliases, dtype=torch.long, device=device)
+        t.key_host_extent[aliases] = torch.tensor(record.extents[: aliases.numel()],
+                                                  dtype=torch.int32, device=device)
     t.seq_lens[r] = n
-    lru_rows = torch.from_numpy(token_rows(record.extents, E, *lru_tokens)).to(device)
+    lru_rows = torch.from_numpy(token_rows(keys, E, *lru_tokens)).to(device)
     lru_keys = t.residency_keys(r, torch.arange(*lru_tokens, device=device), lru_rows)
     t.slot_key[:, r].fill_(-1)
     t.slot_key[:, r, : lru_keys.numel()] = lru_keys.to(torch.int32)
@@ -89,7 +107,7 @@ def clear_slot(tables: CacheTables, record: RequestRecord) -> None:
     """Empty `record`'s slot in every table (the caller orders it after the last step)."""
     t, r = tables, record.slot
     assert r is not None
-    own_key = int(t.residency_keys(r, 0, record.extents[0] * t.extent_tokens))
+    own_key = int(t.residency_keys(r, 0, record.key_extents()[0] * t.extent_tokens))
     # Empty hot slots hold -1; point them at the key of the request's first token, cleared
     # anyway, so the scatter needs no host sync to filter them out.
     held = t.slot_key[:, r].long()
@@ -99,5 +117,27 @@ def clear_slot(tables: CacheTables, record: RequestRecord) -> None:
     t.lru_clock[:, r] = 0
     t.seq_lens[r] = 0
     t.page_table[r].fill_(-1)
+    if record.aliases:  # named by no page table now (a resume's seed names them again)
+        assert t.key_host_extent is not None
+        t.key_host_extent[torch.tensor(record.aliases, dtype=torch.long,
+                                       device=t.key_host_extent.device)] = -1
     if t.request_counters is not None:  # a free slot counts nothing: the next seed starts at 0
         t.request_counters[r] = 0
+
+
+def move_keys(tables: CacheTables, slot: int, old_extent: int, new_extent: int) -> None:
+    """host_row: a running request's own extent `old_extent` became `new_extent` (its
+    private copy of an extent a retained prefix holds), so its tokens' key rows move from one
+    key extent to the other: the `slot_key`s and `resident` entries of that extent, in every
+    group, keep their hot slots and LRU stamps. Both key extents are this request's alone
+    (its own, and a just allocated one, which nobody keys): the old range holds its entries
+    or -1, the new one only -1. The caller orders it after the last step."""
+    t, E = tables, tables.extent_tokens
+    if t.residency_map != "host_row":
+        return  # keyed by position: the keys do not name extents
+    old, new = old_extent * E, new_extent * E
+    held = t.slot_key[:, slot]
+    inside = (held >= old) & (held < old + E)
+    t.slot_key[:, slot] = torch.where(inside, held - old + new, held)
+    t.resident[:, new : new + E] = t.resident[:, old : old + E]
+    t.resident[:, old : old + E] = -1

@@ -52,6 +52,10 @@ class Occupancy:
     shared_rows: int = 0
     host_bytes_saved: int = 0
     retained_prefixes: int = 0
+    # residency_map: host_row: the alias key extents requests admitted on a shared prefix
+    # hold (one per shared extent each), of `alias_extents` (both 0 under position).
+    alias_extents_used: int = 0
+    alias_extents_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,9 @@ class TrafficCounters:
     def __init__(self, num_layers: int) -> None:
         self.seeded_tokens = np.zeros(num_layers, dtype=np.int64)
         self.offloaded_tokens = np.zeros(num_layers, dtype=np.int64)
-        self.backed_up_tokens = np.zeros(num_layers, dtype=np.int64)
+        # Every layer backs the same tokens up: one count (an int add per step, where an
+        # array's costs a numpy call).
+        self.backed_up_tokens = 0
 
     def layer_stats(self, device_counters: torch.Tensor, row_bytes: int,
                     misses_copied: bool = True) -> list[LayerStats]:
@@ -142,7 +148,7 @@ class TrafficCounters:
                     (misses if misses_copied else 0) + int(self.seeded_tokens[layer])
                 ) * row_bytes,
                 bytes_device_to_host=(
-                    int(self.backed_up_tokens[layer]) + int(self.offloaded_tokens[layer])
+                    self.backed_up_tokens + int(self.offloaded_tokens[layer])
                 )
                 * row_bytes,
             )
@@ -153,6 +159,7 @@ class TrafficCounters:
 def occupancy_of(requests: RequestTable, pool: HostPool, slots: SlotAllocator,
                prefixes: PrefixRegistry) -> Occupancy:
     usage = prefixes.usage(requests)  # shared rows counted once
+    aliases = prefixes.aliases
     used_rows = usage.rows_used
     extents = pool.allocator
     by_state: dict[str, int] = {}
@@ -172,6 +179,8 @@ def occupancy_of(requests: RequestTable, pool: HostPool, slots: SlotAllocator,
         host_bytes_saved=(usage.extents_saved * pool.extent_tokens * pool.row_bytes
                           * len(pool.layers)),
         retained_prefixes=len(prefixes),
+        alias_extents_used=aliases.capacity - aliases.free if aliases else 0,
+        alias_extents_total=aliases.capacity if aliases else 0,
     )
 
 def request_stats(requests: RequestTable, counters: torch.Tensor | None) -> list[RequestStats]:

@@ -447,6 +447,7 @@ class DecodeStep:
         if grew:
             t.page_table[uploaded[2].long(), uploaded[3].long()] = -1
         if short:
+            # (the token's extent is its own: its key rows are its host rows)
             slot_index, hot_slot, row = (x.long() for x in uploaded[4:7])
             t.slot_key[:, slot_index, hot_slot] = -1
             t.resident[:, t.residency_keys(slot_index, hot_slot, row)] = -1

@@ -474,6 +474,7 @@ def _end_values(c: DecodeContext, records: list[RequestRecord], first: list[int]
                 v["commit_dst"].append(slot * SPR + position)
                 v["short_slot"].append(slot)
                 v["short_hot"].append(position)
+                # (a kept token is in an extent of its own: its key row is its host row)
                 v["short_key"].append(int(t.residency_keys(
                     slot, position, host_row_of(record, position, E))))
         elif a > 1:  # the last accepted token is the next step's newest, in slot H

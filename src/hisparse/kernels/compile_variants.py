@@ -54,7 +54,9 @@ class _Scenario:
     hot_slots: int = 4096  # H
     row_bytes: int = 656  # the 656-byte FP8 MLA row
     extent: int = 512  # E
-    residency: str = "host_row"
+    # "key_row": host_row with key extents (the default config's, alias_extents > 0);
+    # "host_row": without them (alias_extents 0); "position"
+    residency: str = "key_row"
     tuning: dict[str, Any] = field(default_factory=dict)
     swap_in: bool = True
     replay: bool = False  # copy_planned (a shared-index follower layer)
@@ -78,8 +80,9 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
     where the selection changes code (BLOCK_H 16384: its packed scan at its limit and 32
     warps; H=32768: two scans, int32 residency). Batch capacities 1 (prefetching copy), 16
     (small-batch classify chunk, PDL copy), 64 and 128 (address-ordered plan, wide batches).
-    Residency by host row and by position; Tuning's boolean switches flipped
-    (early_loads with both residency maps, relaxed_counters, pdl), its numbers as shipped.
+    Residency by key row (host_row with key extents, the default), by host row without them
+    and by position; Tuning's boolean switches flipped (early_loads with each residency
+    key, relaxed_counters, pdl), its numbers as shipped.
     The rest of the decode path (`_decode_path_launches`): the verify union's plan and
     scatter at S = 2, 4 and 8 (each chunk and block width the launch code picks), the
     newest-token writer at each warp count, the quiet step's advance at each warp count.
@@ -99,23 +102,7 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
         "newest": (newest_triton, "_write_newest_kernel"),
         "advance": (advance_triton, "_advance_kernel"),
     }
-    no_early = {"early_loads": False}
-    scenarios = [
-        _Scenario("B=1 fp8 extents", 1),
-        _Scenario("B=16 fp8 extents", 16),
-        _Scenario("B=64 bf16 token pages", 64, row_bytes=1152, extent=16),
-        _Scenario("B=128 fp8 token pages by position", 128, extent=16, residency="position"),
-        _Scenario("B=4 no early loads, acq_rel counters", 4,
-                  tuning={**no_early, "relaxed_counters": False}),
-        _Scenario("B=4 no early loads, by position", 4, extent=16, residency="position",
-                  tuning=no_early),
-        _Scenario("B=1 pdl off", 1, tuning={"pdl": False}),
-        _Scenario("B=16 shared-index replay", 16, swap_in=False, replay=True),
-        _Scenario("B=1 H=16384", 1, hot_slots=16384),
-        _Scenario("B=1 H=32768 int32 residency", 1, hot_slots=32768),
-        _Scenario("tiny preset B=8 (the probe's)", 8, top_k=64, hot_slots=128, row_bytes=64,
-                  extent=64, replay=True, quick=True),
-    ]
+    scenarios = _swap_in_scenarios()
     traits = _target_traits(target)
 
     def run(scenario: _Scenario, launches: _Launches) -> None:
@@ -138,6 +125,32 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
                 run(scenario, launches)
         _decode_path_launches(launches, quick)
     return _dedupe(launches.specialized(target))
+
+
+def _swap_in_scenarios() -> list[_Scenario]:
+    """The swap-in shapes and switches `compile_variants` launches (its docstring says why)."""
+    no_early = {"early_loads": False}
+    return [
+        _Scenario("B=1 fp8 extents", 1),
+        _Scenario("B=16 fp8 extents", 16),
+        _Scenario("B=64 bf16 token pages", 64, row_bytes=1152, extent=16),
+        _Scenario("B=128 fp8 token pages by position", 128, extent=16, residency="position"),
+        _Scenario("B=4 no early loads, acq_rel counters", 4,
+                  tuning={**no_early, "relaxed_counters": False}),
+        _Scenario("B=4 no early loads, by position", 4, extent=16, residency="position",
+                  tuning=no_early),
+        _Scenario("B=16 fp8 extents, no key extents", 16, residency="host_row"),
+        _Scenario("B=64 bf16 token pages, no key extents", 64, row_bytes=1152, extent=16,
+                  residency="host_row"),
+        _Scenario("B=4 no early loads, no key extents", 4, residency="host_row",
+                  tuning=no_early),
+        _Scenario("B=1 pdl off", 1, tuning={"pdl": False}),
+        _Scenario("B=16 shared-index replay", 16, swap_in=False, replay=True),
+        _Scenario("B=1 H=16384", 1, hot_slots=16384),
+        _Scenario("B=1 H=32768 int32 residency", 1, hot_slots=32768),
+        _Scenario("tiny preset B=8 (the probe's)", 8, top_k=64, hot_slots=128, row_bytes=64,
+                  extent=64, replay=True, quick=True),
+    ]
 
 
 def _decode_path_launches(launches: _Launches, quick: bool) -> None:
@@ -185,7 +198,9 @@ def _scenario_tables(s: _Scenario, torch: Any) -> tuple[Any, dict[str, Any]]:
     i32, requests, positions = torch.int32, 16, 131072
     pages = positions // s.extent
     host_rows = 65536
-    keys = requests * positions if s.residency == "position" else host_rows
+    key_extents = 2 * host_rows // s.extent  # the pool's extents and as many aliases
+    keys = {"position": requests * positions, "host_row": host_rows}.get(
+        s.residency, key_extents * s.extent)
     tables = CacheTables(
         device_kv=torch.empty(1, requests * (s.hot_slots + 1), s.row_bytes, dtype=torch.uint8),
         host_kv=[torch.empty(host_rows, s.row_bytes, dtype=torch.uint8)],
@@ -196,7 +211,10 @@ def _scenario_tables(s: _Scenario, torch: Any) -> tuple[Any, dict[str, Any]]:
         lru_clock=torch.empty(1, requests, dtype=i32),
         resident=torch.empty(1, keys, dtype=residency_dtype(s.hot_slots)),
         counters=torch.empty(1, 3, dtype=torch.int64),
-        hot_slots=s.hot_slots, extent_tokens=s.extent, residency_map=s.residency,
+        hot_slots=s.hot_slots, extent_tokens=s.extent,
+        residency_map="position" if s.residency == "position" else "host_row",
+        key_host_extent=(torch.empty(key_extents, dtype=i32) if s.residency == "key_row"
+                         else None),
     )
     b, k = s.batch, s.top_k
     num_real = torch.empty(1, dtype=i32)

@@ -29,7 +29,9 @@ class CacheTables:
 
     device_kv: torch.Tensor  # [L, R*S, W] uint8, device
     host_kv: list[torch.Tensor]  # L x [N, W] uint8, host memory of the backend
-    page_table: torch.Tensor  # [R, P] int32: extent id per E tokens, -1 = none
+    # [R, P] int32 per E tokens, -1 = none: the host extent, or (with `key_host_extent`) the
+    # key extent whose host extent key_host_extent gives
+    page_table: torch.Tensor
     seq_lens: torch.Tensor  # [R] int32
     slot_key: torch.Tensor  # [G, R, H] int32: the `resident` key of each hot slot's token, -1
     # = empty
@@ -38,9 +40,10 @@ class CacheTables:
     # by slot id. Seeding sets the stamps to -1 and the clock to 0.
     last_use: torch.Tensor  # [G, R, H] int32
     lru_clock: torch.Tensor  # [G, R] int32
-    # [G, N] (keyed by host row) or [G, R * T] (keyed by request slot r and position p as
-    # r * T + p, T = positions_per_request), int16 or int32 (residency_dtype): the hot slot
-    # holding that token, -1 = none
+    # [G, N] (keyed by host row), [G, X * E] (by key row, X = key_host_extent's length) or
+    # [G, R * T] (keyed by request slot r and position p as r * T + p, T =
+    # positions_per_request), int16 or int32 (residency_dtype): the hot slot holding that
+    # token, -1 = none
     resident: torch.Tensor
     counters: torch.Tensor  # [L, 3] int64: hits, misses, invalid entries
     hot_slots: int  # H
@@ -59,6 +62,12 @@ class CacheTables:
     # D: device slots per request after the H LRU slots that are never LRU victims. Slot H
     # holds the newest token; a verify step of S <= D tokens writes its drafts to H..H+S-1.
     reserved_slots: int = 1
+    # host_row with shared prefixes: [X] int32, the host extent of each key extent. Two
+    # requests that hold one shared extent name it in their page tables by two key extents
+    # (one an alias, >= N / E), so that their tokens have distinct `resident` entries; a hit
+    # needs the key alone, a miss reads its host row through this. None: the page table
+    # holds host extents (every key row is its host row).
+    key_host_extent: torch.Tensor | None = None
 
     @property
     def slots_per_request(self) -> int:
@@ -77,18 +86,26 @@ class CacheTables:
     @property
     def num_host_rows(self) -> int:
         """N: host rows a position can map to (a key past them has no host row). Keyed by
-        position, the host rows of every layer, which must agree (every layer has one row per
-        token): read per swap-in call, so from one layer, not all."""
-        if self.residency_map == "host_row":
+        host row without key extents, `resident`'s width (every key is a host row); else the
+        host rows of every layer, which must agree (every layer has one row per token): read
+        per swap-in call, so from one layer, not all."""
+        if self.residency_map == "host_row" and self.key_host_extent is None:
             return int(self.resident.shape[1])
         return int(self.host_kv[0].shape[0]) if self.host_kv else 0
 
+    @property
+    def num_keys(self) -> int:
+        """Entries of each group's `resident` map: the residency key space (host rows, key
+        rows with aliases, or request positions), not necessarily host rows."""
+        return int(self.resident.shape[1])
+
     def residency_keys(self, request_slots: torch.Tensor, positions: torch.Tensor,
-                       host_rows: torch.Tensor) -> torch.Tensor:
-        """The `resident` index of each token (broadcast): its host row, or its request slot
-        and position."""
+                       key_rows: torch.Tensor) -> torch.Tensor:
+        """The `resident` index of each token (broadcast): its key row (key extent * E +
+        offset: its host row unless the extent is an alias), or its request slot and
+        position."""
         if self.residency_map == "host_row":
-            return host_rows
+            return key_rows
         return request_slots * self.positions_per_request + positions
 
 

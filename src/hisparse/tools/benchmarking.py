@@ -180,10 +180,13 @@ def page_table_for(layout: str, batch: int, sizes: SW1Sizes, rng: np.random.Gene
 def build_tables(
     backend: Backend, pool: torch.Tensor, layout: str, batch: int, sizes: SW1Sizes,
     rng: np.random.Generator, mirror: torch.Tensor | None = None,
-    residency_map: ResidencyMap = "host_row",
+    residency_map: ResidencyMap = "host_row", key_extents: bool = True,
 ) -> tuple[CacheTables, np.ndarray]:
     """One layer with B requests of seq_len tokens, hot buffers seeded (ARCHITECTURE.md), the
-    residency map keyed by `residency_map`.
+    residency map keyed by `residency_map`. `key_extents` (host_row): as the engine's default
+    config builds them (`alias_extents` as many as the pool's extents, none taken: every key
+    extent its own host extent), so that a miss reads its host row through `key_host_extent`;
+    False: the plain host-row tables of `alias_extents: 0`.
 
     `mirror`: the pool's rows on the device, to seed the hot buffers from (faster than a
     host gather of B x (H+1) rows)."""
@@ -206,6 +209,12 @@ def build_tables(
         num_keys = batch * positions
     else:
         lru_keys, num_keys = seeded[:, :hot_slots], num_rows
+    key_host_extent = None
+    if residency_map == "host_row" and key_extents:
+        host_extents = -(-num_rows // extent)
+        key_host_extent = torch.cat([torch.arange(host_extents, **i32),
+                                     torch.full((host_extents,), -1, **i32)])
+        num_keys = 2 * host_extents * extent
     resident = torch.full((1, num_keys), -1, dtype=residency_dtype(hot_slots), device=device)
     resident[0, torch.from_numpy(lru_keys.reshape(-1)).to(device)] = torch.arange(
         hot_slots, dtype=resident.dtype, device=device).repeat(batch)
@@ -226,6 +235,7 @@ def build_tables(
         hot_slots=hot_slots,
         extent_tokens=extent,
         residency_map=residency_map,
+        key_host_extent=key_host_extent,
     )
     return tables, host_rows
 

@@ -32,10 +32,12 @@ C = context tokens, C_E = C rounded up to whole extents, K = top-k, m = miss rat
                            + G * (2 * H + 1) * 4               (last_use + slot_key + LRU
                                                                 clock, int32)
                            + ceil(C/E) * 4 + 4                 (page table + seq_len)
-                           + G * C_E * 2                       (resident map, 2 B per host row,
+                           + G * C_E * 2 * a                   (resident map, 2 B per host row,
                                                                 or per position when keyed
                                                                 by position; 4 B when
-                                                                H > 32767)
+                                                                H > 32767; a = 1 + the
+                                                                alias key extents over the
+                                                                pool's under host_row, else 1)
   concurrent requests      = floor(available / per-request bytes)   [then capped by --host-mem-gib]
   host pool                = requests * C_E * L * W
                            - (N - 1) * P_E * L * W             (N of the requests share a
@@ -83,6 +85,10 @@ class PlanSettings:
     # Tensor-parallel ranks of one node that hold the same requests (MLA's latent KV is the
     # same on each): host memory per node is tp pools, or one shared pool (issue 23).
     tp_ranks: int = 1
+    # Residency-map entries per context token: 1 keyed by position or by host row alone;
+    # host_row with alias key extents (shared prefixes) adds alias_extents / the pool's
+    # extents more (the default, as many aliases as extents: 2).
+    resident_entries_per_token: float = 1.0
 
     @property
     def available_bytes(self) -> int:
@@ -165,7 +171,8 @@ def hisparse_footprint(
         indexer_keys=context_tokens * groups * shape.indexer_key_bytes,
         lru_tables=groups * (2 * settings.hot_slots + 1) * INT32_BYTES,
         page_table=(math.ceil(context_tokens / settings.extent_tokens) + 1) * INT32_BYTES,
-        resident_map=groups * round_up(context_tokens, settings.extent_tokens)
+        resident_map=math.ceil(groups * round_up(context_tokens, settings.extent_tokens)
+                               * settings.resident_entries_per_token)
         * resident_entry_bytes(settings.hot_slots),
     )
 

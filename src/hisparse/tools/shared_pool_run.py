@@ -143,10 +143,12 @@ def cut(origin: Origin, num_tokens: int) -> Origin:
 class FuzzRank:
     """One rank's run of the seeded schedule, checking every row it reads.
 
-    With `residency_map: position` it shares prefixes too (`retain_prefix`, `release_prefix`,
+    Where the cache can share (`residency_map: position`, or host_row with alias key
+    extents: `alias_extents > 0`) it shares prefixes too (`retain_prefix`, `release_prefix`,
     `admit` and `reserve_host_slots` on a retained prefix or on a live request's first
     tokens); a retained prefix that ends inside a running request's last extent sends that
-    request to a private copy at its next decode step (counted as `private_copies`)."""
+    request to a private copy at its next decode step (counted as `private_copies`). Alias
+    key extents that run out are refused like a full pool, alike on every rank."""
 
     MAX_HANDLES = 4  # retained at once: the tight pool must still admit
 
@@ -154,7 +156,8 @@ class FuzzRank:
         self.cache, self.writer = cache, writer
         self.rng = random.Random(seed)
         self.L, self.W = cache.num_layers, cache.row_bytes
-        self.sharing = cache.config.residency_map == "position"
+        config = cache.config
+        self.sharing = config.residency_map == "position" or config.alias_extents > 0
         self.seeds: dict[int, int] = {}  # request id -> its own KV seed
         self.origin: dict[int, Origin] = {}  # request id -> where each token's KV comes from
         self.length: dict[int, int] = {}  # tokens so far
@@ -286,7 +289,8 @@ class FuzzRank:
 
     def give_everything_back(self) -> None:
         """Release every prefix and end every request, in random order: the pool is full
-        again (an extent not given back, or given back twice, shows here or raises)."""
+        again (an extent not given back, or given back twice, shows here or raises), and so
+        are host_row's alias key extents (one not given back counts as a leaked extent)."""
         ends = [("release", h) for h, _ in self.handles] + [("abort", r) for r in self.state]
         self.rng.shuffle(ends)
         for call, what in ends:
@@ -294,8 +298,10 @@ class FuzzRank:
         self.handles = []
         for request in list(self.state):
             self._forget(request)
-        pool = self.cache._pool
+        pool, aliases = self.cache._pool, self.cache._prefixes.aliases
         self.counts["leaked_extents"] += pool.num_extents - pool.allocator.free_extents
+        if aliases is not None:
+            self.counts["leaked_extents"] += aliases.capacity - aliases.free
 
     def finish(self) -> None:
         done = self.ids("running") + self.ids("preempted")
@@ -494,9 +500,11 @@ def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: in
     ranks start each step together, as a TP group's collectives keep them (the barrier is
     not timed); `busy_us` leaves out the time a rank waited for another inside the step.
     `turn` of `turns`: the processes of the barrier (several groups at once) take turns
-    within each step, so that each process's time holds no contention from the others (which
-    share this machine's one GPU here but would have their own in a deployment) and every
-    group sees the machine at the same moments (its speed drifts over seconds)."""
+    within each step, in an order that moves on by one each step, each waiting for the one
+    before to finish its device work (its backup too), so that each process's time holds no
+    contention from the others (which share this machine's one GPU here but would have their
+    own in a deployment) and every group sees the machine at the same moments (its speed
+    drifts over seconds)."""
     config = dict(num_layers=8, max_requests=batch, max_seq_len=4096, host_pool_tokens=
                   batch * 4096, **(overrides or {}))
     cache = _cache(name, rank, ranks, device, config)
@@ -514,7 +522,10 @@ def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: in
     barrier.wait()
     for step_index in range(warmup + steps):
         barrier.wait()  # lockstep, untimed
-        for _ in range(turn or 0):
+        # The order of the turns moves on by one every step: no process always follows the
+        # same one (the writer, say).
+        place = None if turn is None else (turn + step_index) % turns
+        for _ in range(place or 0):
             barrier.wait()  # the earlier turns
         waited = shared.waited_s if shared is not None else 0.0
         length = prompt + step_index
@@ -538,8 +549,12 @@ def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: in
             host.append(elapsed * 1e6)
             waited = (shared.waited_s if shared is not None else 0.0) - waited
             busy.append((elapsed - waited) * 1e6)
-        for _ in range(turns - 1 - turn if turn is not None else 0):
-            barrier.wait()  # the later turns
+        if place is not None:
+            # The turn passes once all of this step's device work is done, the backup on its
+            # side stream included: the next process's step must not share the GPU with it.
+            cache.backend.synchronize(cache.device)
+            for _ in range(turns - 1 - place):
+                barrier.wait()  # the later turns
     barrier.wait()
     cache.close()
     return {"rank": rank, "host_us": host, "busy_us": busy, "device_ms": device_ms[warmup:]}

@@ -24,7 +24,8 @@ def fail(what: str, seen: object, fix: str) -> InvalidInputError:
 
 def check_tables(tables: CacheTables) -> None:
     """The kernels index every table with sizes taken from the others (R from the page table,
-    G from the LRU stamps, H = hot_slots, N from resident or the host rows, L from device_kv)
+    G from the LRU stamps, H = hot_slots, N from resident or the host rows, the key extents
+    from key_host_extent, L from device_kv)
     and as contiguous rows: a table that disagrees would be read or written past its end.
     Shapes only, no sync."""
     t = tables
@@ -70,8 +71,10 @@ def check_tables(tables: CacheTables) -> None:
     if t.device_kv.dim() != 3 or t.device_kv.shape[1] < device_rows:
         raise fail(f"tables.device_kv must be [L, >= R*S = {device_rows}, W]",
                     list(t.device_kv.shape), "allocate one row per hot slot of every request")
+    _check_key_extents(t)
     for layer, host in enumerate(t.host_kv):
-        if position_keyed:  # N is the host rows themselves (CacheTables.num_host_rows)
+        # N is the host rows themselves (CacheTables.num_host_rows), not resident's width
+        if position_keyed or t.key_host_extent is not None:
             if host.dim() != 2 or host.shape[0] != t.num_host_rows:
                 raise fail(f"tables.host_kv[{layer}] must hold N = {t.num_host_rows} rows, as "
                             "every layer does", list(host.shape),
@@ -81,6 +84,25 @@ def check_tables(tables: CacheTables) -> None:
             raise fail(f"tables.host_kv[{layer}] must hold at least N = {t.resident.shape[1]} "
                         "rows (tables.resident's width)", list(host.shape),
                         "allocate every layer's host pool with the rows resident maps")
+
+
+def _check_key_extents(t: CacheTables) -> None:
+    """A key extent indexes `key_host_extent`, and its key rows `resident`: the two must
+    cover each other, or a lookup would read past one of them."""
+    keys = t.key_host_extent
+    if keys is None:
+        return
+    if t.residency_map != "host_row":
+        raise fail("tables.key_host_extent translates host_row keys only",
+                   f"residency_map {t.residency_map!r}", "leave key_host_extent None")
+    if (keys.dtype != torch.int32 or keys.dim() != 1 or not keys.is_contiguous()
+            or keys.device != t.last_use.device
+            or keys.numel() * t.extent_tokens != t.resident.shape[1]):
+        raise fail("tables.key_host_extent must be a contiguous int32 [X] tensor on "
+                   f"{t.last_use.device}, X * E = tables.resident's width "
+                   f"({t.resident.shape[1]})",
+                   f"{keys.dtype} {list(keys.shape)} on {keys.device}",
+                   "allocate one entry per key extent, as core/slot_tables.py does")
 
 
 def check_int32(name: str, tensor: torch.Tensor, shape: tuple[int, ...], device: torch.device):

@@ -155,15 +155,18 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
                                          scratch.address_order[-1:])
     resident, last_use, lru_clock = t.resident[group], t.last_use[group], t.lru_clock[group]
     request_counts = t.request_counters
+    # Without key extents the kernels never read it: the page table stands in (a pointer).
+    key_extents = t.key_host_extent if t.key_host_extent is not None else t.page_table
     shared = {"EARLY_LOADS": plan.early_loads, "POSITION_KEYED": plan.position_keyed,
-              "USE_PDL": plan.pdl, "ADDRESS_ORDER": plan.address_order, "NUM_BUCKETS": buckets,
+              "KEY_EXTENTS": plan.key_extents, "USE_PDL": plan.pdl,
+              "ADDRESS_ORDER": plan.address_order, "NUM_BUCKETS": buckets,
               "REQUEST_COUNTS": request_counts is not None}
     launches = [
         BoundLaunch(classify_kernel, plan.classify_grid, (
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, resident, last_use,
-            lru_clock, scratch.miss_row, scratch.miss_count, t.counters[layer], bucket_count,
-            scratch.hit_count, num_requests, t.slots_per_request, k, hot_slots, t.extent_tokens,
-            max_pages, n_rows, positions),
+            lru_clock, key_extents, scratch.miss_row, scratch.miss_count, t.counters[layer],
+            bucket_count, scratch.hit_count, num_requests, t.slots_per_request, k, hot_slots,
+            t.extent_tokens, max_pages, n_rows, positions, resident.shape[0]),
             {**shared, "COUNTER_SEM": plan.counter_sem, "CHUNK_K": plan.classify_chunk,
              "num_warps": plan.classify_warps}, device=device, direct=direct),
         BoundLaunch(select_kernel, (rows,), (
@@ -171,9 +174,9 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
             lru_clock, scratch.miss_row, scratch.miss_count, scratch.order, miss_plan.src,
             miss_plan.dst, miss_plan.count, miss_plan.src.stride(0), bucket_count,
             bucket_cursor, done, scratch.row_buckets, scratch.hit_count,
-            request_counts if request_counts is not None else t.counters, num_requests,
-            t.slots_per_request, k,
-            hot_slots, n_rows, positions, resident.shape[0]),
+            request_counts if request_counts is not None else t.counters, t.page_table,
+            num_requests, t.slots_per_request, k, hot_slots, n_rows, positions,
+            resident.shape[0], t.extent_tokens, max_pages),
             {**shared, "FAST_ROUNDS": plan.select_fast_rounds, "BLOCK_K": plan.block_k,
              "BLOCK_H": plan.block_h, "num_warps": plan.select_warps,
              **({"launch_pdl": True} if plan.pdl else {})}, device=device, direct=direct),
@@ -279,7 +282,8 @@ class SwapInLauncher:
             t = self.tables
             plan = self._launch_plans[rows] = plan_launch(
                 rows, self.top_k, t.hot_slots, t.extent_tokens, t.residency_map == "position",
-                self.traits, skip_io=self.skip_io, tune=self._tuning)
+                self.traits, skip_io=self.skip_io, tune=self._tuning,
+                key_extents=t.key_host_extent is not None)
         return plan
 
     def swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:
@@ -363,7 +367,7 @@ def swap_in_triton(
     scratch = scratch_for(t, batch_cap, k)
     launch_plan = plan_launch(batch_cap, k, t.hot_slots, t.extent_tokens,
                               t.residency_map == "position", traits or default_traits(device),
-                              skip_io=skip_io)
+                              skip_io=skip_io, key_extents=t.key_host_extent is not None)
     _run(_bind(t, launch_plan, layer, group, req_slots, top_k, num_real, out,
                plan if plan is not None else scratch.plan, scratch, direct=False), scratch)
 

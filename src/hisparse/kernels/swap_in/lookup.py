@@ -1,8 +1,9 @@
 """Step 1 of a swap-in: the lookup (classify) kernel and the entry-level helpers it shares.
 
 Grid (Bcap, K / chunk). Each top-k entry is resolved through the persistent `resident` map,
-keyed by host row (through `page_table`) or by position (the page table read for misses alone):
-short regime, newest slot, hit, miss or invalid. A hit stamps its slot with the request's LRU
+keyed by host row or key row (through `page_table`; a key row's miss reads its host row
+through `key_host_extent`) or by position (the page table read for misses alone): short
+regime, newest slot, hit, miss or invalid. A hit stamps its slot with the request's LRU
 clock (`last_use`), which is all the LRU work a hit needs; misses are counted per batch row
 (and, for a plan in address order, per address bucket).
 """
@@ -67,16 +68,19 @@ def _lookup_chunk(
     n,
     base,
     top_k_ptr,  # [Bcap, K] int32 positions, -1 = none
-    page_table_ptr,  # [R, P] int32 extent ids
-    resident_ptr,  # [N] or [R * T] int16 / int32 hot slot per residency key (this group)
+    page_table_ptr,  # [R, P] int32 host (or key) extent ids
+    resident_ptr,  # [NUM_KEYS] int16 / int32 hot slot per residency key (this group)
+    key_host_extent_ptr,  # [NUM_KEYS / E] int32 host extent per key extent (KEY_EXTENTS)
     K,
     H,
     E,
     P,
-    N,
+    N,  # host rows
     T,  # positions per request (keys by position: r * T + position)
+    NUM_KEYS,  # entries of resident (N, unless keyed by position or by key extents)
     EARLY_LOADS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,
+    KEY_EXTENTS: tl.constexpr,  # the page table holds key extents (host_row with aliases)
 ):
     """Resolve top-k entries: the device row of every non-miss (-1 for none/invalid), the hit
     slot / host row of long-regime entries, and each entry's code (`_entry_codes`)."""
@@ -115,14 +119,22 @@ def _lookup_chunk(
             page_index = pos // E
             page = tl.load(page_table_ptr + r.to(tl.int64) * P + page_index,
                            mask=candidate & (page_index < P), other=-1)
-        row = page * E + pos % E
-        # A position without a host row would be an engine bug; counting it as invalid keeps
-        # the kernel in bounds instead of copying from a wild address.
-        lost = candidate & ((page < 0) | (row >= N))
+        row = page * E + pos % E  # the key row (the host row without key extents)
+        # A position without a key or host row would be an engine bug; counting it as invalid
+        # keeps the kernel in bounds instead of copying from a wild address.
+        lost = candidate & ((page < 0) | (row >= NUM_KEYS))
         candidate = candidate & ~lost
         slot = tl.load(resident_ptr + row, mask=candidate, other=-1).to(tl.int32)
         hit = candidate & (slot >= 0) & (slot < H)
         miss = candidate & (slot < 0)
+        if KEY_EXTENTS:
+            # A hit needs the key alone; a miss copies from the key extent's host extent,
+            # which a shared one has under several keys (one per request holding it).
+            host_extent = tl.load(key_host_extent_ptr + page, mask=miss, other=-1)
+            row = host_extent * E + pos % E
+            no_row = miss & ((host_extent < 0) | (row >= N))
+            lost = lost | no_row
+            miss = miss & ~no_row
     result = tl.where(hit, base + slot, result)
     code = _entry_codes(miss, row, valid & ~miss & ~lost, invalid | lost)
     return in_k, result, hit, slot, miss, row, code
@@ -161,9 +173,10 @@ def _add_counters(counters_ptr, n_hit, n_miss, n_invalid, SEM: tl.constexpr):
 @triton.jit
 def classify_kernel(
     num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
-    resident_ptr,  # [N] or [R * T] int16 / int32 this group's residency map
+    resident_ptr,  # [NUM_KEYS] int16 / int32 this group's residency map
     last_use_ptr,  # [R, H] int32 this group's LRU stamps
     lru_clock_ptr,  # [R] int32 this group's LRU clocks
+    key_host_extent_ptr,  # [NUM_KEYS / E] int32 host extent per key extent (KEY_EXTENTS only)
     miss_row_ptr,  # [Bcap, K] int32 scratch: each entry's code (_entry_codes)
     miss_count_ptr,  # [Bcap] int32 scratch: misses per batch row (zero between calls)
     counters_ptr,  # [3] int64 this layer's counters
@@ -171,9 +184,10 @@ def classify_kernel(
     # between calls; ADDRESS_ORDER only)
     hit_count_ptr,  # [Bcap] int32 scratch: hits per batch row (zero between calls;
     # REQUEST_COUNTS only)
-    R, S, K, H, E, P, N, T,
+    R, S, K, H, E, P, N, T, NUM_KEYS,
     EARLY_LOADS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,  # resident is indexed by r * T + position, not by host row
+    KEY_EXTENTS: tl.constexpr,  # resident is indexed by key row, the page table by key extent
     USE_PDL: tl.constexpr,
     COUNTER_SEM: tl.constexpr,  # atomics' memory order
     CHUNK_K: tl.constexpr,
@@ -190,7 +204,8 @@ def classify_kernel(
     k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
     in_k, result, hit, slot, miss, row, code = _lookup_chunk(
         b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
-        K, H, E, P, N, T, EARLY_LOADS, POSITION_KEYED,
+        key_host_extent_ptr, K, H, E, P, N, T, NUM_KEYS, EARLY_LOADS, POSITION_KEYED,
+        KEY_EXTENTS,
     )
     if ADDRESS_ORDER:
         tl.atomic_add(bucket_count_ptr + _address_bucket(row, N, NUM_BUCKETS),

@@ -178,6 +178,15 @@ class LaunchPlan:
     address_order: bool
     address_buckets: int
     copy: CopyPlan
+    # Keyed by host row through key extents (shared prefixes): a miss reads its host row
+    # through `key_host_extent`, and the selection its key through the page table.
+    key_extents: bool = False
+
+    @property
+    def keys(self) -> str:
+        """What the residency map is keyed by, as `str(plan)` names it."""
+        return "position" if self.position_keyed else "key row" if self.key_extents else (
+            "host row")
 
     def __str__(self) -> str:
         copy = self.copy
@@ -185,7 +194,7 @@ class LaunchPlan:
                  else "by batch row")
         return (
             f"swap-in plan B={self.rows} K={self.top_k} H={self.hot_slots}"
-            f" keys={'position' if self.position_keyed else 'host row'}\n"
+            f" keys={self.keys}\n"
             f"  classify: grid {self.classify_grid[0]}x{self.classify_grid[1]} (chunk "
             f"{self.classify_chunk}), {self.classify_warps} warps, counters {self.counter_sem}"
             f"{', early loads' if self.early_loads else ''}\n"
@@ -230,7 +239,7 @@ def copy_plan(rows: int, top_k: int, extent_tokens: int, device: DeviceTraits,
 
 def plan_launch(rows: int, top_k: int, hot_slots: int, extent_tokens: int,
                 position_keyed: bool, device: DeviceTraits, skip_io: bool = False,
-                tune: Tuning | None = None) -> LaunchPlan:
+                tune: Tuning | None = None, key_extents: bool = False) -> LaunchPlan:
     """The launch plan of a swap-in over `rows` batch rows (the grids' batch size)."""
     tune = tune or _tuning
     pdl = device.pdl and tune.pdl is not False
@@ -260,6 +269,7 @@ def plan_launch(rows: int, top_k: int, hot_slots: int, extent_tokens: int,
         address_order=address_order, address_buckets=tune.address_buckets,
         copy=copy_plan(rows, top_k, extent_tokens, device, variant,
                        pdl and _within(rows, tune.pdl_copy_max_batch), tune),
+        key_extents=key_extents and not position_keyed,
     )
 
 

@@ -30,7 +30,8 @@ class _Lookup:
     miss: torch.Tensor  # [B, K]
     invalid: torch.Tensor  # [B, K] out of range, or without a host row
     row: torch.Tensor  # [B, K] host row of long-regime candidates
-    key: torch.Tensor  # [B, K] their residency key
+    key: torch.Tensor  # [B, K] their residency key (a key row differs from the host row
+    # where the page table names a shared extent by an alias key extent)
     base: torch.Tensor  # [B, 1] the request slot's first device row
 
 
@@ -89,27 +90,41 @@ def _lookup(t: CacheTables, group: int, req_slots: torch.Tensor, top_k: torch.Te
     in_table = page_index < t.page_table.shape[1]
     page = t.page_table[r[:, None], torch.where(in_table, page_index, 0)].long()
     page = torch.where(in_table, page, -1)
-    row = page * ext + safe_pos % ext
+    key_row, row = _key_and_host_rows(t, page, safe_pos % ext)
     # A position without a host row (no extent, or past the pool or the page table) would be
     # an engine bug: it counts as invalid and gets -1, as in the Triton kernels, rather than
     # reading a wrapped or wild residency entry.
-    no_row = (page < 0) | (row >= t.num_host_rows)
+    no_row = (row < 0) | (row >= t.num_host_rows)
     by_position = t.residency_map == "position"
-    # Keyed by position, a resident token is a hit without its host row: the Triton lookup
-    # reads the page table for misses alone.
-    lost = candidate & (~in_table if by_position else no_row)
+    # Only a miss needs its host row: a resident token is a hit on its key alone (keyed by
+    # position, the Triton lookup reads the page table for misses alone).
+    no_key = ~in_table if by_position else (page < 0) | (key_row >= t.num_keys)
+    lost = candidate & no_key
     candidate = candidate & ~lost
-    key = torch.where(candidate, t.residency_keys(r[:, None], safe_pos, row), 0)
+    key = torch.where(candidate, t.residency_keys(r[:, None], safe_pos, key_row), 0)
     resident_slot = t.resident[group, key].long()
     hit = candidate & (resident_slot >= 0)
     miss = candidate & (resident_slot < 0)
-    if by_position:
-        lost = lost | (miss & no_row)
-        miss = miss & ~no_row
+    lost = lost | (miss & no_row)
+    miss = miss & ~no_row
     result = torch.where(hit, base + resident_slot, result)
     return _Lookup(real=real, r=r, short=short, result=result, served=valid & ~lost,
                    hit=hit, resident_slot=resident_slot, miss=miss, invalid=invalid | lost,
                    row=row, key=key, base=base)
+
+
+def _key_and_host_rows(t: CacheTables, page: torch.Tensor, offset: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key row, host row) of page-table entries `page` (-1: none, both negative): the same
+    row unless the page table holds key extents, whose host extents `key_host_extent` gives
+    (a shared extent has one key extent per request holding it)."""
+    key_row = page * t.extent_tokens + offset
+    keys = t.key_host_extent
+    if keys is None:
+        return key_row, key_row
+    known = (page >= 0) & (page < keys.shape[0])
+    host_extent = torch.where(known, keys[torch.where(known, page, 0)].long(), -1)
+    return key_row, torch.where(host_extent >= 0, host_extent * t.extent_tokens + offset, -1)
 
 
 class _Selection(NamedTuple):

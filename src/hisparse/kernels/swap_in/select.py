@@ -24,14 +24,15 @@ def _select_victims(
     last_use_ptr, slot_key_ptr, resident_ptr, miss_row_ptr, top_k_ptr, out_ptr,
     order_ptr,  # [Bcap, H] int32 scratch: the victims in slot order
     plan_src_ptr, plan_dst_ptr, plan_stride,
-    bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr,
-    K, H, N, T, NUM_KEYS,
+    bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr, page_table_ptr,
+    K, H, N, T, NUM_KEYS, E, P,
     FAST_ROUNDS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ADDRESS_ORDER: tl.constexpr,
     NUM_BUCKETS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,
+    KEY_EXTENTS: tl.constexpr,
 ):
     """Give the misses of row b the slots with the oldest stamps below the clock (ties by
     slot id), in slot order, install them, and return how many were installed."""
@@ -44,8 +45,15 @@ def _select_victims(
     keys_by_slot = tl.load(slot_key_ptr + r.to(tl.int64) * H + h, mask=in_h, other=-1)
     row = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1)
     # A statement, not a conditional expression: that would load the top-k row either way.
-    if POSITION_KEYED:  # noqa: SIM108
+    if POSITION_KEYED:
         key = r * T + tl.load(top_k_ptr + b * K + k, mask=k < K, other=0)
+    elif KEY_EXTENTS:
+        # The lookup's codes hold a miss's host row, which a shared extent has under several
+        # keys: the key comes from the page table again (misses only; hits never get here).
+        missed = row >= 0
+        pos = tl.load(top_k_ptr + b * K + k, mask=missed, other=0)
+        page = tl.load(page_table_ptr + r.to(tl.int64) * P + pos // E, mask=missed, other=0)
+        key = page * E + pos % E
     else:
         key = row
     candidate = in_h & (stamps < clock)  # this step's hits carry the clock
@@ -209,11 +217,14 @@ def select_kernel(
     # between calls)
     hit_count_ptr,  # [Bcap] int32 scratch: the lookup's hits per batch row (zero between calls)
     request_counts_ptr,  # [R, 2] int64 hits and misses per request slot (REQUEST_COUNTS only)
+    page_table_ptr,  # [R, P] int32 key extents (KEY_EXTENTS only)
     R, S, K, H, N,
     T,  # positions per request
     NUM_KEYS,  # entries of this group's residency map
+    E, P,
     EARLY_LOADS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,
+    KEY_EXTENTS: tl.constexpr,  # a miss's key is its key row, not its host row
     USE_PDL: tl.constexpr,
     FAST_ROUNDS: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= K: the whole top-k row lives in registers
@@ -252,9 +263,9 @@ def select_kernel(
             installed = _select_victims(
                 b, r, clock, num_misses, base, last_use_ptr, slot_key_ptr, resident_ptr,
                 miss_row_ptr, top_k_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr,
-                plan_stride, bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr, K, H, N, T,
-                NUM_KEYS, FAST_ROUNDS, BLOCK_K, BLOCK_H, ADDRESS_ORDER, NUM_BUCKETS,
-                POSITION_KEYED,
+                plan_stride, bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr,
+                page_table_ptr, K, H, N, T, NUM_KEYS, E, P, FAST_ROUNDS, BLOCK_K, BLOCK_H,
+                ADDRESS_ORDER, NUM_BUCKETS, POSITION_KEYED, KEY_EXTENTS,
             )
         tl.store(lru_clock_ptr + r, clock + 1)
     if ADDRESS_ORDER:

@@ -9,6 +9,21 @@ the previous step's queue. Two traces: churn 0 (the top-k of each layer is the s
 so every warm step is miss-free) and churn 0.2 (a fifth of each row new every step). Each
 layer draws its own top-k (DeepSeek-V3.2 has an indexer per layer).
 
+The cells (batch x churn) are interleaved: a host's speed drifts (1.8x over tens of seconds
+on the H200 machine), so cells timed one after another do not compare. After a warmup per
+cell, each of `--rounds` rounds runs every cell, in an order shuffled every round (seeded),
+for `--steps-per-round` timed steps (`--steps` in all per cell, pooled). The cells share one
+cache and its first requests (`ids[:batch]`), so a cell first replays, untimed, its own last
+top-k windows (`restore_steps`): its hot buffers then hold what its trace alone leaves there
+(churn 0 stays miss-free, churn c misses c * K a row a step: `misses_per_step`) and its batch
+is quiet again (a step after another batch's is planned). `--disjoint-requests` gives each
+cell its own requests instead (memory for sum(batches) x churns requests).
+
+Before each cell's slot a reference (the median of 200 calls of a fixed workload) measures
+the host's speed. Each cell reports the raw medians and, under `normalized`, its samples
+scaled by the run's fastest-decile reference over their slot's; `reference` is the spread of
+the references over the run (min, median, max): the drift, on record.
+
 Besides the medians per call, `--breakdown` times every Triton launch the calls make (a wrapper
 around `triton.runtime.jit.JITFunction.run`), which tells the launch cost from the Python
 around it; it adds the wrapper's own cost, so its step figures are not the headline ones.
@@ -27,6 +42,7 @@ import cProfile
 import gc
 import json
 import pstats
+import random
 import statistics
 import sys
 import time
@@ -42,24 +58,32 @@ from hisparse.backends.registry import get_backend
 from hisparse.tools.benchmarking import run_environment
 
 CALLS = ("begin_decode_step", "write_newest", "swap_in", "end_decode_step")
+REFERENCE_CALLS = 200  # calls of the host-speed reference workload per measurement
+
+
+def preset(shape: dict[str, int] | None, layers: int | None, **overrides: object
+           ) -> hisparse.HiSparseConfig:
+    """The deepseek-v3.2 preset with the run's shape (`--top-k`, `--row-bytes`, `--layers`)."""
+    overrides |= shape or {}
+    if layers is not None:
+        overrides["num_layers"] = layers
+    return hisparse.HiSparseConfig.from_preset("deepseek-v3.2", **overrides)
 
 
 def make_cache(device: object, max_batch: int, seq_len: int, steps: int, layers: int | None,
                shape: dict[str, int] | None = None, ragged: bool = False
                ) -> hisparse.HiSparseCache:
+    """Room for `max_batch` requests of `seq_len` tokens that decode `steps` more each."""
     overrides: dict[str, object] = {"max_requests": max_batch,
-                                    "max_seq_len": seq_len + steps + 8, **(shape or {})}
-    if layers is not None:
-        overrides["num_layers"] = layers
-    probe = hisparse.HiSparseConfig.from_preset("deepseek-v3.2", **overrides)
+                                    "max_seq_len": seq_len + steps + 8}
+    probe = preset(shape, layers, **overrides)
     if ragged:  # room for `admit_all`'s up to extent_tokens - 1 more tokens a request
         seq_len += probe.extent_tokens
         overrides["max_seq_len"] = seq_len + steps + 8
     # Whole extents for every request and its decoded tokens, nothing more (host RAM).
     per_request = -(-(seq_len + steps + 1) // probe.extent_tokens) + 1
     overrides["host_pool_tokens"] = max_batch * per_request * probe.extent_tokens
-    return hisparse.HiSparseCache(
-        hisparse.HiSparseConfig.from_preset("deepseek-v3.2", **overrides), device=device)
+    return hisparse.HiSparseCache(preset(shape, layers, **overrides), device=device)
 
 
 def admit_all(cache: hisparse.HiSparseCache, count: int, seq_len: int,
@@ -155,16 +179,47 @@ class Profiled:
         return tables
 
 
-def run_trace(cache: hisparse.HiSparseCache, ids: list[str], trace: TopK, kv: torch.Tensor,
-              warmup: int, steps: int, sync: callable) -> dict[str, object]:
-    times: dict[str, list[float]] = defaultdict(list)
-    step_host: list[float] = []
-    layers = cache.num_layers
-    for index in range(warmup + steps):
-        top_k = trace.step(index)
+class Cell:
+    """One (batch, churn) cell: its requests, top-k trace and rows, where its trace stands,
+    and its timed slots, each a host-speed reference and the samples taken just after it."""
+
+    def __init__(self, batch: int, churn: float, ids: list[str], trace: TopK, kv: torch.Tensor,
+                 restore: int) -> None:
+        self.batch, self.churn, self.ids, self.trace, self.kv = batch, churn, ids, trace, kv
+        self.restore, self.index = restore, 0  # its replayed windows; its next trace step
+        self.slots: list[tuple[float, dict[str, list[float]]]] = []
+        self.hits = self.misses = 0  # over the timed steps (the cache's counters)
+
+    def run(self, cache: hisparse.HiSparseCache, count: int, sync: Callable[[], None],
+            times: dict[str, list[float]] | None = None) -> None:
+        """`count` steps on from where the trace stands, timed into `times` if given."""
+        run_steps(cache, self, range(self.index, self.index + count), sync, times)
+        self.index += count
+
+    def rejoin(self, cache: hisparse.HiSparseCache, sync: Callable[[], None]) -> None:
+        """Replay the cell's last `restore` windows, untimed: other cells' steps changed the
+        shared requests' hot buffers and ended the batch's quiet run (core.batch.QuietRun)."""
+        run_steps(cache, self, range(self.index - self.restore, self.index), sync, None)
+
+
+def restore_steps(churn: float, top_k: int, hot_slots: int, span: int) -> int:
+    """The windows a cell replays so that its requests' LRU hot buffers hold what its trace
+    alone leaves there. Churn 0: its window (every step after it is miss-free). Churn c: m
+    windows that cover the hot slots (top_k + (m - 1) * shift positions), so that no row
+    another cell left resident turns a miss into a hit."""
+    shift = round(churn * top_k)
+    return 1 if shift == 0 else max(1, -(-(min(hot_slots, span) - top_k) // shift) + 1)
+
+
+def run_steps(cache: hisparse.HiSparseCache, cell: Cell, indices: range,
+              sync: Callable[[], None], times: dict[str, list[float]] | None) -> None:
+    """Decode steps of `cell` at its trace's `indices`, each call's host time (us) added to
+    `times` if given."""
+    ids, kv, keep, layers = cell.ids, cell.kv, times is not None, cache.num_layers
+    clock = time.perf_counter_ns
+    for index in indices:
+        top_k = cell.trace.step(index)
         sync()
-        keep = index >= warmup
-        clock = time.perf_counter_ns
         t0 = clock()
         cache.begin_decode_step(ids)
         t1 = clock()
@@ -183,73 +238,198 @@ def run_trace(cache: hisparse.HiSparseCache, ids: list[str], trace: TopK, kv: to
         if keep:
             times["begin_decode_step"].append((t1 - t0) / 1e3)
             times["end_decode_step"].append((t3 - t2) / 1e3)
-            step_host.append((t3 - t0) / 1e3)
+            times["step"].append((t3 - t0) / 1e3)
         sync()
-    # The 10th percentile too: on a shared machine (the CPU runs) other work inflates the
-    # median by 2x from run to run, while the fastest tenth of the calls stays put.
-    summary = {name: {"median_us": statistics.median(times[name]),
-                      "p10_us": sorted(times[name])[int(0.1 * (len(times[name]) - 1))],
-                      "p90_us": sorted(times[name])[int(0.9 * (len(times[name]) - 1))],
-                      "calls": len(times[name])} for name in CALLS}
-    begin_end = [b + e for b, e in zip(times["begin_decode_step"], times["end_decode_step"],
-                                       strict=True)]
-    summary["begin_plus_end"] = {"median_us": statistics.median(begin_end),
-                                 "p10_us": sorted(begin_end)[int(0.1 * (len(begin_end) - 1))]}
-    summary["step"] = {"median_us": statistics.median(step_host), "steps": len(step_host)}
-    return summary
 
 
-def measure(device: object, batches: list[int], churns: list[float], seq_len: int, warmup: int,
-            steps: int, layers: int | None, breakdown: bool, profile: bool, seed: int,
-            shape: dict[str, int] | None = None, ragged: bool = False) -> dict[str, object]:
-    passes = 1 + breakdown + profile
-    cache = make_cache(device, max(batches), seq_len, len(batches) * len(churns) *
-                       (warmup + steps) * passes, layers, shape, ragged)
+def _quantile(values: list[float], q: float) -> float:
+    return sorted(values)[int(q * (len(values) - 1))]
+
+
+def summarize(slots: list[tuple[float, dict[str, list[float]]]], fastest: float = 0.0
+              ) -> dict[str, dict[str, float]]:
+    """Median and tails per call, begin + end and step, over the slots' samples; with
+    `fastest`, each scaled by `fastest / its slot's reference` (a sample taken while the host
+    ran at half speed counts half). The 10th percentile too: on a shared machine (the CPU
+    runs) other work inflates the median by 2x from run to run, while the fastest tenth of
+    the calls stays put."""
+    times: dict[str, list[float]] = defaultdict(list)
+    for reference, samples in slots:
+        for name, values in samples.items():
+            times[name] += [v * fastest / reference if fastest else v for v in values]
+    times["begin_plus_end"] = [b + e for b, e in zip(
+        times["begin_decode_step"], times["end_decode_step"], strict=True)]
+    return {name: {"median_us": statistics.median(v), "p10_us": _quantile(v, 0.1),
+                   "p90_us": _quantile(v, 0.9), "steps" if name == "step" else "calls": len(v)}
+            for name, v in ((n, times[n]) for n in (*CALLS, "begin_plus_end", "step"))}
+
+
+def reference_workload(device: torch.device) -> Callable[[], int]:
+    """A fixed host workload of the kind a call is made of: a dict-and-arithmetic Python loop
+    and one tiny torch op on the device (a launch, on a GPU)."""
+    src, dst = torch.zeros(2, 64, dtype=torch.int32, device=device)
+    table = {key: key * 3 for key in range(32)}
+
+    def work() -> int:
+        total = 0
+        for key in range(32):
+            total += table[key] ^ key
+        dst.copy_(src)
+        return total
+
+    return work
+
+
+def reference_us(work: Callable[[], int], sync: Callable[[], None],
+                 calls: int = REFERENCE_CALLS) -> float:
+    """Median host time of `calls` calls of the reference workload (about 1 ms in all)."""
+    clock, samples = time.perf_counter_ns, []
+    for _ in range(calls):
+        start = clock()
+        work()
+        samples.append(clock() - start)
+    sync()
+    return statistics.median(samples) / 1e3
+
+
+def split_rounds(steps: int, rounds: int) -> list[int]:
+    """Timed steps per round: `steps` spread over `rounds` as evenly as they go."""
+    rounds = min(rounds, steps)
+    return [steps // rounds + (r < steps % rounds) for r in range(rounds)]
+
+
+def make_cells(cache: hisparse.HiSparseCache, batches: list[int], churns: list[float],
+               seq_len: int, seed: int, ragged: bool, disjoint: bool) -> list[Cell]:
+    """Every cell's state up front: `ids[:batch]` of one set of requests, or (`disjoint`)
+    a set of its own, with one untimed step before a slot to take its quiet run back."""
     dev = cache.device
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (
-        (lambda: torch.xpu.synchronize(dev)) if dev.type == "xpu" else (lambda: None))
-    ids = admit_all(cache, max(batches), seq_len, ragged)
-    cells = []
+    count = len(churns) * sum(batches) if disjoint else max(batches)
+    ids = admit_all(cache, count, seq_len, ragged)
+    cells, offset = [], 0
     for batch in batches:
         kv = torch.randint(0, 256, (cache.num_layers, batch, cache.row_bytes),
                            dtype=torch.uint8, device=dev)
         for churn in churns:
-            trace = TopK(cache.num_layers, batch, seq_len, cache.top_k, churn, dev,
-                         seed + batch)
-            cell: dict[str, object] = {"batch": batch, "churn": churn, "mode": "eager"}
-            cell.update(run_trace(cache, ids[:batch], trace, kv, warmup, steps, sync))
-            if breakdown:
-                launches: dict[str, list[float]] = defaultdict(list)
-                with launch_timer(launches):
-                    run_trace(cache, ids[:batch], trace, kv, 1, steps, sync)
-                cell["triton_launches"] = {
-                    name: {"median_us": statistics.median(v), "calls": len(v)}
-                    for name, v in sorted(launches.items())}
-            if profile:
-                profiled = Profiled(cache)
-                # Without the collector: a collection lands on whichever call allocates when
-                # it is due, and one of 100+ us in a mean over few calls hides the rest.
-                gc.collect()
-                gc.disable()
-                try:
-                    run_trace(profiled, ids[:batch], trace, kv, 1, steps, sync)
-                finally:
-                    gc.enable()
-                cell["profile_top20"] = profiled.top()
-                for name, table in cell["profile_top20"].items():
-                    print(f"--- cProfile, B={batch} churn={churn}: {name} ({steps} steps, "
-                          "per call)\n" + "\n".join(table), flush=True)
-            stats = cache.stats().to_dict()
-            cell["hit_rate_so_far"] = stats.get("hit_rate")
-            cells.append(cell)
-            print(json.dumps({k: cell[k] for k in ("batch", "churn")} |
-                             {k: round(cell[k]["median_us"], 1) for k in
-                              (*CALLS, "begin_plus_end", "step")} |
-                             {f"{k}_p10": round(cell[k]["p10_us"], 1) for k in
-                              ("begin_decode_step", "end_decode_step", "begin_plus_end")}),
-                  flush=True)
+            trace = TopK(cache.num_layers, batch, seq_len, cache.top_k, churn, dev, seed + batch)
+            restore = 1 if disjoint else restore_steps(
+                churn, cache.top_k, cache.config.hot_slots, trace.span)
+            cells.append(Cell(batch, churn, ids[offset:offset + batch], trace, kv, restore))
+            offset += batch if disjoint else 0
+    return cells
+
+
+def run_rounds(cache: hisparse.HiSparseCache, cells: list[Cell], warmup: int,
+               per_round: list[int], sync: Callable[[], None], seed: int
+               ) -> list[list[float]]:
+    """Warm every cell up, then in each round every cell in a fresh (seeded) order: a
+    reference, the cell's replay, its timed steps. Returns each round's references."""
+    work = reference_workload(cache.device)
+    reference_us(work, sync)  # its first calls
+    for cell in cells:
+        cell.run(cache, warmup, sync)
+    order, rng, last = list(cells), random.Random(seed), cells[-1]
+    references = []
+    for count in per_round:
+        rng.shuffle(order)
+        references.append([])
+        for cell in order:
+            reference = reference_us(work, sync)
+            references[-1].append(reference)
+            if cell is not last:
+                cell.rejoin(cache, sync)
+            before = cache.stats()
+            times: dict[str, list[float]] = defaultdict(list)
+            cell.run(cache, count, sync, times)
+            after = cache.stats()
+            cell.hits += after.hits - before.hits
+            cell.misses += after.misses - before.misses
+            cell.slots.append((reference, times))
+            last = cell
+    return references
+
+
+def extra_passes(cache: hisparse.HiSparseCache, cell: Cell, steps: int, breakdown: bool,
+                 profile: bool, sync: Callable[[], None], record: dict[str, object]) -> None:
+    """`--breakdown` and `--profile`: one more pass each over the cell (after the rounds)."""
+    if breakdown:
+        cell.rejoin(cache, sync)
+        launches: dict[str, list[float]] = defaultdict(list)
+        with launch_timer(launches):
+            cell.run(cache, steps, sync)
+        record["triton_launches"] = {name: {"median_us": statistics.median(v), "calls": len(v)}
+                                     for name, v in sorted(launches.items())}
+    if profile:
+        cell.rejoin(cache, sync)
+        profiled = Profiled(cache)
+        # Without the collector: a collection lands on whichever call allocates when it is
+        # due, and one of 100+ us in a mean over few calls hides the rest.
+        gc.collect()
+        gc.disable()
+        try:
+            cell.run(profiled, steps, sync)
+        finally:
+            gc.enable()
+        record["profile_top20"] = profiled.top()
+        for name, table in record["profile_top20"].items():
+            print(f"--- cProfile, B={cell.batch} churn={cell.churn}: {name} ({steps} steps, "
+                  "per call)\n" + "\n".join(table), flush=True)
+
+
+def measure(device: object, batches: list[int], churns: list[float], seq_len: int, warmup: int,
+            steps: int, layers: int | None, breakdown: bool, profile: bool, seed: int,
+            shape: dict[str, int] | None = None, ragged: bool = False, rounds: int | None = None,
+            steps_per_round: int = 2, disjoint: bool = False) -> dict[str, object]:
+    per_round = split_rounds(steps, rounds or -(-steps // steps_per_round))
+    probe = preset(shape, layers)
+    restore = 1 if disjoint else max(
+        restore_steps(c, probe.top_k, probe.hot_slots, seq_len - 1) for c in churns)
+    # Tokens the busiest request decodes: its own cell's (disjoint) or every cell's.
+    own = warmup + len(per_round) * restore + steps + (breakdown + profile) * (restore + steps)
+    cache = make_cache(device, len(churns) * sum(batches) if disjoint else max(batches), seq_len,
+                       own * (1 if disjoint else len(batches) * len(churns)), layers, shape,
+                       ragged)
+    dev = cache.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (
+        (lambda: torch.xpu.synchronize(dev)) if dev.type == "xpu" else (lambda: None))
+    cells = make_cells(cache, batches, churns, seq_len, seed, ragged, disjoint)
+    references = run_rounds(cache, cells, warmup, per_round, sync, seed)
+    everything = [value for round_ in references for value in round_]
+    fastest = _quantile(everything, 0.1)
+    records = []
+    for cell in cells:
+        record: dict[str, object] = {"batch": cell.batch, "churn": cell.churn, "mode": "eager"}
+        record.update(summarize(cell.slots))
+        record["normalized"] = summarize(cell.slots, fastest)
+        record["reference_us"] = [reference for reference, _ in cell.slots]
+        record |= {"restore_steps": cell.restore, "timed_hits": cell.hits,
+                   "timed_misses": cell.misses, "misses_per_step": cell.misses / steps}
+        extra_passes(cache, cell, steps, breakdown, profile, sync, record)
+        records.append(record)
+    stats = cache.stats().to_dict()
+    for record in records:
+        record["hit_rate_so_far"] = stats.get("hit_rate")  # the cache's, over the whole run
+        print_cell(record)
     cache.close()
-    return {"cells": cells}
+    summary = {"min_us": min(everything), "median_us": statistics.median(everything),
+               "max_us": max(everything), "fastest_decile_us": fastest,
+               "max_over_min": max(everything) / min(everything)}
+    print(json.dumps({"reference": summary}), flush=True)
+    summary |= {"calls_per_sample": REFERENCE_CALLS,
+                "workload": " ".join(reference_workload.__doc__.split()),
+                "per_round_median_us": [statistics.median(r) for r in references]}
+    return {"cells": records, "reference": summary, "interleave": {
+        "rounds": len(per_round), "steps_per_round": per_round, "warmup": warmup,
+        "order": f"shuffled every round (seed {seed})",
+        "requests": "disjoint" if disjoint else "shared", "max_restore_steps": restore}}
+
+
+def print_cell(record: dict[str, object]) -> None:
+    keys, norm = (*CALLS, "begin_plus_end", "step"), record["normalized"]
+    print(json.dumps({k: record[k] for k in ("batch", "churn", "misses_per_step")} |
+                     {k: round(record[k]["median_us"], 1) for k in keys} |
+                     {f"{k}_p10": round(record[k]["p10_us"], 1)
+                      for k in (keys[0], keys[3], keys[4])} |
+                     {f"{k}_norm": round(norm[k]["median_us"], 1) for k in keys}), flush=True)
 
 
 def _nop_kernel() -> object:
@@ -354,7 +534,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None,
                         help="fewer layers than the preset's 61 (quick runs only)")
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per cell, in all")
+    parser.add_argument("--steps-per-round", type=int, default=2, help="timed steps a round")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds to spread each cell's steps over (default: steps / "
+                             "steps-per-round); wins over --steps-per-round")
+    parser.add_argument("--disjoint-requests", action="store_true",
+                        help="each cell its own requests (sum of batches x churns of them: "
+                             "host and device memory), instead of replaying its windows")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each Triton JIT launch (an extra pass per cell)")
     parser.add_argument("--profile", action="store_true",
@@ -374,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
+    for name in ("steps", "steps_per_round", "rounds"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     device: object = args.device or str(hisparse.get_backend().device())
     if args.noop_kernels:
         # The fake lives with the tests' other fakes; the repository root makes it importable.
@@ -394,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
         "targets_us": TARGETS_US,
         "lengths": "ragged" if args.ragged else "equal",
         **measure(device, args.batches, args.churns, args.seq_len, args.warmup, args.steps,
-                  args.layers, args.breakdown, args.profile, args.seed, shape, args.ragged),
+                  args.layers, args.breakdown, args.profile, args.seed, shape, args.ragged,
+                  args.rounds, args.steps_per_round, args.disjoint_requests),
     }
     if args.floors:
         try:

@@ -37,7 +37,7 @@ def pieces(batch: int, number: int) -> dict[str, float]:
     seq_len = 4600  # inside an extent: no step of the loop grows one
     cache = host_overhead.make_cache("cpu", batch, seq_len, 8 * number + 64, 1)
     ids = host_overhead.admit_all(cache, batch, seq_len)
-    records = engine._batch_records(cache._requests, ids, batch)
+    records = engine._batch_records(cache._requests, ids, batch, False)
     c = cache._decode
     plan = BatchPlan(records, c.tables, c.max_seq_len)
     columns, updates = plan.columns(), plan.updates()
@@ -52,7 +52,8 @@ def pieces(batch: int, number: int) -> dict[str, float]:
         "plan": best_us(lambda: (lambda p: (p.columns(), p.updates()))(
             BatchPlan(records, c.tables, c.max_seq_len)), number),
         "upload": best_us(lambda: c.buffers.upload(columns, updates), number),
-        "records": best_us(lambda: engine._batch_records(cache._requests, ids, batch), number),
+        "records": best_us(lambda: engine._batch_records(cache._requests, ids, batch, False),
+                           number),
         "begin_end": best_us(step, max(1, number // 8)),
     }
     cache.begin_decode_step(ids)

@@ -446,25 +446,75 @@ def test_shared_pool_benchmark_usage_errors(capsys: pytest.CaptureFixture[str],
     assert_main_refuses(capsys, shared_pool.main, ["--fuzz-steps", "-1"], "--fuzz-steps")
 
 
-@pytest.mark.parametrize("ragged", [False, True])
+HOST_OVERHEAD_SMALL = ["--top-k", "16", "--row-bytes", "64", "--seq-len", "256", "--layers", "2",
+                       "--batches", "1", "3", "--churns", "0", "0.2", "--warmup", "1"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--ragged", "--profile", "--breakdown",
+                                        "--disjoint-requests"]])
 def test_host_overhead_benchmark_times_every_call_of_every_cell(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ragged: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str]) -> None:
     """The eager host-time benchmark, on the CPU backend whose kernels do nothing (small
-    tables): every call of every cell timed, the targets and the length mode recorded."""
+    tables): every call of every cell timed, in rounds that interleave the cells, each sample
+    with the host-speed reference of its slot; the targets and the length mode recorded."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import host_overhead
 
     out = tmp_path / "host-overhead.json"
-    argv = ["--noop-kernels", "--top-k", "16", "--row-bytes", "64", "--seq-len", "256",
-            "--layers", "2", "--batches", "1", "3", "--churns", "0", "0.2", "--steps", "5",
-            "--warmup", "1", "--output", str(out), *(["--ragged"] if ragged else [])]
+    argv = ["--noop-kernels", *HOST_OVERHEAD_SMALL, "--steps", "5", "--output", str(out), *extra]
     assert host_overhead.main(argv) == 0
     document = json.loads(out.read_text())
-    assert document["lengths"] == ("ragged" if ragged else "equal")
+    assert document["lengths"] == ("ragged" if "--ragged" in extra else "equal")
     assert document["targets_us"] == host_overhead.TARGETS_US
+    interleave = document["interleave"]
+    assert interleave["rounds"] == 3 and interleave["steps_per_round"] == [2, 2, 1]
+    assert interleave["requests"] == ("disjoint" if "--disjoint-requests" in extra else "shared")
+    reference = document["reference"]
+    assert 0 < reference["min_us"] <= reference["fastest_decile_us"] <= reference["median_us"]
+    assert reference["median_us"] <= reference["max_us"]
+    assert reference["max_over_min"] == pytest.approx(reference["max_us"] / reference["min_us"])
+    assert len(reference["per_round_median_us"]) == 3
     assert [(c["batch"], c["churn"]) for c in document["cells"]] == [
         (1, 0.0), (1, 0.2), (3, 0.0), (3, 0.2)]
     for cell in document["cells"]:
         assert cell["begin_decode_step"]["calls"] == cell["end_decode_step"]["calls"] == 5
         assert cell["swap_in"]["calls"] == cell["write_newest"]["calls"] == 5 * 2
         assert 0 < cell["begin_plus_end"]["median_us"] < cell["step"]["median_us"]
+        assert len(cell["reference_us"]) == 3 and min(cell["reference_us"]) > 0
+        for name in (*host_overhead.CALLS, "begin_plus_end", "step"):
+            normalized = cell["normalized"][name]
+            assert 0 < normalized["p10_us"] <= normalized["median_us"]
+        assert cell["normalized"]["swap_in"]["calls"] == 5 * 2
+        assert cell["restore_steps"] >= 1 and cell["timed_misses"] == 0  # no kernels run
+        assert ("profile_top20" in cell) == ("triton_launches" in cell) == bool(extra)
+
+
+@pytest.mark.parametrize("disjoint", [False, True])
+def test_host_overhead_cells_keep_their_trace_when_interleaved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disjoint: bool) -> None:
+    """On the plain CPU backend (the kernels count hits and misses), cells that share requests
+    and run interleaved keep their own traces: a churn-0 cell misses nothing once warm, a
+    churn-0.2 cell misses 0.2 * K = 3 rows a request, layer and step."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import host_overhead
+
+    out = tmp_path / "host-overhead.json"
+    argv = ["--device", "cpu", *HOST_OVERHEAD_SMALL, "--steps", "6", "--output", str(out),
+            *(["--disjoint-requests"] if disjoint else [])]
+    assert host_overhead.main(argv) == 0
+    for cell in json.loads(out.read_text())["cells"]:
+        expected = cell["batch"] * 2 * round(cell["churn"] * 16)
+        if disjoint:  # a fresh request's hot buffer starts seeded: fewer misses at first
+            assert (cell["misses_per_step"] == 0) == (expected == 0)
+            assert cell["misses_per_step"] <= expected
+        else:
+            assert cell["misses_per_step"] == expected
+
+
+def test_host_overhead_refuses_empty_rounds(capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import host_overhead
+
+    for option in ("--rounds", "--steps-per-round", "--steps"):
+        assert_main_refuses(capsys, host_overhead.main, [option, "0"], option)

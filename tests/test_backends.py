@@ -508,3 +508,21 @@ def test_a_stream_scope_restores_the_stream_and_the_device_it_found(
     event = _FakeEvent()
     backend.record_event(event, torch.device("cuda", 1))
     assert event.calls == [("record", before[1])]
+
+
+def test_the_current_device_is_read_from_torch_accelerator_where_it_drives_that_type(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`begin_decode_step` checks the current device once a step: the backend reads its index
+    from torch.accelerator (a C++ call) when that drives the backend's device type, and the
+    device module otherwise; either way the index is the current one, not a cached one."""
+    fake = _FakeAccelerator()
+    monkeypatch.setattr(torch.accelerator, "current_device_index", fake.current_device_index)
+    monkeypatch.setattr(_accelerator, "_accelerator_type", lambda: "cuda")
+    backend = registry.find_backend("cuda")
+    assert backend.current_device() == torch.device("cuda", 0)
+    fake.set_device_index(1)
+    assert backend.current_device() == torch.device("cuda", 1)
+    assert backend.current_device() is backend.current_device()
+    monkeypatch.setattr(_accelerator, "_accelerator_type", lambda: "xpu")  # not the backend's
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert backend.current_device() == torch.device("cuda", 3)

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is not installed (pip install 'hisparse[triton]')")
-
+# First, as every kernel test module: it sets TRITON_INTERPRET=1 without a GPU before triton
+# is imported, so that the interpreted kernel tests after this module still interpret.
+import interpreted_kernels  # noqa: F401
 from hisparse.kernels import launching
 
 
@@ -145,3 +146,98 @@ def test_a_stream_handed_in_is_the_one_launched_on_and_rebind_is_in_place(
     assert launch._flat is flat and launch.address(0) == b.data_ptr()
     launch(5)
     assert compiled.calls[-1][-4] == b.data_ptr()
+
+
+class KnownLauncher:
+    """A launcher laid out as triton 3.6's CUDA one: `__call__` allocates scratch and calls the
+    C function `launch`; `_c_launch` calls `launch` itself."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self) -> None:
+        self.c_calls: list[tuple[Any, ...]] = []
+        self.python_calls = 0
+        self.launch = lambda *args: self.c_calls.append(args)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.python_calls += 1
+        global_scratch = profile_scratch = None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid,
+                    self.launch_pdl, global_scratch, profile_scratch, *args)
+
+
+class OtherLauncher(KnownLauncher):
+    """triton 3.9's layout: the C function takes other arguments, so only `__call__` is safe."""
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata,
+                 launch_metadata, launch_enter_hook, launch_exit_hook, *args):
+        self.python_calls += 1
+
+
+def compiled_with(launcher: KnownLauncher) -> FakeCompiled:
+    compiled = FakeCompiled()
+    compiled.run = launcher  # type: ignore[method-assign]
+    return compiled
+
+
+def test_the_known_launcher_is_called_at_its_c_function_with_what_its_call_would_pass(
+        no_hooks: None) -> None:
+    """The C call must carry exactly what the launcher's `__call__` passes for the same
+    `compiled.run(...)` arguments: compared against that `__call__` run for real."""
+    launcher = KnownLauncher()
+    kernel = FakeKernel(compiled_with(launcher))
+    a, b = torch.zeros(8, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)
+    launch = launching.BoundLaunch(kernel, (3, 2), (a, b, 7), {"X": 5},
+                                   device=torch.device("cpu"))
+    launch()  # through triton
+    launch(77)
+    compiled = kernel.compiled
+    launcher(3, 2, 1, 77, compiled.function, compiled.packed_metadata, None, None, None,
+             a.data_ptr(), b.data_ptr(), 7, 5)
+    assert launcher.python_calls == 1 and len(launcher.c_calls) == 2
+    assert launcher.c_calls[0] == launcher.c_calls[1]
+    assert launcher.c_calls[0][:7] == (3, 2, 1, 77, compiled.function, False, True)
+    launch.rebind(1, a)  # a rebound address reaches the C call too
+    launch(77)
+    assert launcher.c_calls[-1][-3] == a.data_ptr()
+
+
+def test_an_unknown_launcher_or_a_kernel_with_scratch_keeps_the_python_call(
+        no_hooks: None) -> None:
+    a = torch.zeros(4, dtype=torch.int32)
+    scratch = KnownLauncher()
+    scratch.global_scratch_size = 128  # type: ignore[misc]
+    for launcher in (OtherLauncher(), scratch):
+        kernel = FakeKernel(compiled_with(launcher))
+        launch = launching.BoundLaunch(kernel, (1,), (a, a, 2), {"X": 0},
+                                       device=torch.device("cpu"))
+        launch()
+        launch()
+        assert launch._c_call is None
+        assert launcher.python_calls == 1, "went to `compiled.run`: the launcher's own call"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (triton's launcher)")
+def test_on_cuda_the_installed_triton_launcher_is_recognized_or_not_by_its_source() -> None:
+    """On the GPU: a real kernel's bound launch takes the C path exactly when the installed
+    triton's launcher has the known layout (triton 3.6 does), and launches correctly."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + 1, mask=mask)
+
+    x = torch.zeros(100, dtype=torch.int32, device="cuda")
+    launch = launching.BoundLaunch(add_one, (1,), (x, 100), {"BLOCK": 128}, device=x.device)
+    for _ in range(3):
+        launch()
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 3))
+    launcher_type = type(launch._compiled.run)
+    assert (launch._c_call is not None) == launching._known_layout(launcher_type)
+    if triton.__version__.startswith("3.6"):
+        assert launch._c_call is not None, "triton 3.6's CUDA launcher has the known layout"

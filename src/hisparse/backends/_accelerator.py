@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 from collections.abc import Callable
@@ -62,6 +63,16 @@ _ACCELERATOR_STREAMS = all(hasattr(getattr(torch, "accelerator", None), name) fo
     "current_stream", "set_stream", "current_device_index", "set_device_index"))
 
 
+_DEVICES: dict[tuple[str, int], torch.device] = {}
+
+
+@functools.cache
+def _accelerator_type() -> str | None:
+    """The device type torch.accelerator drives in this process (None: none)."""
+    accelerator = torch.accelerator.current_accelerator()
+    return None if accelerator is None else accelerator.type
+
+
 class _StreamScope:
     """`stream` is its device's current stream inside the block, as under the device module's
     `stream()` (which also makes that device current), at a fraction of its host time."""
@@ -117,7 +128,17 @@ class AcceleratorBackend(Backend):
         return int(getattr(properties, "warp_size", 32) or 32)
 
     def current_device(self) -> torch.device | None:
-        return torch.device(self.torch_device_type, self.module.current_device())
+        # Once a decode step: torch.accelerator's index is a C++ call, the device module's
+        # `current_device()` runs its lazy-init checks in Python first.
+        if _ACCELERATOR_STREAMS and _accelerator_type() == self.torch_device_type:
+            index = torch.accelerator.current_device_index()
+        else:
+            index = self.module.current_device()
+        device = _DEVICES.get((self.torch_device_type, index))
+        if device is None:
+            device = _DEVICES[self.torch_device_type, index] = torch.device(
+                self.torch_device_type, index)
+        return device
 
     def device_scope(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         return self.module.device(device)

@@ -11,11 +11,18 @@ The direct call is triton's own launch sequence (`JITFunction.run` in triton 3.3
 the specialization fixed by the first call. It is used only where that holds: triton >= 3.3,
 no launch hooks (a profiler's) installed, a compiled kernel (not the interpreter), and a backend
 whose traits allow it (`DeviceTraits.direct_launch`). Elsewhere every call goes through triton.
+
+One level further down, where the compiled kernel's launcher is the one whose C function this
+module knows how to call (`_c_launch`: triton's per-kernel CUDA launcher whose Python
+`__call__` only allocates scratch, for a kernel that needs none), the call goes to that C
+function itself, skipping the Python frame and its two scratch allocations (about 1.5 us a
+launch on the H200's host; benchmarks/NOTES.md, "Host path").
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +78,44 @@ def _current_stream(device_index: int) -> int:
     return triton.runtime.driver.active.get_current_stream(device_index)
 
 
+# The launcher `__call__` whose C call `_c_launch` repeats (triton 3.6's CUDA launcher; another
+# version's is recognized by its source, not its number), whitespace removed: it passes its
+# arguments through unchanged and adds only the scratch it allocates.
+_KNOWN_LAUNCH_CALL = ("self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,"
+                      "self.launch_pdl,global_scratch,profile_scratch,*args)")
+_KNOWN_PARAMETERS = ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+_launcher_layouts: dict[type, bool] = {}
+
+
+def _known_layout(launcher_type: type) -> bool:
+    """Whether `launcher_type.__call__` is the known one (read once per launcher class)."""
+    known = _launcher_layouts.get(launcher_type)
+    if known is None:
+        try:
+            call = launcher_type.__call__
+            source = "".join(inspect.getsource(call).split())
+            known = (list(inspect.signature(call).parameters) == _KNOWN_PARAMETERS
+                     and _KNOWN_LAUNCH_CALL in source)
+        except (AttributeError, OSError, TypeError, ValueError):
+            known = False
+        _launcher_layouts[launcher_type] = known
+    return known
+
+
+def _c_launch(compiled: Any) -> tuple[Callable[..., None], tuple[Any, ...]] | None:
+    """The C launch function of `compiled`'s launcher and the arguments that follow the stream
+    in its call (function, cooperative and PDL flags, no scratch, metadata, no hooks), or None
+    where the launcher is not the known one or the kernel needs scratch memory."""
+    launcher = getattr(compiled, "run", None)
+    launch = getattr(launcher, "launch", None)
+    if launch is None or not _known_layout(type(launcher)):
+        return None
+    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+        return None
+    return launch, (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                    None, None, compiled.packed_metadata, None, None, None)
+
+
 class BoundLaunch:
     """One launch of `kernel` over `grid` with `args` (tensors and ints, positional) and
     `constants` (the constexpr and launch options, by name) fixed.
@@ -80,8 +125,8 @@ class BoundLaunch:
     path translates those tensors itself. `direct=False` keeps every call on triton's path.
     """
 
-    __slots__ = ("_args", "_compiled", "_constants", "_device_index", "_direct", "_flat",
-                 "_grid", "_kernel", "_pointer_slots")
+    __slots__ = ("_args", "_c_call", "_compiled", "_constants", "_device_index", "_direct",
+                 "_flat", "_grid", "_kernel", "_pointer_slots")
 
     def __init__(self, kernel: Any, grid: Sequence[int], args: Sequence[Any],
                  constants: Mapping[str, Any], *, device: torch.device,
@@ -93,6 +138,7 @@ class BoundLaunch:
         self._device_index = device.index if device.index is not None else 0
         self._direct = direct and DIRECT_LAUNCH_AVAILABLE
         self._compiled: Any | None = None
+        self._c_call: tuple[Callable[..., None], tuple[Any, ...]] | None = None
         names = list(kernel.arg_names)
         missing = [n for n in names[len(self._args):] if n not in self._constants]
         if missing:
@@ -115,6 +161,11 @@ class BoundLaunch:
         if compiled is None or _hooks_installed():
             self._launch_through_triton()
             return
+        c_call = self._c_call
+        if c_call is not None:
+            c_call[0](*self._grid, _current_stream(self._device_index) if stream is None
+                      else stream, *c_call[1], *self._flat)
+            return
         compiled.run(*self._grid,
                      _current_stream(self._device_index) if stream is None else stream,
                      compiled.function, compiled.packed_metadata, None, None, None, *self._flat)
@@ -134,7 +185,7 @@ class BoundLaunch:
         pointer triton specializes on, is unchanged."""
         address = tensor.data_ptr()
         if (self._flat[index] % 16 == 0) != (address % 16 == 0):
-            self._compiled = None
+            self._compiled = self._c_call = None
         self._args[index] = tensor
         self._flat[index] = address
 
@@ -143,3 +194,4 @@ class BoundLaunch:
         if (self._direct and self._compiled is None and kernel is not None
                 and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function")):
             self._compiled = kernel
+            self._c_call = _c_launch(kernel)

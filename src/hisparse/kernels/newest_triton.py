@@ -54,7 +54,8 @@ class NewestWriterTriton:
         self._launches: dict[tuple[int, int], BoundLaunch] = {}
 
     def __call__(self, layer: int, rows: torch.Tensor) -> None:
-        if not self._words or rows.data_ptr() % 4 or not rows.is_contiguous():
+        address = rows.data_ptr()  # read once: a method call per read
+        if not self._words or address % 4 or not rows.is_contiguous():
             self._reference(layer, rows)
             return
         key = (layer, rows.shape[0])
@@ -66,6 +67,6 @@ class NewestWriterTriton:
                 {"ROW_WORDS": self._words, "BLOCK_WORDS": triton.next_power_of_2(self._words),
                  "num_warps": 2 if self._words > 128 else 1},
                 device=rows.device, direct=self._direct)
-        elif launch.address(0) != rows.data_ptr():
+        elif launch.address(0) != address:
             launch.rebind(0, rows)
         launch()

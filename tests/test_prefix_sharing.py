@@ -144,15 +144,15 @@ class Sharing:
         new = self.fresh(len(ids) * tokens).reshape(L, len(ids), tokens, W)
         S = cache.slots_per_request
         for layer in range(L):
-            cache.write_newest(layer, new[layer])
+            cache.write_newest(layer, new[layer].to(cache.device))
             if layer % cache.index_group_size == 0:
                 top_k = torch.full((len(ids), tokens, K), -1, dtype=torch.int32)
                 for b, first in enumerate(p[0] for p in step.positions):
                     for t in range(tokens):
                         chosen = self.rng.permutation(first + t + 1)[:K]
                         top_k[b, t, : len(chosen)] = torch.from_numpy(chosen)
-            out = cache.swap_in(layer, top_k)
-            held = cache.device_kv(layer)
+            out = cache.swap_in(layer, top_k.to(cache.device)).cpu()
+            held = cache.device_kv(layer).cpu()
             for b, request_id in enumerate(ids):
                 mine = torch.cat([self.rows[request_id][layer], new[layer, b]])
                 first = cache.request_slot(request_id) * S
@@ -686,14 +686,14 @@ def test_a_shared_row_resident_in_two_buffers_serves_each_request_its_own_slot(
     S = cache.slots_per_request
     for repeat in range(3):
         step = cache.begin_decode_step(["a", "b"])
-        top_k = torch.tensor([shared, shared], dtype=torch.int32)
+        top_k = torch.tensor([shared, shared], dtype=torch.int32, device=cache.device)
         new = s.fresh(2)
         for layer in range(L):
-            cache.write_newest(layer, new[layer])
-            out = cache.swap_in(layer, top_k)
+            cache.write_newest(layer, new[layer].to(cache.device))
+            out = cache.swap_in(layer, top_k).cpu()
             for b, (request_id, r) in enumerate((("a", ra), ("b", rb))):
                 assert ((out[b] >= r * S) & (out[b] < r * S + S)).all(), (repeat, request_id)
-                assert torch.equal(cache.device_kv(layer)[out[b].long()],
+                assert torch.equal(cache.device_kv(layer).cpu()[out[b].long()],
                                    s.rows[request_id][layer, shared])
         step.end()
         for b, request_id in enumerate("ab"):
@@ -730,12 +730,13 @@ def test_the_moved_extent_keeps_its_hot_slots_under_the_new_key(
     # them, and 8, 9 are in the moved extent.
     step = cache.begin_decode_step(["a"])
     picked = [8, 9, 6, 7]
-    top_k = torch.tensor([picked], dtype=torch.int32)
+    top_k = torch.tensor([picked], dtype=torch.int32, device=cache.device)
     fresh = s.fresh(1)
     for layer in range(L):
-        cache.write_newest(layer, fresh[layer])
-        out = cache.swap_in(layer, top_k)
-        assert torch.equal(cache.device_kv(layer)[out[0].long()], s.rows["a"][layer, picked])
+        cache.write_newest(layer, fresh[layer].to(cache.device))
+        out = cache.swap_in(layer, top_k).cpu()
+        assert torch.equal(cache.device_kv(layer).cpu()[out[0].long()],
+                           s.rows["a"][layer, picked])
     step.end()
     s.rows["a"] = torch.cat([s.rows["a"], fresh], 1)
     after = {q.request_id: q for q in cache.stats().requests}["a"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import subprocess
 from collections.abc import Sequence
 
 import numpy as np
@@ -344,3 +346,26 @@ def test_sw1_tables_are_row_major_and_agree_with_the_hot_buffers(layout: str,
     np.testing.assert_array_equal(slot_key, expected)
     np.testing.assert_array_equal(tables.resident[0, torch.from_numpy(slot_key).long()].numpy(),
                                   np.broadcast_to(np.arange(hot), (batch, hot)))
+
+
+
+def test_an_archived_tree_reports_the_commit_it_was_exported_from(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU runs' tree is a `git archive` inside another checkout: its results must name
+    the commit export-subst wrote into `archived_commit.txt`, not that checkout's HEAD; a
+    checkout keeps the placeholder, and git is asked."""
+    repo = pathlib.Path(benchmarking.__file__).resolve().parents[3]
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    relative = benchmarking.ARCHIVED_COMMIT.resolve().relative_to(repo)
+    attribute = subprocess.run(["git", "check-attr", "export-subst", str(relative)],
+                               capture_output=True, text=True, cwd=repo, check=True).stdout
+    assert attribute.strip().endswith("export-subst: set"), attribute
+    assert benchmarking.ARCHIVED_COMMIT.read_text().strip() == "$Format:%H$"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=repo, check=True).stdout.strip()
+    assert benchmarking.source_commit() == head
+    exported = "0123456789abcdef0123456789abcdef01234567"
+    (tmp_path / "archived_commit.txt").write_text(exported + "\n")
+    monkeypatch.setattr(benchmarking, "ARCHIVED_COMMIT", tmp_path / "archived_commit.txt")
+    assert benchmarking.source_commit() == exported

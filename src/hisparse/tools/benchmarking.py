@@ -18,11 +18,13 @@ import contextlib
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -546,10 +548,26 @@ def run_environment(device: str) -> dict[str, object]:
         from hisparse.backends.registry import get_backend
 
         info.update(get_backend(device).runtime_versions())
+    info["hisparse_commit"] = source_commit()
+    return info
+
+
+# `git archive` writes the commit into this file (.gitattributes: export-subst); a checkout
+# keeps the placeholder, and git itself is asked.
+ARCHIVED_COMMIT = Path(__file__).with_name("archived_commit.txt")
+
+
+def source_commit() -> str | None:
+    """The commit of this source tree: the one `git archive` exported it from, else the HEAD
+    of the checkout it sits in (None where neither is known). An exported tree inside another
+    checkout (the GPU runs' snapshot) would otherwise report that checkout's HEAD."""
+    with contextlib.suppress(OSError):
+        archived = ARCHIVED_COMMIT.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{40}", archived):
+            return archived
     try:
-        info["hisparse_commit"] = subprocess.run(
+        return subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        info["hisparse_commit"] = None
-    return info
+        return None

@@ -10,7 +10,7 @@ import torch
 from hisparse.backends.base import Backend
 from hisparse.core.host_pool import HostPool, token_rows, token_runs
 from hisparse.core.requests import RequestRecord
-from hisparse.layout.tables import CacheTables, residency_dtype
+from hisparse.layout.tables import CacheTables, residency_dtype, unshared_key_extents
 
 if TYPE_CHECKING:
     from hisparse.config import HiSparseConfig
@@ -50,8 +50,7 @@ def build_tables(config: HiSparseConfig, backend: Backend, pool: HostPool, devic
         residency_map=config.residency_map,
         reserved_slots=config.max_draft_tokens,
         # An alias names a host extent only while a running request's page table holds it.
-        key_host_extent=(torch.cat([torch.arange(pool.num_extents, **i32),
-                                    torch.full((config.alias_extents,), -1, **i32)])
+        key_host_extent=(unshared_key_extents(pool.num_extents, config.alias_extents, device)
                          if aliased else None),
         # What the fused backup kernel writes through (device-side on ROCm).
         host_kv_addresses=torch.tensor(

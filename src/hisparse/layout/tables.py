@@ -18,6 +18,14 @@ def residency_dtype(hot_slots: int) -> torch.dtype:
     return torch.int16 if resident_entry_bytes(hot_slots) == 2 else torch.int32
 
 
+def unshared_key_extents(host_extents: int, alias_extents: int,
+                         device: torch.device | str) -> torch.Tensor:
+    """`CacheTables.key_host_extent` before any sharing: each host extent its own key extent,
+    and `alias_extents` aliases after them naming no extent yet (-1)."""
+    i32 = {"dtype": torch.int32, "device": device}
+    return torch.cat([torch.arange(host_extents, **i32), torch.full((alias_extents,), -1, **i32)])
+
+
 @dataclass(eq=False)
 class CacheTables:
     """Device-resident state of the hot buffers plus the host pool rows.

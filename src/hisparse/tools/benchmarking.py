@@ -33,7 +33,13 @@ from hisparse.backends.base import Backend, SwapInFn
 from hisparse.backends.features import Feature
 from hisparse.core.host_pool import ExtentAllocator
 from hisparse.errors import InvalidInputError
-from hisparse.layout.tables import CacheTables, MissPlan, ResidencyMap, residency_dtype
+from hisparse.layout.tables import (
+    CacheTables,
+    MissPlan,
+    ResidencyMap,
+    residency_dtype,
+    unshared_key_extents,
+)
 from hisparse.tools.sw1_steps import CellSteps
 from hisparse.tools.sw1_steps import rows_match as rows_match  # the benchmarks call both here
 from hisparse.tools.sw1_steps import wrong_rows as wrong_rows
@@ -214,8 +220,7 @@ def build_tables(
     key_host_extent = None
     if residency_map == "host_row" and key_extents:
         host_extents = -(-num_rows // extent)
-        key_host_extent = torch.cat([torch.arange(host_extents, **i32),
-                                     torch.full((host_extents,), -1, **i32)])
+        key_host_extent = unshared_key_extents(host_extents, host_extents, device)
         num_keys = 2 * host_extents * extent
     resident = torch.full((1, num_keys), -1, dtype=residency_dtype(hot_slots), device=device)
     resident[0, torch.from_numpy(lru_keys.reshape(-1)).to(device)] = torch.arange(

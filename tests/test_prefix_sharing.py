@@ -151,7 +151,8 @@ class Sharing:
                     for t in range(tokens):
                         chosen = self.rng.permutation(first + t + 1)[:K]
                         top_k[b, t, : len(chosen)] = torch.from_numpy(chosen)
-            out = cache.swap_in(layer, top_k.to(cache.device)).cpu()
+                top_k_on_device = top_k.to(cache.device)  # a group's layers pass one tensor
+            out = cache.swap_in(layer, top_k_on_device).cpu()
             held = cache.device_kv(layer).cpu()
             for b, request_id in enumerate(ids):
                 mine = torch.cat([self.rows[request_id][layer], new[layer, b]])

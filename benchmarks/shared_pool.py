@@ -16,6 +16,12 @@ For each group size in `--ranks`, one process per rank (hisparse.tools.shared_po
   Again interleaved (`timing_interleaved`): the shared group, a private group and a single
   rank run at once and take turns within each step, so that each process's time holds no
   contention from the others and all of them see the machine at the same moments.
+  Paired (`timing_paired`): the shared group alone, taking turns, each process also holding a
+  private cache of the same config and timing one step on each in its turn (the same top-k,
+  the order alternating, a device sync between them), so that the per-step ratio shared /
+  private holds no difference between processes (their cores, their heaps), which moved the
+  interleaved ratios by 0.88-1.15x; reported for the non-writers and the writer, as medians
+  of the per-step ratios and of each cache's times.
 * fuzz: `--fuzz-steps` decode steps per rank of random admit, PD, finish, abort, preempt,
   resume and cancel, every row read checked byte for byte against the rows the seeds give.
 
@@ -37,13 +43,8 @@ from typing import Any
 
 from hisparse.cli._output import non_negative_int, positive_int
 from hisparse.tools.benchmarking import run_environment
-from hisparse.tools.shared_pool_run import (
-    describe_failure,
-    fuzz_rank,
-    memory_rank,
-    run_group,
-    timing_rank,
-)
+from hisparse.tools.shared_pool_run import describe_failure, fuzz_rank, memory_rank, run_group
+from hisparse.tools.shared_pool_timing import paired_rank, paired_summary, timing_rank
 
 
 def group(target: Any, name: str | None, ranks: int, timeout_s: float = 580.0,
@@ -110,6 +111,16 @@ def timing_interleaved(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     return timing_summary(results[:ranks], results[ranks:-1], results[-1])
 
 
+def timing_paired(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
+    """The shared group alone, taking turns; each process also holds a private cache and
+    times one step on each in its turn (`paired_rank`), so that its ratio holds no
+    difference between processes."""
+    entries = [dict(name=f"bench-{os.getpid()}-paired{ranks}", rank=r, ranks=ranks,
+                    steps=args.steps, batch=args.batch, device=args.device)
+               for r in range(ranks)]
+    return paired_summary(checked(paired_rank, entries))
+
+
 def timing_summary(shared: list[dict[str, Any]], private: list[dict[str, Any]],
                    single: dict[str, Any]) -> dict[str, Any]:
     readers_host = [v for r in shared[1:] for v in r["host_us"]]
@@ -148,6 +159,12 @@ def summary_line(entry: dict[str, Any]) -> str:
             said.append(f"non-writer step {how} {t['non_writer_host_busy_us']['median']:.0f} us "
                         f"host without waits vs {t['private_rank_host_us']['median']:.0f} us "
                         "on a private pool")
+    paired = entry.get("timing_paired", {}).get("non_writer")
+    if paired:
+        device = f", {paired['device']['ratio_median']:.2f}x device" if "device" in paired else ""
+        said.append(f"non-writer step paired with a private cache in the same process: "
+                    f"{paired['host']['ratio_median']:.2f}x host "
+                    f"({paired['host_busy']['ratio_median']:.2f}x without waits){device}")
     if "fuzz" in entry:
         said.append(f"fuzz {entry['fuzz_steps_total']} steps, {entry['fuzz_mismatches']} "
                     "mismatches")
@@ -168,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--fuzz-steps", type=non_negative_int, default=10000,
                         help="fuzz decode steps per rank (default: 10000; 0: no fuzz)")
-    parser.add_argument("--parts", nargs="+", default=["memory", "timing", "timing_interleaved"],
-                        choices=["memory", "timing", "timing_interleaved"],
-                        help="what to measure besides the fuzz (default: all three)")
+    parts = {"memory": memory, "timing": timing, "timing_interleaved": timing_interleaved,
+             "timing_paired": timing_paired}
+    parser.add_argument("--parts", nargs="+", default=list(parts), choices=list(parts),
+                        help="what to measure besides the fuzz (default: all four)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -178,7 +196,6 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/shared_pool.py " + " ".join(
             sys.argv[1:] if argv is None else argv),
         **run_environment(args.device), "device": args.device, "groups": {}}
-    parts = {"memory": memory, "timing": timing, "timing_interleaved": timing_interleaved}
     for ranks in args.ranks:
         entry: dict[str, Any] = {part: parts[part](args, ranks) for part in args.parts}
         if args.fuzz_steps:

@@ -434,6 +434,9 @@ def test_shared_pool_benchmark_reports_memory_step_cost_and_a_clean_fuzz(
     assert interleaved["non_writer_host_busy_us"]["median"] > 0
     assert interleaved["private_rank_host_us"]["median"] > 0
     assert interleaved["single_rank_alone_host_us"]["median"] > 0
+    paired = group["timing_paired"]
+    assert paired["non_writer"]["steps"] == 4 and paired["non_writer"]["host"]["ratio_median"] > 0
+    assert [r["shared_pool_attached"] for r in paired["ranks"]] == [True, True]
     assert group["fuzz_mismatches"] == 0 and group["fuzz_steps_total"] == 40
 
 

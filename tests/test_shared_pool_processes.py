@@ -8,6 +8,7 @@ CI runs these on CPU; `--backend cuda` adds the GPU variants (several ranks on o
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -21,6 +22,7 @@ from hisparse.tools.shared_pool_run import (
     memory_rank,
     run_group,
 )
+from hisparse.tools.shared_pool_timing import paired_rank, paired_summary
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                    reason="needs a CUDA GPU (several ranks share one)")
@@ -153,6 +155,34 @@ def test_multi_process_fuzz_with_shared_prefixes_is_byte_exact_and_leaks_nothing
     assert counts[0]["mismatches"] == counts[0]["leaked_extents"] == 0, (seed, counts)
     assert min(counts[0][k] for k in ("retains", "releases", "shared_admits",
                                       "private_copies")) > 0, (seed, counts)
+
+
+def test_paired_timing_times_a_reader_of_the_shared_pool_against_its_own_private_cache(
+        pool_name: str) -> None:
+    """benchmarks/shared_pool.py's `timing_paired`, small: every rank of the group times a
+    step on its shared cache and one on a private cache of its own, each step. The reader's
+    shared cache is attached to the pool and holds the writer's prompt rows (it prefilled
+    blank ones); its private one is not; every per-step ratio is a positive finite number."""
+    steps = 5
+    results = run_group(paired_rank, ranks_of(
+        pool_name, 2, steps=steps, batch=2, warmup=2,
+        overrides=dict(num_layers=2, max_seq_len=512, host_pool_tokens=1024)), timeout_s=120)
+    assert not describe_failure(results), describe_failure(results)
+    for result in results:
+        for which in ("shared", "private"):
+            assert len(result[which]["host_us"]) == len(result[which]["busy_us"]) == steps
+            assert result[which]["device_ms"] == []  # (on a GPU only)
+    summary = paired_summary(results)
+    reader, writer = summary["ranks"][1], summary["ranks"][0]
+    assert (reader["writer"], writer["writer"]) == (False, True)
+    assert reader["shared_pool_attached"] and reader["prompt_rows_from_writer"]
+    assert not reader["private_pool_shared"] and not writer["private_pool_shared"]
+    for stats in (summary["non_writer"], summary["writer"], reader, writer):
+        assert stats["steps"] == steps and "device" not in stats
+        for metric in ("host", "host_busy"):
+            numbers = [stats[metric]["ratio_median"], *stats[metric]["ratio_quartiles"],
+                       stats[metric]["shared_median"], stats[metric]["private_median"]]
+            assert all(math.isfinite(n) and n > 0 for n in numbers), stats
 
 
 @requires_cuda

@@ -1,5 +1,6 @@
-"""Multi-process runs of one shared host pool: the fuzz, the memory measurement and the
-per-step timing that tests/test_shared_pool_processes.py and benchmarks/shared_pool.py drive.
+"""Multi-process runs of one shared host pool: the fuzz and the memory measurement that
+tests/test_shared_pool_processes.py and benchmarks/shared_pool.py drive (the per-step timing
+is in hisparse.tools.shared_pool_timing).
 
 Every rank of a group is a process of its own (a forkserver child that has torch imported
 already) and runs the same seeded schedule of cache calls, as the ranks of a tensor-parallel
@@ -491,75 +492,6 @@ def _fill(cache: Any, writer: bool, chunk: int = 1024) -> None:
         cache.commit_prefill(request)
 
 
-# --- timing ---------------------------------------------------------------------------------
-def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: int,
-                batch: int, device: str = "cpu", overrides: dict[str, Any] | None = None,
-                warmup: int = 20, turn: int | None = None, turns: int = 1) -> dict[str, Any]:
-    """Per-step host time (begin, every layer's write_newest and swap_in, end) and, on a GPU,
-    device time (events around the step) of one rank decoding `batch` long requests. The
-    ranks start each step together, as a TP group's collectives keep them (the barrier is
-    not timed); `busy_us` leaves out the time a rank waited for another inside the step.
-    `turn` of `turns`: the processes of the barrier (several groups at once) take turns
-    within each step, in an order that moves on by one each step, each waiting for the one
-    before to finish its device work (its backup too), so that each process's time holds no
-    contention from the others (which share this machine's one GPU here but would have their
-    own in a deployment) and every group sees the machine at the same moments (its speed
-    drifts over seconds)."""
-    config = dict(num_layers=8, max_requests=batch, max_seq_len=4096, host_pool_tokens=
-                  batch * 4096, **(overrides or {}))
-    cache = _cache(name, rank, ranks, device, config)
-    prompt = 2 * cache.hot_slots + 64  # long: most of the top-k is swapped in
-    for request in range(batch):
-        cache.admit(request, prompt)
-        cache.write_prefill(request, prompt_rows(request, 0, prompt, cache.num_layers,
-                                                 cache.row_bytes).to(cache.device))
-        cache.commit_prefill(request)
-    generator = torch.Generator().manual_seed(rank * 0 + 7)  # the same top-k on every rank
-    kv = torch.zeros(batch, cache.row_bytes, dtype=torch.uint8, device=cache.device)
-    cuda = cache.device.type == "cuda"
-    host, busy, device_ms = [], [], []
-    shared = cache._shared
-    barrier.wait()
-    for step_index in range(warmup + steps):
-        barrier.wait()  # lockstep, untimed
-        # The order of the turns moves on by one every step: no process always follows the
-        # same one (the writer, say).
-        place = None if turn is None else (turn + step_index) % turns
-        for _ in range(place or 0):
-            barrier.wait()  # the earlier turns
-        waited = shared.waited_s if shared is not None else 0.0
-        length = prompt + step_index
-        top_k = torch.randint(0, length, (batch, cache.top_k), generator=generator,
-                              dtype=torch.int32).to(cache.device)
-        if cuda:
-            start_event, end_event = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start_event.record()
-        started = time.perf_counter()
-        step = cache.begin_decode_step(list(range(batch)))
-        for layer in range(cache.num_layers):
-            step.write_newest(layer, kv)
-            step.swap_in(layer, top_k)
-        step.end()
-        elapsed = time.perf_counter() - started
-        if cuda:
-            end_event.record()
-            end_event.synchronize()
-            device_ms.append(start_event.elapsed_time(end_event))
-        if step_index >= warmup:
-            host.append(elapsed * 1e6)
-            waited = (shared.waited_s if shared is not None else 0.0) - waited
-            busy.append((elapsed - waited) * 1e6)
-        if place is not None:
-            # The turn passes once all of this step's device work is done, the backup on its
-            # side stream included: the next process's step must not share the GPU with it.
-            cache.backend.synchronize(cache.device)
-            for _ in range(turns - 1 - place):
-                barrier.wait()  # the later turns
-    barrier.wait()
-    cache.close()
-    return {"rank": rank, "host_us": host, "busy_us": busy, "device_ms": device_ms[warmup:]}
-
-
 def describe_failure(results: list[dict[str, Any]]) -> str:
     """The first rank's error (with its traceback) in a result list, for an assert message."""
     for result in results:
@@ -569,4 +501,4 @@ def describe_failure(results: list[dict[str, Any]]) -> str:
 
 
 __all__ = ["FUZZ_CONFIG", "FuzzRank", "SharedPoolError", "describe_failure", "fuzz_rank",
-           "kv_at", "memory_rank", "memory_status", "prompt_rows", "run_group", "timing_rank"]
+           "kv_at", "memory_rank", "memory_status", "prompt_rows", "run_group"]

@@ -1,0 +1,237 @@
+"""Per-step timing of a shared host pool's ranks (issue 23), driven by
+benchmarks/shared_pool.py through `hisparse.tools.shared_pool_run.run_group`.
+
+* `timing_rank`: one rank of a group (shared or private pools) decoding long requests, the
+  ranks in lockstep or, with `turn`/`turns`, the processes of several groups taking turns.
+* `paired_rank`: one rank of a shared group that also holds a private cache of the same
+  config and times one step on each within each of its turns, adjacent in time. Processes
+  differ (their core, their Python heap) by more than a non-writer's code path differs from
+  a private rank's, so only a ratio taken inside one process compares the code paths.
+  `paired_summary` turns the ranks' results into per-step ratios.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from hisparse.core.host_pool import token_rows
+from hisparse.tools.shared_pool_run import _cache, prompt_rows
+
+TOP_K_SEED = 7  # the same top-k on every rank and on both caches of a paired rank
+
+
+def _timing_config(batch: int, overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """The timed cache: `batch` requests of up to 4096 tokens, a pool that holds them all."""
+    return {"num_layers": 8, "max_requests": batch, "max_seq_len": 4096,
+            "host_pool_tokens": batch * 4096, **(overrides or {})}
+
+
+def _prefill(cache: Any, batch: int, blank: bool = False) -> int:
+    """Admit and prefill `batch` long requests; their prompt length. `blank`: zero rows, for
+    a reader whose pool writes nothing, so that what its pool holds can only be the writer's."""
+    prompt = 2 * cache.hot_slots + 64  # long: most of the top-k is swapped in
+    for request in range(batch):
+        cache.admit(request, prompt)
+        rows = prompt_rows(request, 0, prompt, cache.num_layers, cache.row_bytes)
+        if blank:
+            rows = torch.zeros_like(rows)
+        cache.write_prefill(request, rows.to(cache.device))
+        cache.commit_prefill(request)
+    return prompt
+
+
+def _top_k(generator: torch.Generator, cache: Any, batch: int, length: int) -> torch.Tensor:
+    return torch.randint(0, length, (batch, cache.top_k), generator=generator,
+                         dtype=torch.int32).to(cache.device)
+
+
+def _timed_step(cache: Any, batch: int, kv: torch.Tensor, top_k: torch.Tensor
+                ) -> tuple[float, float, float | None]:
+    """One decode step (begin, every layer's write_newest and swap_in, end): its host
+    seconds, the host seconds of it spent waiting for other ranks, and on a GPU its device
+    milliseconds (events around the step, on the compute stream)."""
+    shared = cache._shared
+    waited = shared.waited_s if shared is not None else 0.0
+    cuda = cache.device.type == "cuda"
+    if cuda:
+        start_event, end_event = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start_event.record()
+    started = time.perf_counter()
+    step = cache.begin_decode_step(list(range(batch)))
+    for layer in range(cache.num_layers):
+        step.write_newest(layer, kv)
+        step.swap_in(layer, top_k)
+    step.end()
+    elapsed = time.perf_counter() - started
+    device_ms = None
+    if cuda:
+        end_event.record()
+        end_event.synchronize()
+        device_ms = start_event.elapsed_time(end_event)
+    waited = (shared.waited_s if shared is not None else 0.0) - waited
+    return elapsed, waited, device_ms
+
+
+class _Turns:
+    """The processes of one barrier taking turns within each step, in an order that moves on
+    by one each step (no process always follows the same one, the writer say), each waiting
+    for the one before to finish its device work (its backup too): a process's time then
+    holds no contention from the others, which share this machine's one GPU here but would
+    have their own in a deployment. `turn` None: no turns, the processes run at once."""
+
+    def __init__(self, barrier: Any, turn: int | None, turns: int) -> None:
+        self.barrier, self.turn, self.turns = barrier, turn, turns
+        self.place: int | None = None
+
+    def start(self, step_index: int) -> None:
+        self.barrier.wait()  # lockstep, untimed
+        self.place = None if self.turn is None else (self.turn + step_index) % self.turns
+        for _ in range(self.place or 0):
+            self.barrier.wait()  # the earlier turns
+
+    def finish(self, cache: Any) -> None:
+        if self.place is None:
+            return
+        # The turn passes once all of this step's device work is done, the backup on its
+        # side stream included: the next process's step must not share the GPU with it.
+        cache.backend.synchronize(cache.device)
+        for _ in range(self.turns - 1 - self.place):
+            self.barrier.wait()  # the later turns
+
+
+def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: int,
+                batch: int, device: str = "cpu", overrides: dict[str, Any] | None = None,
+                warmup: int = 20, turn: int | None = None, turns: int = 1) -> dict[str, Any]:
+    """Per-step host time (begin, every layer's write_newest and swap_in, end) and, on a GPU,
+    device time (events around the step) of one rank decoding `batch` long requests. The
+    ranks start each step together, as a TP group's collectives keep them (the barrier is
+    not timed); `busy_us` leaves out the time a rank waited for another inside the step.
+    `turn` of `turns`: the processes of the barrier (several groups at once) take turns
+    within each step (`_Turns`), so that every group sees the machine at the same moments
+    (its speed drifts over seconds)."""
+    cache = _cache(name, rank, ranks, device, _timing_config(batch, overrides))
+    prompt = _prefill(cache, batch)
+    generator = torch.Generator().manual_seed(TOP_K_SEED)
+    kv = torch.zeros(batch, cache.row_bytes, dtype=torch.uint8, device=cache.device)
+    host: list[float] = []
+    busy: list[float] = []
+    device_ms: list[float] = []
+    order = _Turns(barrier, turn, turns)
+    barrier.wait()
+    for step_index in range(warmup + steps):
+        order.start(step_index)
+        top_k = _top_k(generator, cache, batch, prompt + step_index)
+        elapsed, waited, step_ms = _timed_step(cache, batch, kv, top_k)
+        if step_index >= warmup:
+            host.append(elapsed * 1e6)
+            busy.append((elapsed - waited) * 1e6)
+            if step_ms is not None:
+                device_ms.append(step_ms)
+        order.finish(cache)
+    barrier.wait()
+    cache.close()
+    return {"rank": rank, "host_us": host, "busy_us": busy, "device_ms": device_ms}
+
+
+def paired_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, batch: int,
+                device: str = "cpu", overrides: dict[str, Any] | None = None,
+                warmup: int = 20) -> dict[str, Any]:
+    """One rank of a shared group (`name`, the writer rank 0) that also holds a private
+    cache of the same config, and in each of its turns (`_Turns`, the group's processes in
+    rotation) times one step on each with the same top-k: the shared cache first on even
+    steps, the private one first on odd ones, so that neither always runs on a host warmed
+    by the other. Between the two, the first one's device work (its backup too) is waited
+    for, untimed, so that they do not overlap on the GPU. Reported: each cache's per-step
+    `host_us`, `busy_us` (without waits for other ranks) and `device_ms` (on a GPU), in
+    step order, and whether the shared cache is attached to the shared pool and holds the
+    writer's prompt rows."""
+    config = _timing_config(batch, overrides)
+    shared = _cache(name, rank, ranks, device, config)
+    private = _cache(None, rank, ranks, device, config)
+    prompt = _prefill(shared, batch, blank=rank != 0)
+    _prefill(private, batch)
+    generator = torch.Generator().manual_seed(TOP_K_SEED)
+    kv = torch.zeros(batch, shared.row_bytes, dtype=torch.uint8, device=shared.device)
+    times: dict[str, dict[str, list[float]]] = {
+        which: {"host_us": [], "busy_us": [], "device_ms": []}
+        for which in ("shared", "private")}
+    order = _Turns(barrier, rank, ranks)
+    barrier.wait()
+    for step_index in range(warmup + steps):
+        order.start(step_index)
+        top_k = _top_k(generator, shared, batch, prompt + step_index)
+        pair = [("shared", shared), ("private", private)]
+        for position, (which, cache) in enumerate(pair if step_index % 2 == 0 else pair[::-1]):
+            if position:  # untimed: the first step's device work (its backup too) must
+                cache.backend.synchronize(cache.device)  # not overlap the second's
+            elapsed, waited, step_ms = _timed_step(cache, batch, kv, top_k)
+            if step_index >= warmup:
+                times[which]["host_us"].append(elapsed * 1e6)
+                times[which]["busy_us"].append((elapsed - waited) * 1e6)
+                if step_ms is not None:
+                    times[which]["device_ms"].append(step_ms)
+        order.finish(shared)
+    pools = {"shared_pool_attached": shared._shared is not None
+             and shared._pool.segment is not None,
+             "private_pool_shared": private._pool.segment is not None,
+             "prompt_rows_from_writer": _holds_prompts(shared, batch, prompt)}
+    barrier.wait()  # no rank closes while another may still read its rows
+    shared.close()
+    private.close()
+    return {"rank": rank, "writer": rank == 0, **times, **pools}
+
+
+def _holds_prompts(cache: Any, batch: int, prompt: int) -> bool:
+    """Whether the host rows of every request's prompt hold its bytes (on a reader, which
+    prefilled blank rows, those can only have come through the shared pool)."""
+    if cache._shared is not None:
+        cache._shared.before_read()  # the writer's copies of every operation so far landed
+    host = cache.host_tensors()
+    for request in range(batch):
+        extents = cache._requests.get(request, "check").extents
+        rows = torch.from_numpy(token_rows(extents, cache.extent_tokens, 0, prompt))
+        expected = prompt_rows(request, 0, prompt, cache.num_layers, cache.row_bytes)
+        if any(not torch.equal(host[layer][rows], expected[layer])
+               for layer in range(cache.num_layers)):
+            return False
+    return True
+
+
+def paired_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the steps of `results` (ranks of `paired_rank`): the median of each cache's host,
+    host-without-waits and device time, and of the per-step ratio shared / private (both in
+    one process, adjacent in time), with its quartiles. Without waits, the private step's
+    host time is its whole host time (it waits for no rank)."""
+    out: dict[str, Any] = {"steps": sum(len(r["shared"]["host_us"]) for r in results)}
+    for metric, key in (("host", "host_us"), ("host_busy", "busy_us"), ("device", "device_ms")):
+        private_key = "host_us" if key == "busy_us" else key
+        pairs = [(s, p) for r in results
+                 for s, p in zip(r["shared"][key], r["private"][private_key], strict=True)]
+        if not pairs:
+            continue  # no device times on a CPU
+        ratios = sorted(s / p for s, p in pairs)
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        out[metric] = {"shared_median": statistics.median([s for s, _ in pairs]),
+                       "private_median": statistics.median([p for _, p in pairs]),
+                       "ratio_median": statistics.median(ratios),
+                       "ratio_quartiles": [quartiles[0], quartiles[-1]]}
+    return out
+
+
+def paired_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The non-writer ranks' (all steps of ranks 1..n-1 together) and the writer's paired
+    times and ratios, and each rank's own, with whether its shared cache reads the pool."""
+    ranks = [{"rank": r["rank"], "writer": r["writer"],
+              "shared_pool_attached": r["shared_pool_attached"],
+              "private_pool_shared": r["private_pool_shared"],
+              "prompt_rows_from_writer": r["prompt_rows_from_writer"], **paired_stats([r])}
+             for r in results]
+    return {"non_writer": paired_stats(results[1:]) if len(results) > 1 else None,
+            "writer": paired_stats(results[:1]), "ranks": ranks}
+
+
+__all__ = ["paired_rank", "paired_stats", "paired_summary", "timing_rank"]

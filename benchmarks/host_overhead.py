@@ -19,6 +19,11 @@ top-k windows (`restore_steps`): its hot buffers then hold what its trace alone 
 is quiet again (a step after another batch's is planned). `--disjoint-requests` gives each
 cell its own requests instead (memory for sum(batches) x churns requests).
 
+Each (batch, churn) runs in both ways a framework can hand over a layer's new rows
+(`--newest`): `separate`, `write_newest(layer, kv)` then `swap_in(layer, top_k)`, and `folded`,
+`swap_in(layer, top_k, newest_kv=kv)` (on the GPUs the write rides in the swap-in's lookup
+launch); a folded cell's `swap_in` is the whole per-layer call.
+
 Before each cell's slot a reference (the median of 200 calls of a fixed workload) measures
 the host's speed. Each cell reports the raw medians and, under `normalized`, its samples
 scaled by the run's fastest-decile reference over their slot's; `reference` is the spread of
@@ -169,6 +174,8 @@ class Profiled:
         prints milliseconds at best); cProfile's own cost inflates every row alike."""
         tables = {}
         for name, profile in self.profiles.items():
+            if not self.calls[name]:
+                continue  # (a folded cell makes no write_newest call)
             stats = pstats.Stats(profile).stats
             per_call = 1e6 / max(self.calls[name], 1)
             rows = sorted(stats.items(), key=lambda item: -item[1][2])[:count]
@@ -184,8 +191,9 @@ class Cell:
     and its timed slots, each a host-speed reference and the samples taken just after it."""
 
     def __init__(self, batch: int, churn: float, ids: list[str], trace: TopK, kv: torch.Tensor,
-                 restore: int) -> None:
+                 restore: int, newest: str = "separate") -> None:
         self.batch, self.churn, self.ids, self.trace, self.kv = batch, churn, ids, trace, kv
+        self.newest = newest  # how the new rows reach the cache: "separate" or "folded"
         self.restore, self.index = restore, 0  # its replayed windows; its next trace step
         self.slots: list[tuple[float, dict[str, list[float]]]] = []
         self.hits = self.misses = 0  # over the timed steps (the cache's counters)
@@ -216,7 +224,7 @@ def run_steps(cache: hisparse.HiSparseCache, cell: Cell, indices: range,
     """Decode steps of `cell` at its trace's `indices`, each call's host time (us) added to
     `times` if given."""
     ids, kv, keep, layers = cell.ids, cell.kv, times is not None, cache.num_layers
-    clock = time.perf_counter_ns
+    clock, folded = time.perf_counter_ns, cell.newest == "folded"
     for index in indices:
         top_k = cell.trace.step(index)
         sync()
@@ -224,13 +232,19 @@ def run_steps(cache: hisparse.HiSparseCache, cell: Cell, indices: range,
         cache.begin_decode_step(ids)
         t1 = clock()
         for layer in range(layers):
-            a = clock()
-            cache.write_newest(layer, kv[layer])
-            b = clock()
-            cache.swap_in(layer, top_k[layer])
-            c = clock()
+            if folded:
+                b = clock()
+                cache.swap_in(layer, top_k[layer], newest_kv=kv[layer])
+                c = clock()
+            else:
+                a = clock()
+                cache.write_newest(layer, kv[layer])
+                b = clock()
+                cache.swap_in(layer, top_k[layer])
+                c = clock()
+                if keep:
+                    times["write_newest"].append((b - a) / 1e3)
             if keep:
-                times["write_newest"].append((b - a) / 1e3)
                 times["swap_in"].append((c - b) / 1e3)
         t2 = clock()
         cache.end_decode_step()
@@ -261,7 +275,7 @@ def summarize(slots: list[tuple[float, dict[str, list[float]]]], fastest: float 
         times["begin_decode_step"], times["end_decode_step"], strict=True)]
     return {name: {"median_us": statistics.median(v), "p10_us": _quantile(v, 0.1),
                    "p90_us": _quantile(v, 0.9), "steps" if name == "step" else "calls": len(v)}
-            for name, v in ((n, times[n]) for n in (*CALLS, "begin_plus_end", "step"))}
+            for name, v in ((n, times[n]) for n in (*CALLS, "begin_plus_end", "step")) if v}
 
 
 def reference_workload(device: torch.device) -> Callable[[], int]:
@@ -299,11 +313,12 @@ def split_rounds(steps: int, rounds: int) -> list[int]:
 
 
 def make_cells(cache: hisparse.HiSparseCache, batches: list[int], churns: list[float],
-               seq_len: int, seed: int, ragged: bool, disjoint: bool) -> list[Cell]:
+               seq_len: int, seed: int, ragged: bool, disjoint: bool,
+               newest_modes: tuple[str, ...] = ("separate",)) -> list[Cell]:
     """Every cell's state up front: `ids[:batch]` of one set of requests, or (`disjoint`)
     a set of its own, with one untimed step before a slot to take its quiet run back."""
     dev = cache.device
-    count = len(churns) * sum(batches) if disjoint else max(batches)
+    count = len(newest_modes) * len(churns) * sum(batches) if disjoint else max(batches)
     ids = admit_all(cache, count, seq_len, ragged)
     cells, offset = [], 0
     for batch in batches:
@@ -313,8 +328,10 @@ def make_cells(cache: hisparse.HiSparseCache, batches: list[int], churns: list[f
             trace = TopK(cache.num_layers, batch, seq_len, cache.top_k, churn, dev, seed + batch)
             restore = 1 if disjoint else restore_steps(
                 churn, cache.top_k, cache.config.hot_slots, trace.span)
-            cells.append(Cell(batch, churn, ids[offset:offset + batch], trace, kv, restore))
-            offset += batch if disjoint else 0
+            for newest in newest_modes:
+                cells.append(Cell(batch, churn, ids[offset:offset + batch], trace, kv, restore,
+                                  newest))
+                offset += batch if disjoint else 0
     return cells
 
 
@@ -378,26 +395,29 @@ def extra_passes(cache: hisparse.HiSparseCache, cell: Cell, steps: int, breakdow
 def measure(device: object, batches: list[int], churns: list[float], seq_len: int, warmup: int,
             steps: int, layers: int | None, breakdown: bool, profile: bool, seed: int,
             shape: dict[str, int] | None = None, ragged: bool = False, rounds: int | None = None,
-            steps_per_round: int = 2, disjoint: bool = False) -> dict[str, object]:
+            steps_per_round: int = 2, disjoint: bool = False,
+            newest_modes: tuple[str, ...] = ("separate",)) -> dict[str, object]:
     per_round = split_rounds(steps, rounds or -(-steps // steps_per_round))
     probe = preset(shape, layers)
     restore = 1 if disjoint else max(
         restore_steps(c, probe.top_k, probe.hot_slots, seq_len - 1) for c in churns)
     # Tokens the busiest request decodes: its own cell's (disjoint) or every cell's.
     own = warmup + len(per_round) * restore + steps + (breakdown + profile) * (restore + steps)
-    cache = make_cache(device, len(churns) * sum(batches) if disjoint else max(batches), seq_len,
-                       own * (1 if disjoint else len(batches) * len(churns)), layers, shape,
-                       ragged)
+    cells_per_batch = len(churns) * len(newest_modes)
+    cache = make_cache(device, cells_per_batch * sum(batches) if disjoint else max(batches),
+                       seq_len, own * (1 if disjoint else len(batches) * cells_per_batch),
+                       layers, shape, ragged)
     dev = cache.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (
         (lambda: torch.xpu.synchronize(dev)) if dev.type == "xpu" else (lambda: None))
-    cells = make_cells(cache, batches, churns, seq_len, seed, ragged, disjoint)
+    cells = make_cells(cache, batches, churns, seq_len, seed, ragged, disjoint, newest_modes)
     references = run_rounds(cache, cells, warmup, per_round, sync, seed)
     everything = [value for round_ in references for value in round_]
     fastest = _quantile(everything, 0.1)
     records = []
     for cell in cells:
-        record: dict[str, object] = {"batch": cell.batch, "churn": cell.churn, "mode": "eager"}
+        record: dict[str, object] = {"batch": cell.batch, "churn": cell.churn,
+                                     "newest": cell.newest, "mode": "eager"}
         record.update(summarize(cell.slots))
         record["normalized"] = summarize(cell.slots, fastest)
         record["reference_us"] = [reference for reference, _ in cell.slots]
@@ -424,11 +444,12 @@ def measure(device: object, batches: list[int], churns: list[float], seq_len: in
 
 
 def print_cell(record: dict[str, object]) -> None:
-    keys, norm = (*CALLS, "begin_plus_end", "step"), record["normalized"]
-    print(json.dumps({k: record[k] for k in ("batch", "churn", "misses_per_step")} |
+    norm = record["normalized"]
+    keys = [k for k in (*CALLS, "begin_plus_end", "step") if k in record]
+    print(json.dumps({k: record[k] for k in ("batch", "churn", "newest", "misses_per_step")} |
                      {k: round(record[k]["median_us"], 1) for k in keys} |
                      {f"{k}_p10": round(record[k]["p10_us"], 1)
-                      for k in (keys[0], keys[3], keys[4])} |
+                      for k in ("begin_decode_step", "end_decode_step", "begin_plus_end")} |
                      {f"{k}_norm": round(norm[k]["median_us"], 1) for k in keys}), flush=True)
 
 
@@ -558,6 +579,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ragged", action="store_true",
                         help="request lengths spread over an extent (a served batch), instead "
                              "of one length: the batch starts extents at different steps")
+    parser.add_argument("--newest", nargs="+", choices=["separate", "folded"],
+                        default=["separate", "folded"],
+                        help="how each cell hands over a layer's new rows: write_newest then "
+                             "swap_in, or swap_in(..., newest_kv=) (default: both, side by side)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -585,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
         "lengths": "ragged" if args.ragged else "equal",
         **measure(device, args.batches, args.churns, args.seq_len, args.warmup, args.steps,
                   args.layers, args.breakdown, args.profile, args.seed, shape, args.ragged,
-                  args.rounds, args.steps_per_round, args.disjoint_requests),
+                  args.rounds, args.steps_per_round, args.disjoint_requests,
+                  tuple(dict.fromkeys(args.newest))),
     }
     if args.floors:
         try:

@@ -15,7 +15,7 @@ import torch
 
 from hisparse.errors import InvalidInputError
 from hisparse.kernels.swap_in.reference import copy_planned_reference, swap_in_reference
-from hisparse.layout.tables import CacheTables, MissPlan, ResidencyMap
+from hisparse.layout.tables import CacheTables, MissPlan, NewestRows, ResidencyMap
 from interpreted_kernels import (  # sets TRITON_INTERPRET before kernels compile
     DEVICE,
     KERNEL_MARK,
@@ -643,3 +643,73 @@ def test_the_bound_launcher_matches_the_reference(sizes: Sizes, rng: torch.Gener
     bound = list(launcher._swap_ins.values())
     assert all(launch.direct == traits.direct_launch for launches in bound
                for launch in launches), "launches did not (or wrongly did) go direct"
+
+
+@pytest.mark.parametrize("sizes", SIZES[:2], ids=lambda s: f"K{s.top_k}-H{s.hot}")
+def test_a_swap_in_handed_the_new_rows_writes_them_in_its_lookup(
+        sizes: Sizes, rng: torch.Generator) -> None:
+    """`swap_in(..., newest_kv)`: the lookup kernel also writes each batch row's new token
+    into its newest device row (a padding row into a sink), as `write_newest` followed by
+    the swap-in would: the same outputs, tables and device rows as the reference, on fresh
+    rows at a new address every step."""
+    want = make_tables(sizes, rng)
+    got = clone_tables(want)
+    groups = max(LAYER_GROUPS) + 1
+    req_buffer = torch.zeros(sizes.batch_cap, dtype=torch.int32, device=DEVICE)
+    real_buffer = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    newest_buffer = torch.zeros(sizes.batch_cap, dtype=torch.int32, device=DEVICE)
+    out_buffer = torch.full((groups, sizes.batch_cap, sizes.top_k), POISON, dtype=torch.int32,
+                            device=DEVICE)
+    launcher = triton_kernels.SwapInLauncher(
+        got, req_buffer, real_buffer, out_buffer, traits=triton_kernels.default_traits(DEVICE),
+        newest_rows=newest_buffer)
+    assert launcher.writes_newest
+    previous: dict[int, list[int]] = {}
+    written = 0
+    for step in range(5):
+        req_slots, top_k, num_real = next_top_k(want, sizes, previous, rng)
+        rows = int(torch.randint(int(num_real), sizes.batch_cap + 1, ()).item())
+        real = int(num_real)
+        # Each real row's newest slot (slot H): no row of the call's victims or results.
+        # Padding rows go where the engine's sink row would: a row no lookup of the call
+        # reads, here the newest slot of a request outside the batch.
+        outside = min(set(range(sizes.num_requests)) - set(req_slots[:real].tolist()),
+                      default=0)  # (a full batch has no padding rows)
+        newest = torch.full((sizes.batch_cap,), outside * (sizes.hot + 1) + sizes.hot,
+                            dtype=torch.int32, device=DEVICE)
+        newest[:real] = req_slots[:real] * (sizes.hot + 1) + sizes.hot
+        req_buffer.copy_(req_slots)
+        real_buffer.copy_(num_real)
+        newest_buffer.copy_(newest)
+        for layer, group in SWAP_IN_CALLS:
+            kv = torch.randint(0, 256, (rows, sizes.row_bytes), dtype=torch.uint8,
+                               generator=rng).to(DEVICE)
+            kv[real:] = 0  # padding rows all land on the sink: one value, any order
+            out_want = torch.full((rows, sizes.top_k), POISON, dtype=torch.int32, device=DEVICE)
+            swap_in_reference(want, layer, group, req_slots[:rows], top_k[:rows], num_real,
+                              out_want, poisoned_plan(sizes).first_rows(rows),
+                              newest=NewestRows(kv, newest[:rows]))
+            out_buffer[group].fill_(POISON)
+            launcher.swap_in(layer, group, rows, top_k[:rows].clone(), kv.clone())
+            assert torch.equal(out_buffer[group][:rows], out_want), f"step {step} layer {layer}"
+            assert_same_state(got, want)
+            assert torch.equal(got.device_kv[layer][newest[:real].long()], kv[:real])
+            written += real
+    assert written > 0
+    assert len({key[3] for key in launcher._swap_ins}) == 1, "bound without the new rows"
+
+
+def test_the_standalone_swap_in_refuses_new_rows_it_cannot_read(rng: torch.Generator) -> None:
+    sizes = SMALL[0]
+    t = make_tables(sizes, rng)
+    before = clone_tables(t)
+    req_slots, top_k, num_real = next_top_k(t, sizes, {}, rng)
+    out = torch.full((sizes.batch_cap, sizes.top_k), POISON, dtype=torch.int32, device=DEVICE)
+    rows = torch.zeros(sizes.batch_cap, dtype=torch.int32, device=DEVICE)
+    strided = torch.zeros(sizes.batch_cap, 2 * sizes.row_bytes, dtype=torch.uint8,
+                          device=DEVICE)[:, ::2]
+    with pytest.raises(InvalidInputError, match=r"newest\.kv must be a dense uint8"):
+        triton_kernels.swap_in_triton(t, 0, 0, req_slots, top_k, num_real, out,
+                                      newest=NewestRows(strided, rows))
+    assert_same_state(t, before)
+    assert bool((out == POISON).all())

@@ -22,9 +22,13 @@ from hisparse.backends.cpu import CpuBackend
 
 
 class _NoopSwapIn:
-    """The swap-in launcher's interface (`swap_in`, `replay`), doing nothing."""
+    """The swap-in launcher's interface (`swap_in`, `replay`), doing nothing; like Triton's,
+    it takes a layer's new rows into its own call."""
 
-    def swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:
+    writes_newest = True
+
+    def swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor,
+                newest_kv: torch.Tensor | None = None) -> None:
         pass
 
     def replay(self, layer: int, group: int, rows: int) -> None:
@@ -52,8 +56,8 @@ class NoopKernelCpu(CpuBackend):
     name = "cpu-noop-kernels"
 
     def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
-                         out: torch.Tensor, *, plans: Any = None, skip_io: bool = False
-                         ) -> Any:
+                         out: torch.Tensor, *, plans: Any = None, skip_io: bool = False,
+                         newest_rows: torch.Tensor | None = None) -> Any:
         return _NoopSwapIn()
 
     def union_launcher(self, tokens: int, top_k: int, *args: Any, **kwargs: Any) -> Any:

@@ -158,12 +158,20 @@ class AcceleratorBackend(Backend):
         return torch.Event(device=torch.device(self.torch_device_type))
 
     def record_event(self, event: Any | None, device: torch.device | None = None) -> None:
-        if event is not None:
-            event.record(self._current_stream(device))
+        if event is not None:  # without a stream: the current one, looked up in C++
+            event.record() if self._is_current(device) else event.record(
+                self._current_stream(device))
 
     def wait_event(self, event: Any | None, device: torch.device | None = None) -> None:
         if event is not None:
-            event.wait(self._current_stream(device))
+            event.wait() if self._is_current(device) else event.wait(
+                self._current_stream(device))
+
+    def _is_current(self, device: torch.device | None) -> bool:
+        """Whether `device` is current (an event's record() and wait() use its stream)."""
+        return (_ACCELERATOR_STREAMS and _accelerator_type() == self.torch_device_type
+                and (device is None or device.index is None
+                     or device.index == torch.accelerator.current_device_index()))
 
     def _current_stream(self, device: torch.device | None) -> Any:
         index = None if device is None else device.index
@@ -217,14 +225,14 @@ class AcceleratorBackend(Backend):
                        direct=self.direct_kernel_launch)
 
     def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
-                         out: torch.Tensor, *, plans: Any = None, skip_io: bool = False
-                         ) -> Any:
+                         out: torch.Tensor, *, plans: Any = None, skip_io: bool = False,
+                         newest_rows: torch.Tensor | None = None) -> Any:
         launcher = bind_triton_kernel("SwapInLauncher")
         if launcher is None:  # no triton: the reference, as for every kernel
             return super().swap_in_launcher(tables, req_slots, num_real, out,
                                             plans=plans, skip_io=skip_io)
         return launcher(tables, req_slots, num_real, out, traits=self.kernel_traits(
-            tables.last_use.device), plans=plans, skip_io=skip_io)
+            tables.last_use.device), plans=plans, skip_io=skip_io, newest_rows=newest_rows)
 
     def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
                        draft_base: torch.Tensor, num_real: torch.Tensor,

@@ -302,12 +302,14 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         `max_batch`."""
         self._open_step("write_newest").write_newest(layer, kv)
 
-    def swap_in(self, layer: int, top_k: torch.Tensor | None = None) -> torch.Tensor:
+    def swap_in(self, layer: int, top_k: torch.Tensor | None = None,
+                newest_kv: torch.Tensor | None = None) -> torch.Tensor:
         """The open step's `swap_in` (`DecodeStep.swap_in`): `[B, K]` int32 device rows of
         `device_kv(layer)` for `top_k [B, K]` (a verify step: `[B, S, K]` for `[B, S, K]`,
         `VerifyStep.swap_in`); a follower layer of an index group may leave `top_k` out and
-        gets its anchor's rows."""
-        return self._open_step("swap_in").swap_in(layer, top_k)
+        gets its anchor's rows. `newest_kv`: the layer's new rows, written in the same call
+        (`write_newest` folded in)."""
+        return self._open_step("swap_in").swap_in(layer, top_k, newest_kv)
 
     @_bookkeeping
     def end_decode_step(self, accepted: Sequence[int] | torch.Tensor | None = None) -> None:

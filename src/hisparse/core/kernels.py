@@ -17,7 +17,7 @@ import torch
 
 from hisparse.backends.base import Backend, BackupFn
 from hisparse.errors import HisparseError, RequestStateError
-from hisparse.layout.tables import CacheTables, MissPlan
+from hisparse.layout.tables import CacheTables, MissPlan, word_rows
 
 
 class DecodeKernels:
@@ -33,15 +33,22 @@ class DecodeKernels:
                  req_slots: torch.Tensor, num_real: torch.Tensor, out: torch.Tensor,
                  plans: Sequence[MissPlan | None],
                  newest_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 advance: tuple[torch.Tensor, ...] | None = None) -> None:
+                 advance: tuple[torch.Tensor, ...] | None = None,
+                 swap_in_writes_newest: bool = True) -> None:
         self.skip_io = skip_io
         # Asked for by name so that a backend without the feature raises here.
         if skip_io:
             backend.skip_io_swap_in_kernel()
         elif zero_copy:
             backend.zero_copy_swap_in_kernel()
-        self.launcher: Any = backend.swap_in_launcher(tables, req_slots, num_real, out,
-                                                      plans=plans, skip_io=skip_io)
+        # `swap_in_writes_newest`: one newest row per batch row, which the swap-in may write
+        # itself (a verify width's S rows per request are the union's business: False).
+        folds = swap_in_writes_newest and newest_rows is not None
+        self.launcher: Any = backend.swap_in_launcher(
+            tables, req_slots, num_real, out, plans=plans, skip_io=skip_io,
+            newest_rows=newest_rows[0] if folds else None)
+        # Whether a swap-in can take the layer's new rows into its own launch (Triton's).
+        self._swap_in_writes_newest = bool(getattr(self.launcher, "writes_newest", False))
         # The GPU backends bind the fused kernel; `Backend` gives every other the reference.
         self.backup: BackupFn = backend.backup_kernel()
         # `write_newest(layer, rows)`: the new tokens' rows into the batch's newest device rows
@@ -55,11 +62,22 @@ class DecodeKernels:
                          if advance is not None else None)
         self.failure: str | None = None
 
-    def launch_swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:
+    def launch_swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor,
+                       newest_kv: torch.Tensor | None = None) -> None:
         """Swap in `layer` for the first `rows` batch rows of the batch buffers; `top_k` is
-        the caller's `[rows, K]` tensor, read in place (no copy)."""
+        the caller's `[rows, K]` tensor, read in place (no copy). `newest_kv`: the layer's
+        new rows (checked `[B, W]` uint8), written first: inside the swap-in's own lookup
+        launch where the launcher can and the rows are `[rows, W]` words, else by
+        `write_newest`."""
         try:  # (a try costs nothing until it catches; a context manager would, per layer)
-            self.launcher.swap_in(layer, group, rows, top_k)
+            if newest_kv is None:
+                self.launcher.swap_in(layer, group, rows, top_k)
+            elif (self._swap_in_writes_newest and newest_kv.shape[0] == rows
+                  and word_rows(newest_kv)):
+                self.launcher.swap_in(layer, group, rows, top_k, newest_kv)
+            else:
+                self.write_newest(layer, newest_kv)
+                self.launcher.swap_in(layer, group, rows, top_k)
         except BaseException as exc:
             self._failed(f"swap_in({layer})", exc)
             raise

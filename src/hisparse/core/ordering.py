@@ -64,7 +64,8 @@ class NewestBackup:
     """The newest-token backup of step n reads every layer's newest row (slot `H`, or the
     short-regime slot) and the batch buffers, and writes the new token's host rows.
 
-    On its side stream it starts after step n's last `write_newest` (`written`). The next
+    On its side stream it starts after step n's last `write_newest`: after the step's end
+    mark (`StepEnd`, which the step records once its writes and replays are queued). The next
     step's upload of the batch buffers, and the seeding of a slot whose newest row it may
     still be copying, `wait()` for it (`done`); the host, before it rewrites host rows,
     through `HostRowGuard` (a copy in flight: a full device sync, with a stream or without).
@@ -77,21 +78,20 @@ class NewestBackup:
         self._backend = backend
         self.stream = stream
         self._host_rows = host_rows
-        self._written = Barrier(backend, device)
         self._done = Barrier(backend, device)
 
     @property
     def asynchronous(self) -> bool:
         return self.stream is not None
 
-    def issue(self, launch: Callable[[], None]) -> None:
-        """Run `launch` (the backup kernel) after the step's writes, on the side stream."""
+    def issue(self, launch: Callable[[], None], step_end: StepEnd) -> None:
+        """Run `launch` (the backup kernel) on the side stream after `step_end`, marked just
+        now behind the step's writes (one event serves both rules)."""
         if self.stream is None:
             launch()
         else:
-            self._written.mark()
             with self._backend.stream_scope(self.stream):
-                self._written.wait()
+                step_end.wait()
                 launch()
                 self._done.mark()
         # On the compute stream too the kernel writes host rows after the host has moved on:

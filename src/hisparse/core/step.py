@@ -222,6 +222,11 @@ class DecodeStep:
         step's request count and `max_batch` (padding rows go to the sink row)."""
         c = self._usable("write_newest")
         check_layer(layer, c.num_layers)
+        c.kernels.write_newest(layer, self._newest_rows(c, kv))
+        self._written.add(layer)
+
+    def _newest_rows(self, c: DecodeContext, kv: object) -> torch.Tensor:
+        """`kv` checked as the step's new rows `[B, W]` uint8 on the device."""
         # The usual call (dense uint8 rows on our device) passes attribute reads; any other
         # goes through `as_rows`, which views other dtypes as bytes or says what is wrong.
         if (is_plain_tensor(kv, torch.uint8, 2, c.device, contiguous=False)
@@ -232,10 +237,10 @@ class DecodeStep:
         count = rows.shape[0]
         if not self.batch_size <= count <= c.batch_capacity:
             check_batch_rows("kv", count, self.batch_size, c.batch_capacity)
-        c.kernels.write_newest(layer, rows)
-        self._written.add(layer)
+        return rows
 
-    def swap_in(self, layer: int, top_k: torch.Tensor | None = None) -> torch.Tensor:
+    def swap_in(self, layer: int, top_k: torch.Tensor | None = None,
+                newest_kv: torch.Tensor | None = None) -> torch.Tensor:
         """Map each top-k position to the device row holding it, loading the misses.
 
         Args:
@@ -244,6 +249,9 @@ class DecodeStep:
                 step's request count and `max_batch` (rows past the real count are padding).
                 A follower of an index group may leave it out, or must pass its anchor's
                 very tensor.
+            newest_kv: the layer's new token rows, as `write_newest(layer, newest_kv)` takes
+                them, written in this call instead (on the GPUs inside the swap-in's first
+                launch: one launch fewer per layer).
 
         Returns:
             `[B, K]` int32 rows of `device_kv(layer)` (-1 for none, invalid and padding): a
@@ -254,10 +262,14 @@ class DecodeStep:
         group = c.layer_group[layer]
         replay = c.replays[group]
         if replay is not None and layer != replay.anchor:
-            return self._follow(c, layer, replay, top_k)
+            out = self._follow(c, layer, replay, top_k)
+            if newest_kv is not None:
+                self.write_newest(layer, newest_kv)
+            return out
         if top_k is None:
             raise _anchor_needs_top_k(layer, replay)
         rows = self._check_top_k(c, top_k)
+        newest = self._newest_rows(c, newest_kv) if newest_kv is not None else None
         if c.validate:
             check_positions_against_lengths(
                 top_k, [r.num_tokens for r in self._records], self.request_ids)
@@ -267,7 +279,9 @@ class DecodeStep:
         # that captures one graph per batch size gets small grids for small batches. They
         # read the caller's top-k in place (a copy into a buffer of ours cost 6 us per call).
         out = c.buffers.views(rows).out[group]
-        c.kernels.launch_swap_in(layer, group, rows, top_k)
+        c.kernels.launch_swap_in(layer, group, rows, top_k, newest)
+        if newest is not None:
+            self._written.add(layer)
         self._finish_anchor(replay, top_k, out)
         return out
 
@@ -323,7 +337,8 @@ class DecodeStep:
                 _check_single_accepted(accepted, self.batch_size)
             self._prepare_end(c)
             shared = self._enter_shared(c, "end")
-            c.order.backup.issue(self._launch_backup)
+            self._mark_end(c)
+            c.order.backup.issue(self._launch_backup, c.order.step_end)
             c.traffic.backed_up_tokens += self.batch_size
             self._close(c, StepState.ENDED)
             self._exit_shared(c, shared, "end", wrote=True)
@@ -343,6 +358,7 @@ class DecodeStep:
             self._settle_replays()
             shared = self._enter_shared(c, "cancel")
             self._roll_back(c)
+            self._mark_end(c)
             self._close(c, StepState.CANCELLED)
             self._exit_shared(c, shared, "cancel", wrote=False)
 
@@ -397,13 +413,17 @@ class DecodeStep:
         self._state = StepState.CLOSED
         self._context = None
 
-    def _close(self, c: DecodeContext, state: StepState) -> None:
-        """Mark where the step's device work ends (what slot release, reseeding and host-row
-        writers wait for) after every replay it owes, and let go of the cache."""
+    def _mark_end(self, c: DecodeContext) -> None:
+        """Mark where the step's device work ends (what slot release, reseeding, host-row
+        writers and the step's backup wait for), after every replay it owes."""
         for replay in self._anchored:
             replay.wait_unwaited()
-            replay.forget(self)
         c.order.step_end.mark()
+
+    def _close(self, c: DecodeContext, state: StepState) -> None:
+        """After `_mark_end`: let go of the cache."""
+        for replay in self._anchored:
+            replay.forget(self)
         self._state = state
         # An old step object the caller keeps must not keep the cache's tables alive.
         self._context = None

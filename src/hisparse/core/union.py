@@ -111,7 +111,7 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
     plans = [MissPlan.empty(capacity, width, device) if group_size > 1 else None
              for _ in range(num_groups)]
     kernels = _UnionKernels(main, backend, skip_io, zero_copy, tables, req_slots, num_real,
-                            union_out, plans, draft_rows)
+                            union_out, plans, draft_rows, swap_in_writes_newest=False)
     replays: list[GroupReplay | None] = [None] * num_groups
     for group in range(num_groups if group_size > 1 else 0):
         anchor = group * group_size

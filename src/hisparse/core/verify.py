@@ -199,12 +199,14 @@ class VerifyStep(DecodeStep):
         self._width.kernels.write_newest(layer, kv.reshape(count * S, c.row_bytes))
         self._written.add(layer)
 
-    def swap_in(self, layer: int, top_k: torch.Tensor | None = None) -> torch.Tensor:
+    def swap_in(self, layer: int, top_k: torch.Tensor | None = None,
+                newest_kv: torch.Tensor | None = None) -> torch.Tensor:
         """`[B, S, K]` int32 device rows for `top_k [B, S, K]` (`[B, K]` when S = 1): query
         token s of request b may select any position up to its own, `positions[b][s]`; a
         position listed several times, in one row or several, is looked up and loaded once.
         The step's own tokens come from their draft slots. -1 for none, invalid (below -1 or
         after the query token) and padding. A follower of an index group gets its anchor's.
+        `newest_kv`: the layer's draft rows, as `write_newest` takes them, written first.
         """
         c = self._usable("swap_in")
         check_layer(layer, c.num_layers)
@@ -212,7 +214,10 @@ class VerifyStep(DecodeStep):
         group = c.layer_group[layer]
         replay = width.replays[group]
         if replay is not None and layer != replay.anchor:
-            return self._follow(c, layer, replay, top_k, self._check_verify_top_k)
+            out = self._follow(c, layer, replay, top_k, self._check_verify_top_k)
+            if newest_kv is not None:
+                self.write_newest(layer, newest_kv)
+            return out
         if top_k is None:
             raise InvalidInputError(
                 f"swap_in({layer}) needs its top_k ([B, S, K] int32 positions): layer {layer} "
@@ -220,6 +225,8 @@ class VerifyStep(DecodeStep):
         rows, checked = self._check_verify_top_k(c, top_k)
         if c.validate:
             self._validate_positions(checked if self.num_tokens > 1 else checked[:, None])
+        if newest_kv is not None:  # its own launch here: the union's lookup has other widths
+            self.write_newest(layer, newest_kv)
         if replay is not None:
             replay.begin_plan()
         # Two launches around the swap-in (kernels.union_triton): the union row and inverse
@@ -275,7 +282,9 @@ class VerifyStep(DecodeStep):
             self._prepare_end(c)
             shared = self._enter_shared(c, "end")
             backups, commits = self._settle(c, counts)
-            c.order.backup.issue(lambda: self._launch_commit(c, backups, commits))
+            self._mark_end(c)
+            c.order.backup.issue(lambda: self._launch_commit(c, backups, commits),
+                                 c.order.step_end)
             c.traffic.backed_up_tokens += backups
             self._close(c, StepState.ENDED)
             self._exit_shared(c, shared, f"end{counts}", wrote=True)  # `accepted` counts

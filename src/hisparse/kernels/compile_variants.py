@@ -61,6 +61,7 @@ class _Scenario:
     swap_in: bool = True
     replay: bool = False  # copy_planned (a shared-index follower layer)
     quick: bool = False  # in the probe's default, quick compile
+    newest: bool = False  # the lookup also writes the layer's new rows (swap_in's newest_kv)
 
 
 # ==== compile_variants: everything that knows the kernel modules ===========================
@@ -112,7 +113,8 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
         with swap_in_plan.tuning(**scenario.tuning):
             launches.scenario = scenario.label
             if scenario.swap_in:
-                swap_in_launch.swap_in_triton(tables, 0, 0, *args["swap_in"], traits=traits)
+                swap_in_launch.swap_in_triton(tables, 0, 0, *args["swap_in"], traits=traits,
+                                              newest=args["newest"] if scenario.newest else None)
             if scenario.replay:
                 launches.scenario = f"{scenario.label}, replay"
                 swap_in_launch.copy_planned_triton(tables, 0, args["plan"], traits=traits)
@@ -145,6 +147,9 @@ def _swap_in_scenarios() -> list[_Scenario]:
         _Scenario("B=4 no early loads, no key extents", 4, residency="host_row",
                   tuning=no_early),
         _Scenario("B=1 pdl off", 1, tuning={"pdl": False}),
+        _Scenario("B=1 fp8 extents, new rows in the lookup", 1, newest=True),
+        _Scenario("B=64 bf16 token pages, new rows in the lookup", 64, row_bytes=1152,
+                  extent=16, newest=True),
         _Scenario("B=16 shared-index replay", 16, swap_in=False, replay=True),
         _Scenario("B=1 H=16384", 1, hot_slots=16384),
         _Scenario("B=1 H=32768 int32 residency", 1, hot_slots=32768),
@@ -193,7 +198,7 @@ def _scenario_tables(s: _Scenario, torch: Any) -> tuple[Any, dict[str, Any]]:
     """CPU tables shaped like a deployment's (torch.empty: never touched, so the host pool
     and device rows cost address space only). Sizes keep production's divisibility by 16,
     which Triton specialises on: R=16 requests, 128 Ki tokens per request."""
-    from hisparse.layout.tables import CacheTables, MissPlan, residency_dtype
+    from hisparse.layout.tables import CacheTables, MissPlan, NewestRows, residency_dtype
 
     i32, requests, positions = torch.int32, 16, 131072
     pages = positions // s.extent
@@ -223,6 +228,8 @@ def _scenario_tables(s: _Scenario, torch: Any) -> tuple[Any, dict[str, Any]]:
                     torch.empty(b, k, dtype=i32)),
         "plan": MissPlan.empty(b, k, torch.device("cpu")),
         "backup": (torch.empty(b, dtype=i32), torch.empty(b, dtype=i32), num_real),
+        "newest": NewestRows(torch.empty(b, s.row_bytes, dtype=torch.uint8),
+                             torch.empty(b, dtype=i32)),
     }
     return tables, args
 

@@ -19,7 +19,8 @@ from hisparse.kernels.newest_reference import NewestWriterReference
 
 
 @triton.jit
-def _write_newest_kernel(
+def write_newest_row(
+    b,  # the batch row
     rows_ptr,  # [B, ROW_WORDS] words of the new tokens' rows (any pointer type: cast here)
     newest_rows_ptr,  # [Bcap] int32 device row of each batch row's new token
     layer_ptr,  # [D, ROW_WORDS] int32: the layer's device rows
@@ -27,7 +28,8 @@ def _write_newest_kernel(
     ROW_WORDS: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    """Batch row b's new token into its device row; also run by the swap-in's lookup kernel
+    when a call hands it the layer's new rows (`swap_in(..., newest_kv=)`)."""
     row = tl.load(newest_rows_ptr + b)
     words = tl.arange(0, BLOCK_WORDS)
     # An out-of-range row would be an engine bug; skipping it keeps every access in bounds.
@@ -36,6 +38,13 @@ def _write_newest_kernel(
     source = rows_ptr.to(tl.pointer_type(tl.int32)) + b.to(tl.int64) * ROW_WORDS
     data = tl.load(source + words, mask=mask)
     tl.store(layer_ptr + row.to(tl.int64) * ROW_WORDS + words, data, mask=mask)
+
+
+@triton.jit
+def _write_newest_kernel(rows_ptr, newest_rows_ptr, layer_ptr, num_device_rows,
+                         ROW_WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
+    write_newest_row(tl.program_id(0), rows_ptr, newest_rows_ptr, layer_ptr, num_device_rows,
+                     ROW_WORDS, BLOCK_WORDS)
 
 
 class NewestWriterTriton:

@@ -141,3 +141,19 @@ class MissPlan:
             dst=torch.zeros(batch_capacity, top_k, dtype=torch.int32, device=device),
             count=torch.zeros(batch_capacity, dtype=torch.int32, device=device),
         )
+
+
+@dataclass(frozen=True, eq=False)
+class NewestRows:
+    """What a swap-in that also writes the layer's new token rows reads: `kv [rows, W]`
+    uint8 (dense, 4-byte aligned: `word_rows`) and the batch's `[Bcap]` int32
+    newest device rows."""
+
+    kv: torch.Tensor
+    rows: torch.Tensor
+
+
+def word_rows(rows: torch.Tensor) -> bool:
+    """Whether the Triton kernels can read `rows` as they are: dense rows of 4-byte words from
+    a 4-byte aligned address (a `[B, W]` slice of a framework's KV output)."""
+    return rows.data_ptr() % 4 == 0 and rows.shape[-1] % 4 == 0 and rows.is_contiguous()

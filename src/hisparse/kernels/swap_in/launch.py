@@ -43,7 +43,7 @@ from hisparse.kernels.swap_in.plan import (
     replay_plan,
 )
 from hisparse.kernels.swap_in.select import select_kernel
-from hisparse.layout.tables import CacheTables, MissPlan, residency_dtype
+from hisparse.layout.tables import CacheTables, MissPlan, NewestRows, residency_dtype, word_rows
 from hisparse.layout.widths import INT16_MAX_HOT_SLOTS
 
 
@@ -143,8 +143,9 @@ def _host_address(tables: CacheTables, layer: int) -> int:
 def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
           req_slots: torch.Tensor, top_k: torch.Tensor, num_real: torch.Tensor,
           out: torch.Tensor, miss_plan: MissPlan, scratch: Scratch, direct: bool,
-          ) -> tuple[BoundLaunch, ...]:
-    """The lookup, selection and (unless skip-IO) copy launches of one call."""
+          newest: NewestRows | None = None) -> tuple[BoundLaunch, ...]:
+    """The lookup, selection and (unless skip-IO) copy launches of one call; with `newest`,
+    the lookup also writes the layer's new rows."""
     t, device = tables, tables.last_use.device
     num_requests, max_pages = t.page_table.shape
     rows, k, hot_slots = plan.rows, plan.top_k, plan.hot_slots
@@ -161,14 +162,23 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
               "KEY_EXTENTS": plan.key_extents, "USE_PDL": plan.pdl,
               "ADDRESS_ORDER": plan.address_order, "NUM_BUCKETS": buckets,
               "REQUEST_COUNTS": request_counts is not None}
+    if newest is None:  # placeholders the kernel never reads
+        write = (out, req_slots, out, 0, {"WRITE_NEWEST": False, "ROW_WORDS": 1,
+                                          "BLOCK_WORDS": 1})
+    else:
+        words = layer_rows(t, layer)[1]
+        write = (newest.kv, newest.rows, words, words.shape[0],
+                 {"WRITE_NEWEST": True, "ROW_WORDS": words.shape[1],
+                  "BLOCK_WORDS": triton.next_power_of_2(words.shape[1])})
     launches = [
         BoundLaunch(classify_kernel, plan.classify_grid, (
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, resident, last_use,
             lru_clock, key_extents, scratch.miss_row, scratch.miss_count, t.counters[layer],
-            bucket_count, scratch.hit_count, num_requests, t.slots_per_request, k, hot_slots,
-            t.extent_tokens, max_pages, n_rows, positions, resident.shape[0]),
+            bucket_count, scratch.hit_count, *write[:3], num_requests, t.slots_per_request, k,
+            hot_slots, t.extent_tokens, max_pages, n_rows, positions, resident.shape[0],
+            write[3]),
             {**shared, "COUNTER_SEM": plan.counter_sem, "CHUNK_K": plan.classify_chunk,
-             "num_warps": plan.classify_warps}, device=device, direct=direct),
+             "num_warps": plan.classify_warps, **write[4]}, device=device, direct=direct),
         BoundLaunch(select_kernel, (rows,), (
             num_real, req_slots, t.seq_lens, top_k, out, resident, t.slot_key[group], last_use,
             lru_clock, scratch.miss_row, scratch.miss_count, scratch.order, miss_plan.src,
@@ -233,8 +243,11 @@ def _run(launches: tuple[BoundLaunch, ...], scratch: Scratch) -> None:
         launch(stream)
 
 
-# Positions of the top-k tensor among the lookup's and the selection's arguments.
+# Positions of the top-k tensor among the lookup's and the selection's arguments, and of the
+# new rows among the lookup's.
 _TOP_K_ARG = 3
+_NEWEST_KV_ARG = 15
+
 
 
 class SwapInLauncher:
@@ -247,7 +260,8 @@ class SwapInLauncher:
 
     def __init__(self, tables: CacheTables, req_slots: torch.Tensor, num_real: torch.Tensor,
                  out: torch.Tensor, *, traits: DeviceTraits,
-                 plans: Sequence[MissPlan | None] | None = None, skip_io: bool = False) -> None:
+                 plans: Sequence[MissPlan | None] | None = None, skip_io: bool = False,
+                 newest_rows: torch.Tensor | None = None) -> None:
         device = tables.last_use.device
         check_tables(tables)
         groups, batch_cap, top_k = out.shape
@@ -262,8 +276,16 @@ class SwapInLauncher:
         for plan in self.plans:
             if plan is not None:
                 check_plan(plan, batch_cap, top_k, device)
+        if newest_rows is not None:
+            check_int32("newest_rows", newest_rows, (batch_cap,), device)
+        self._newest_rows = newest_rows
         self._tuning: Tuning | None = None
         self._reset()
+
+    @property
+    def writes_newest(self) -> bool:
+        """Whether `swap_in` can write the layer's new rows in its lookup (`newest_kv`)."""
+        return self._newest_rows is not None and self.tables.device_kv.is_contiguous()
 
     def _reset(self) -> None:
         tune = current_tuning()
@@ -272,7 +294,7 @@ class SwapInLauncher:
                                          self.tables.hot_slots, tune.address_buckets,
                                          self.tables.last_use.device)
         self._launch_plans: dict[int, LaunchPlan] = {}
-        self._swap_ins: dict[tuple[int, int, int], tuple[BoundLaunch, ...]] = {}
+        self._swap_ins: dict[tuple[int, int, int, bool], tuple[BoundLaunch, ...]] = {}
         self._replays: dict[tuple[int, int, int], BoundLaunch] = {}
 
     def launch_plan(self, rows: int) -> LaunchPlan:
@@ -286,24 +308,33 @@ class SwapInLauncher:
                 key_extents=t.key_host_extent is not None)
         return plan
 
-    def swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:
+    def swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor,
+                newest_kv: torch.Tensor | None = None) -> None:
         """Swap in `layer` of `group` for the first `rows` batch rows. `top_k` must be an
-        int32 `[rows, K]` contiguous tensor on the device (the engine checks it)."""
+        int32 `[rows, K]` contiguous tensor on the device (the engine checks it); `newest_kv`
+        (where `writes_newest`), the layer's new rows `[rows, W]` as `word_rows` takes them,
+        written by the lookup kernel."""
         if current_tuning() is not self._tuning:
             self._reset()
-        key = (layer, group, rows)
+        key = (layer, group, rows, newest_kv is not None)
         launches = self._swap_ins.get(key)
         if launches is None:
             recorded = self.plans[group]
             plan = recorded.first_rows(rows) if recorded is not None else self._scratch.plan
+            newest = (NewestRows(newest_kv, self._newest_rows) if newest_kv is not None
+                      else None)
             launches = self._swap_ins[key] = _bind(
                 self.tables, self.launch_plan(rows), layer, group, self._req_slots[:rows],
                 top_k, self._num_real, self._out[group][:rows], plan, self._scratch,
-                direct=self.traits.direct_launch)
-        elif launches[0].address(_TOP_K_ARG) != top_k.data_ptr():
-            # Another top-k tensor (the bound launches keep the last one alive).
-            launches[0].rebind(_TOP_K_ARG, top_k)
-            launches[1].rebind(_TOP_K_ARG, top_k)
+                direct=self.traits.direct_launch, newest=newest)
+        else:
+            if launches[0].address(_TOP_K_ARG) != top_k.data_ptr():
+                # Another top-k tensor (the bound launches keep the last one alive).
+                launches[0].rebind(_TOP_K_ARG, top_k)
+                launches[1].rebind(_TOP_K_ARG, top_k)
+            if newest_kv is not None and launches[0].address(_NEWEST_KV_ARG) != (
+                    newest_kv.data_ptr()):
+                launches[0].rebind(_NEWEST_KV_ARG, newest_kv)
         _run(launches, self._scratch)
 
     def replay(self, layer: int, group: int, rows: int) -> None:
@@ -341,10 +372,12 @@ def swap_in_triton(
     plan: MissPlan | None = None,
     skip_io: bool = False,
     traits: DeviceTraits | None = None,
+    newest: NewestRows | None = None,
 ) -> None:
     """Swap-in of one layer for a padded batch (docs/ARCHITECTURE.md), checked and bound on
-    every call. `traits`: the device's, by default as its backend states them. Raises
-    InvalidInputError, before any launch, for inputs it cannot use."""
+    every call. `traits`: the device's, by default as its backend states them; `newest`: the
+    layer's new rows, written by the lookup. Raises InvalidInputError, before any launch, for
+    inputs it cannot use."""
     t = tables
     device = t.last_use.device
     if top_k.dim() != 2:
@@ -364,12 +397,29 @@ def swap_in_triton(
     layer_rows(t, layer)
     if plan is not None:
         check_plan(plan, batch_cap, k, device)
+    if newest is not None:
+        _check_newest(t, newest, batch_cap)
     scratch = scratch_for(t, batch_cap, k)
     launch_plan = plan_launch(batch_cap, k, t.hot_slots, t.extent_tokens,
                               t.residency_map == "position", traits or default_traits(device),
                               skip_io=skip_io, key_extents=t.key_host_extent is not None)
     _run(_bind(t, launch_plan, layer, group, req_slots, top_k, num_real, out,
-               plan if plan is not None else scratch.plan, scratch, direct=False), scratch)
+               plan if plan is not None else scratch.plan, scratch, direct=False,
+               newest=newest), scratch)
+
+
+def _check_newest(tables: CacheTables, newest: NewestRows, batch_cap: int) -> None:
+    device = tables.last_use.device
+    check_int32("newest.rows", newest.rows, (batch_cap,), device)
+    kv = newest.kv
+    if (kv.dtype != torch.uint8 or tuple(kv.shape) != (batch_cap, tables.row_bytes)
+            or kv.device != device or not word_rows(kv)):
+        raise fail(f"newest.kv must be a dense uint8 [{batch_cap}, {tables.row_bytes}] tensor "
+                   f"on {device} from a 4-byte aligned address",
+                   f"{kv.dtype} {list(kv.shape)} on {kv.device}", "pass the layer's new rows")
+    if not tables.device_kv.is_contiguous():
+        raise fail("tables.device_kv must be contiguous", tuple(tables.device_kv.stride()),
+                   "allocate it as one [L, rows, W] tensor")
 
 
 def copy_planned_triton(tables: CacheTables, layer: int, plan: MissPlan,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hisparse.kernels.newest_triton import write_newest_row
 from hisparse.kernels.swap_in.pdl import gdc_launch_dependents
 
 # Above every stamp a clock reaches (it advances once per decode step).
@@ -184,7 +185,11 @@ def classify_kernel(
     # between calls; ADDRESS_ORDER only)
     hit_count_ptr,  # [Bcap] int32 scratch: hits per batch row (zero between calls;
     # REQUEST_COUNTS only)
+    newest_kv_ptr,  # [B, ROW_WORDS] the layer's new rows (WRITE_NEWEST only)
+    newest_rows_ptr,  # [Bcap] int32 device row of each batch row's new token
+    device_words_ptr,  # [D, ROW_WORDS] int32 the layer's device rows
     R, S, K, H, E, P, N, T, NUM_KEYS,
+    D,  # device rows of the layer (the sink row included)
     EARLY_LOADS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,  # resident is indexed by r * T + position, not by host row
     KEY_EXTENTS: tl.constexpr,  # resident is indexed by key row, the page table by key extent
@@ -194,6 +199,9 @@ def classify_kernel(
     ADDRESS_ORDER: tl.constexpr,  # the selection writes the plan in host-address order
     NUM_BUCKETS: tl.constexpr,
     REQUEST_COUNTS: tl.constexpr,  # count hits per batch row for the per-request counters
+    WRITE_NEWEST: tl.constexpr,  # also write the new token's row (write_newest's kernel)
+    ROW_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
 ):
     if USE_PDL:  # the selection kernel may start now: it waits (gdc_wait) before our output
         gdc_launch_dependents()
@@ -221,3 +229,9 @@ def classify_kernel(
     tl.atomic_add(miss_count_ptr + b, n_miss, mask=n_miss > 0, sem=COUNTER_SEM)
     if REQUEST_COUNTS:
         tl.atomic_add(hit_count_ptr + b, n_hit, mask=n_hit > 0, sem=COUNTER_SEM)
+    if WRITE_NEWEST:  # noqa: SIM102 (a constexpr test alone: the branch compiles away)
+        # The newest slot is never a victim, so this row is written by nothing else in the
+        # call; attention reads it only after the call, like every row the call returns.
+        if tl.program_id(1) == 0:
+            write_newest_row(b, newest_kv_ptr, newest_rows_ptr, device_words_ptr, D, ROW_WORDS,
+                             BLOCK_WORDS)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from hisparse.layout.tables import CacheTables, MissPlan
+from hisparse.layout.tables import CacheTables, MissPlan, NewestRows
 
 
 @dataclass
@@ -45,8 +45,11 @@ def swap_in_reference(
     out: torch.Tensor,  # [Bcap, K] int32: device row per entry, -1 = none
     plan: MissPlan | None = None,
     skip_io: bool = False,
+    newest: NewestRows | None = None,
 ) -> None:
     t = tables
+    if newest is not None:  # write_newest's index_copy_, first
+        t.device_kv[layer].index_copy_(0, newest.rows.long(), newest.kv)
     found = _lookup(t, group, req_slots, top_k, num_real)
     chosen = _select_victims(t, group, found)
     miss, victim = chosen.miss, chosen.victim

@@ -21,7 +21,10 @@ For each group size in `--ranks`, one process per rank (hisparse.tools.shared_po
   the order alternating, a device sync between them), so that the per-step ratio shared /
   private holds no difference between processes (their cores, their heaps), which moved the
   interleaved ratios by 0.88-1.15x; reported for the non-writers and the writer, as medians
-  of the per-step ratios and of each cache's times.
+  of the per-step ratios and of each cache's times. Twice: with a random top-k over the
+  prompt (`host_rows`: most of it read from host rows every step) and with the same K
+  positions every step (`miss_free`: no host row read), which tells the cost of reading a
+  shared mapping from the per-step work of the protocol.
 * fuzz: `--fuzz-steps` decode steps per rank of random admit, PD, finish, abort, preempt,
   resume and cancel, every row read checked byte for byte against the rows the seeds give.
 
@@ -115,10 +118,13 @@ def timing_paired(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     """The shared group alone, taking turns; each process also holds a private cache and
     times one step on each in its turn (`paired_rank`), so that its ratio holds no
     difference between processes."""
-    entries = [dict(name=f"bench-{os.getpid()}-paired{ranks}", rank=r, ranks=ranks,
-                    steps=args.steps, batch=args.batch, device=args.device)
-               for r in range(ranks)]
-    return paired_summary(checked(paired_rank, entries))
+    summary = {}
+    for reads, miss_free in (("host_rows", False), ("miss_free", True)):
+        entries = [dict(name=f"bench-{os.getpid()}-paired{ranks}-{reads}", rank=r,
+                        ranks=ranks, steps=args.steps, batch=args.batch, device=args.device,
+                        miss_free=miss_free) for r in range(ranks)]
+        summary[reads] = paired_summary(checked(paired_rank, entries))
+    return summary
 
 
 def timing_summary(shared: list[dict[str, Any]], private: list[dict[str, Any]],
@@ -159,12 +165,14 @@ def summary_line(entry: dict[str, Any]) -> str:
             said.append(f"non-writer step {how} {t['non_writer_host_busy_us']['median']:.0f} us "
                         f"host without waits vs {t['private_rank_host_us']['median']:.0f} us "
                         "on a private pool")
-    paired = entry.get("timing_paired", {}).get("non_writer")
-    if paired:
-        device = f", {paired['device']['ratio_median']:.2f}x device" if "device" in paired else ""
-        said.append(f"non-writer step paired with a private cache in the same process: "
-                    f"{paired['host']['ratio_median']:.2f}x host "
-                    f"({paired['host_busy']['ratio_median']:.2f}x without waits){device}")
+    for reads, how in (("host_rows", "reading host rows"), ("miss_free", "miss-free")):
+        paired = entry.get("timing_paired", {}).get(reads, {}).get("non_writer")
+        if paired:
+            device = (f", {paired['device']['ratio_median']:.2f}x device" if "device" in paired
+                      else "")
+            said.append(f"non-writer step ({how}) paired with a private cache in the same "
+                        f"process: {paired['host']['ratio_median']:.2f}x host "
+                        f"({paired['host_busy']['ratio_median']:.2f}x without waits){device}")
     if "fuzz" in entry:
         said.append(f"fuzz {entry['fuzz_steps_total']} steps, {entry['fuzz_mismatches']} "
                     "mismatches")

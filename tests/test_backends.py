@@ -474,14 +474,17 @@ class _FakeStream:
 
 
 class _FakeEvent:
-    def __init__(self) -> None:
+    """torch.Event's record and wait: without a stream, the current device's current one."""
+
+    def __init__(self, accelerator: _FakeAccelerator) -> None:
+        self.accelerator = accelerator
         self.calls: list[tuple[str, _FakeStream]] = []
 
-    def record(self, stream: _FakeStream) -> None:
-        self.calls.append(("record", stream))
+    def record(self, stream: _FakeStream | None = None) -> None:
+        self.calls.append(("record", stream or self.accelerator.current_stream()))
 
-    def wait(self, stream: _FakeStream) -> None:
-        self.calls.append(("wait", stream))
+    def wait(self, stream: _FakeStream | None = None) -> None:
+        self.calls.append(("wait", stream or self.accelerator.current_stream()))
 
 
 @pytest.mark.parametrize("raises", [False, True])
@@ -493,21 +496,25 @@ def test_a_stream_scope_restores_the_stream_and_the_device_it_found(
     fake = _FakeAccelerator()
     for name in ("current_device_index", "set_device_index", "current_stream", "set_stream"):
         monkeypatch.setattr(torch.accelerator, name, getattr(fake, name))
+    # torch.accelerator drives cuda here: events on the current device are recorded without a
+    # stream (torch looks it up), on another device with that device's current stream.
+    monkeypatch.setattr(_accelerator, "_accelerator_type", lambda: "cuda")
     backend = registry.find_backend("cuda")
     side = _FakeStream(1, "side")
     before = dict(fake.current)
     with contextlib.suppress(RuntimeError), backend.stream_scope(side):
         assert fake.current_stream(1) is side and fake.device == 1
-        event = _FakeEvent()
+        event = _FakeEvent(fake)
         backend.record_event(event, torch.device("cuda", 1))
         backend.wait_event(event)  # no device: the current one's stream
         assert event.calls == [("record", side), ("wait", side)]
         if raises:
             raise RuntimeError("a launch failed inside the scope")
     assert fake.current == before and fake.device == 0
-    event = _FakeEvent()
-    backend.record_event(event, torch.device("cuda", 1))
-    assert event.calls == [("record", before[1])]
+    event = _FakeEvent(fake)
+    backend.record_event(event, torch.device("cuda", 1))  # not the current device
+    backend.record_event(event, torch.device("cuda", 0))
+    assert event.calls == [("record", before[1]), ("record", before[0])]
 
 
 def test_the_current_device_is_read_from_torch_accelerator_where_it_drives_that_type(

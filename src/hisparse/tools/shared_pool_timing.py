@@ -44,7 +44,13 @@ def _prefill(cache: Any, batch: int, blank: bool = False) -> int:
     return prompt
 
 
-def _top_k(generator: torch.Generator, cache: Any, batch: int, length: int) -> torch.Tensor:
+def _top_k(generator: torch.Generator, cache: Any, batch: int, length: int,
+           miss_free: bool = False) -> torch.Tensor:
+    """A random top-k over the whole prompt (most of it swapped in from host rows every
+    step), or (`miss_free`) the first K positions every step: hits once resident, so a step
+    reads no host row."""
+    if miss_free:
+        return torch.arange(cache.top_k, dtype=torch.int32).repeat(batch, 1).to(cache.device)
     return torch.randint(0, length, (batch, cache.top_k), generator=generator,
                          dtype=torch.int32).to(cache.device)
 
@@ -139,7 +145,7 @@ def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: in
 
 def paired_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, batch: int,
                 device: str = "cpu", overrides: dict[str, Any] | None = None,
-                warmup: int = 20) -> dict[str, Any]:
+                warmup: int = 20, miss_free: bool = False) -> dict[str, Any]:
     """One rank of a shared group (`name`, the writer rank 0) that also holds a private
     cache of the same config, and in each of its turns (`_Turns`, the group's processes in
     rotation) times one step on each with the same top-k: the shared cache first on even
@@ -163,7 +169,7 @@ def paired_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, batc
     barrier.wait()
     for step_index in range(warmup + steps):
         order.start(step_index)
-        top_k = _top_k(generator, shared, batch, prompt + step_index)
+        top_k = _top_k(generator, shared, batch, prompt + step_index, miss_free)
         pair = [("shared", shared), ("private", private)]
         for position, (which, cache) in enumerate(pair if step_index % 2 == 0 else pair[::-1]):
             if position:  # untimed: the first step's device work (its backup too) must

@@ -25,6 +25,8 @@ For each group size in `--ranks`, one process per rank (hisparse.tools.shared_po
   prompt (`host_rows`: most of it read from host rows every step) and with the same K
   positions every step (`miss_free`: no host row read), which tells the cost of reading a
   shared mapping from the per-step work of the protocol.
+  One process (`timing_one_process`): the same pairs with every rank's caches in this one
+  process, one core, no turns handed over.
 * fuzz: `--fuzz-steps` decode steps per rank of random admit, PD, finish, abort, preempt,
   resume and cancel, every row read checked byte for byte against the rows the seeds give.
 
@@ -47,7 +49,12 @@ from typing import Any
 from hisparse.cli._output import non_negative_int, positive_int
 from hisparse.tools.benchmarking import run_environment
 from hisparse.tools.shared_pool_run import describe_failure, fuzz_rank, memory_rank, run_group
-from hisparse.tools.shared_pool_timing import paired_rank, paired_summary, timing_rank
+from hisparse.tools.shared_pool_timing import (
+    one_process_ranks,
+    paired_rank,
+    paired_summary,
+    timing_rank,
+)
 
 
 def group(target: Any, name: str | None, ranks: int, timeout_s: float = 580.0,
@@ -127,6 +134,14 @@ def timing_paired(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     return summary
 
 
+def timing_one_process(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
+    """`timing_paired` with every rank's caches in this one process (`one_process_ranks`)."""
+    return {reads: paired_summary(one_process_ranks(
+                f"bench-{os.getpid()}-one{ranks}-{reads}", ranks, args.steps, args.batch,
+                args.device, miss_free=miss_free))
+            for reads, miss_free in (("host_rows", False), ("miss_free", True))}
+
+
 def timing_summary(shared: list[dict[str, Any]], private: list[dict[str, Any]],
                    single: dict[str, Any]) -> dict[str, Any]:
     readers_host = [v for r in shared[1:] for v in r["host_us"]]
@@ -165,14 +180,17 @@ def summary_line(entry: dict[str, Any]) -> str:
             said.append(f"non-writer step {how} {t['non_writer_host_busy_us']['median']:.0f} us "
                         f"host without waits vs {t['private_rank_host_us']['median']:.0f} us "
                         "on a private pool")
-    for reads, how in (("host_rows", "reading host rows"), ("miss_free", "miss-free")):
-        paired = entry.get("timing_paired", {}).get(reads, {}).get("non_writer")
-        if paired:
-            device = (f", {paired['device']['ratio_median']:.2f}x device" if "device" in paired
-                      else "")
-            said.append(f"non-writer step ({how}) paired with a private cache in the same "
-                        f"process: {paired['host']['ratio_median']:.2f}x host "
-                        f"({paired['host_busy']['ratio_median']:.2f}x without waits){device}")
+    for part, where in (("timing_paired", "in its process"), ("timing_one_process",
+                                                                 "all ranks in one process")):
+        for reads, how in (("host_rows", "reading host rows"), ("miss_free", "miss-free")):
+            paired = entry.get(part, {}).get(reads, {}).get("non_writer")
+            if paired:
+                device = (f", {paired['device']['ratio_median']:.2f}x device"
+                          if "device" in paired else "")
+                said.append(f"non-writer step ({how}, {where}) against a private cache: "
+                            f"{paired['host']['ratio_median']:.2f}x host "
+                            f"({paired['host_busy']['ratio_median']:.2f}x without waits)"
+                            f"{device}")
     if "fuzz" in entry:
         said.append(f"fuzz {entry['fuzz_steps_total']} steps, {entry['fuzz_mismatches']} "
                     "mismatches")
@@ -194,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fuzz-steps", type=non_negative_int, default=10000,
                         help="fuzz decode steps per rank (default: 10000; 0: no fuzz)")
     parts = {"memory": memory, "timing": timing, "timing_interleaved": timing_interleaved,
-             "timing_paired": timing_paired}
+             "timing_paired": timing_paired, "timing_one_process": timing_one_process}
     parser.add_argument("--parts", nargs="+", default=list(parts), choices=list(parts),
-                        help="what to measure besides the fuzz (default: all four)")
+                        help="what to measure besides the fuzz (default: all five)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)

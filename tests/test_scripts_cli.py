@@ -434,11 +434,13 @@ def test_shared_pool_benchmark_reports_memory_step_cost_and_a_clean_fuzz(
     assert interleaved["non_writer_host_busy_us"]["median"] > 0
     assert interleaved["private_rank_host_us"]["median"] > 0
     assert interleaved["single_rank_alone_host_us"]["median"] > 0
-    for reads in ("host_rows", "miss_free"):  # random top-k, then the same K positions
-        paired = group["timing_paired"][reads]
-        assert paired["non_writer"]["steps"] == 4
-        assert paired["non_writer"]["host"]["ratio_median"] > 0
-        assert [r["shared_pool_attached"] for r in paired["ranks"]] == [True, True]
+    for part in ("timing_paired", "timing_one_process"):  # each rank's process, or one
+        for reads in ("host_rows", "miss_free"):  # random top-k, then the same K positions
+            paired = group[part][reads]
+            assert paired["non_writer"]["steps"] == 4
+            assert paired["non_writer"]["host"]["ratio_median"] > 0
+            assert [r["shared_pool_attached"] for r in paired["ranks"]] == [True, True]
+            assert [r["prompt_rows_from_writer"] for r in paired["ranks"]] == [True, True]
     assert group["fuzz_mismatches"] == 0 and group["fuzz_steps_total"] == 40
 
 

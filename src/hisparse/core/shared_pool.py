@@ -263,14 +263,14 @@ class SharedPoolSync:
         hashes are salted per process). A decode step's batch is usually the last step's, and
         its text costs ~0.15 us an id: a call equal to the last one of its name reuses its
         number."""
-        plain = not _has_tensor(key)
-        last = self._last_calls.get(name) if plain else None
+        last = self._last_calls.get(name)  # (a plain call's: never one with a tensor)
         if last is not None:
             try:
                 if last[0] == key:
                     return last[1]
-            except (RuntimeError, TypeError):  # (a tensor deeper inside compares elementwise)
+            except (RuntimeError, TypeError):  # (a tensor in `key` compares elementwise)
                 pass
+        plain = not _has_tensor(key)
         code = zlib.crc32(f"{name}|{_short_repr(key)}".encode())
         # Kept only without tensors (a prefill's rows must not stay alive), and as a copy (a
         # caller may reuse its list and change it).

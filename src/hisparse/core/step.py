@@ -338,7 +338,8 @@ class DecodeStep:
             self._prepare_end(c)
             shared = self._enter_shared(c, "end")
             self._mark_end(c)
-            c.order.backup.issue(self._launch_backup, c.order.step_end)
+            if c.pool.writes_rows:  # (a shared pool's reader leaves the backup to the writer)
+                c.order.backup.issue(self._launch_backup, c.order.step_end)
             c.traffic.backed_up_tokens += self.batch_size
             self._close(c, StepState.ENDED)
             self._exit_shared(c, shared, "end", wrote=True)
@@ -432,8 +433,6 @@ class DecodeStep:
     def _launch_backup(self) -> None:
         c = self._context
         assert c is not None
-        if not c.pool.writes_rows:
-            return  # a shared pool's reader: the writer rank backs the token up
         b = c.buffers
         c.kernels.launch_backup(c.tables, b.newest_rows, b.newest_host_rows, b.num_real)
 

@@ -8,6 +8,8 @@ benchmarks/shared_pool.py through `hisparse.tools.shared_pool_run.run_group`.
   differ (their core, their Python heap) by more than a non-writer's code path differs from
   a private rank's, so only a ratio taken inside one process compares the code paths.
   `paired_summary` turns the ranks' results into per-step ratios.
+* `one_process_ranks`: the same pairs with every rank's caches in one process, taking no
+  turns: the code paths compared on one core.
 """
 
 from __future__ import annotations
@@ -191,6 +193,46 @@ def paired_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, batc
     return {"rank": rank, "writer": rank == 0, **times, **pools}
 
 
+def one_process_ranks(name: str, ranks: int, steps: int, batch: int, device: str = "cpu",
+                      overrides: dict[str, Any] | None = None, warmup: int = 20,
+                      miss_free: bool = False) -> list[dict[str, Any]]:
+    """A shared group's `ranks` caches (the writer rank 0 first) and a private cache per rank,
+    all in this one process, on one core: per step each rank times one step on its shared
+    cache and one on its private cache, the order alternating, every other cache's device
+    work waited for before (untimed). The same results as `paired_rank`'s, for
+    `paired_summary`, without a difference between processes or a turn handed over."""
+    config = _timing_config(batch, overrides)
+    shared = [_cache(name, rank, ranks, device, config) for rank in range(ranks)]
+    private = [_cache(None, rank, ranks, device, config) for rank in range(ranks)]
+    prompts = [_prefill(c, batch, blank=rank != 0) for rank, c in enumerate(shared)]
+    for cache in private:
+        _prefill(cache, batch)
+    generator = torch.Generator().manual_seed(TOP_K_SEED)
+    kv = torch.zeros(batch, shared[0].row_bytes, dtype=torch.uint8, device=shared[0].device)
+    times = [{which: {"host_us": [], "busy_us": [], "device_ms": []}
+              for which in ("shared", "private")} for _ in range(ranks)]
+    for step_index in range(warmup + steps):
+        top_k = _top_k(generator, shared[0], batch, prompts[0] + step_index, miss_free)
+        for rank in range(ranks):
+            pair = [("shared", shared[rank]), ("private", private[rank])]
+            for which, cache in pair if step_index % 2 == 0 else pair[::-1]:
+                cache.backend.synchronize(cache.device)
+                elapsed, waited, step_ms = _timed_step(cache, batch, kv, top_k)
+                if step_index >= warmup:
+                    times[rank][which]["host_us"].append(elapsed * 1e6)
+                    times[rank][which]["busy_us"].append((elapsed - waited) * 1e6)
+                    if step_ms is not None:
+                        times[rank][which]["device_ms"].append(step_ms)
+    results = [{"rank": rank, "writer": rank == 0, **times[rank],
+                "shared_pool_attached": shared[rank]._pool.segment is not None,
+                "private_pool_shared": private[rank]._pool.segment is not None,
+                "prompt_rows_from_writer": _holds_prompts(shared[rank], batch, prompts[rank])}
+               for rank in range(ranks)]
+    for cache in (*shared[::-1], *private):  # the readers before the writer
+        cache.close()
+    return results
+
+
 def _holds_prompts(cache: Any, batch: int, prompt: int) -> bool:
     """Whether the host rows of every request's prompt hold its bytes (on a reader, which
     prefilled blank rows, those can only have come through the shared pool)."""
@@ -240,4 +282,4 @@ def paired_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
             "writer": paired_stats(results[:1]), "ranks": ranks}
 
 
-__all__ = ["paired_rank", "paired_stats", "paired_summary", "timing_rank"]
+__all__ = ["one_process_ranks", "paired_rank", "paired_stats", "paired_summary", "timing_rank"]

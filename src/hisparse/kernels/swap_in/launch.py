@@ -163,22 +163,22 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
               "ADDRESS_ORDER": plan.address_order, "NUM_BUCKETS": buckets,
               "REQUEST_COUNTS": request_counts is not None}
     if newest is None:  # placeholders the kernel never reads
-        write = (out, req_slots, out, 0, {"WRITE_NEWEST": False, "ROW_WORDS": 1,
-                                          "BLOCK_WORDS": 1})
+        new_kv, new_rows, layer_words, device_rows = out, req_slots, out, 0
+        write = {"WRITE_NEWEST": False, "ROW_WORDS": 1, "BLOCK_WORDS": 1}
     else:
-        words = layer_rows(t, layer)[1]
-        write = (newest.kv, newest.rows, words, words.shape[0],
-                 {"WRITE_NEWEST": True, "ROW_WORDS": words.shape[1],
-                  "BLOCK_WORDS": triton.next_power_of_2(words.shape[1])})
+        layer_words = layer_rows(t, layer)[1]
+        new_kv, new_rows, device_rows = newest.kv, newest.rows, layer_words.shape[0]
+        write = {"WRITE_NEWEST": True, "ROW_WORDS": layer_words.shape[1],
+                 "BLOCK_WORDS": triton.next_power_of_2(layer_words.shape[1])}
     launches = [
         BoundLaunch(classify_kernel, plan.classify_grid, (
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, resident, last_use,
             lru_clock, key_extents, scratch.miss_row, scratch.miss_count, t.counters[layer],
-            bucket_count, scratch.hit_count, *write[:3], num_requests, t.slots_per_request, k,
-            hot_slots, t.extent_tokens, max_pages, n_rows, positions, resident.shape[0],
-            write[3]),
+            bucket_count, scratch.hit_count, new_kv, new_rows, layer_words, num_requests,
+            t.slots_per_request, k, hot_slots, t.extent_tokens, max_pages, n_rows, positions,
+            resident.shape[0], device_rows),
             {**shared, "COUNTER_SEM": plan.counter_sem, "CHUNK_K": plan.classify_chunk,
-             "num_warps": plan.classify_warps, **write[4]}, device=device, direct=direct),
+             "num_warps": plan.classify_warps, **write}, device=device, direct=direct),
         BoundLaunch(select_kernel, (rows,), (
             num_real, req_slots, t.seq_lens, top_k, out, resident, t.slot_key[group], last_use,
             lru_clock, scratch.miss_row, scratch.miss_count, scratch.order, miss_plan.src,
@@ -247,7 +247,6 @@ def _run(launches: tuple[BoundLaunch, ...], scratch: Scratch) -> None:
 # new rows among the lookup's.
 _TOP_K_ARG = 3
 _NEWEST_KV_ARG = 15
-
 
 
 class SwapInLauncher:

@@ -84,6 +84,20 @@ def _timed_step(cache: Any, batch: int, kv: torch.Tensor, top_k: torch.Tensor
     return elapsed, waited, device_ms
 
 
+def _new_samples() -> dict[str, list[float]]:
+    return {"host_us": [], "busy_us": [], "device_ms": []}
+
+
+def _add_sample(samples: dict[str, list[float]], timed: tuple[float, float, float | None]
+                ) -> None:
+    """One `_timed_step` result into `samples`: host and busy microseconds, device ms."""
+    elapsed, waited, step_ms = timed
+    samples["host_us"].append(elapsed * 1e6)
+    samples["busy_us"].append((elapsed - waited) * 1e6)
+    if step_ms is not None:
+        samples["device_ms"].append(step_ms)
+
+
 class _Turns:
     """The processes of one barrier taking turns within each step, in an order that moves on
     by one each step (no process always follows the same one, the writer say), each waiting
@@ -125,24 +139,19 @@ def timing_rank(barrier: Any, name: str | None, rank: int, ranks: int, steps: in
     prompt = _prefill(cache, batch)
     generator = torch.Generator().manual_seed(TOP_K_SEED)
     kv = torch.zeros(batch, cache.row_bytes, dtype=torch.uint8, device=cache.device)
-    host: list[float] = []
-    busy: list[float] = []
-    device_ms: list[float] = []
+    samples = _new_samples()
     order = _Turns(barrier, turn, turns)
     barrier.wait()
     for step_index in range(warmup + steps):
         order.start(step_index)
         top_k = _top_k(generator, cache, batch, prompt + step_index)
-        elapsed, waited, step_ms = _timed_step(cache, batch, kv, top_k)
+        timed = _timed_step(cache, batch, kv, top_k)
         if step_index >= warmup:
-            host.append(elapsed * 1e6)
-            busy.append((elapsed - waited) * 1e6)
-            if step_ms is not None:
-                device_ms.append(step_ms)
+            _add_sample(samples, timed)
         order.finish(cache)
     barrier.wait()
     cache.close()
-    return {"rank": rank, "host_us": host, "busy_us": busy, "device_ms": device_ms}
+    return {"rank": rank, **samples}
 
 
 def paired_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, batch: int,
@@ -164,9 +173,7 @@ def paired_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, batc
     _prefill(private, batch)
     generator = torch.Generator().manual_seed(TOP_K_SEED)
     kv = torch.zeros(batch, shared.row_bytes, dtype=torch.uint8, device=shared.device)
-    times: dict[str, dict[str, list[float]]] = {
-        which: {"host_us": [], "busy_us": [], "device_ms": []}
-        for which in ("shared", "private")}
+    times = {which: _new_samples() for which in ("shared", "private")}
     order = _Turns(barrier, rank, ranks)
     barrier.wait()
     for step_index in range(warmup + steps):
@@ -176,12 +183,9 @@ def paired_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, batc
         for position, (which, cache) in enumerate(pair if step_index % 2 == 0 else pair[::-1]):
             if position:  # untimed: the first step's device work (its backup too) must
                 cache.backend.synchronize(cache.device)  # not overlap the second's
-            elapsed, waited, step_ms = _timed_step(cache, batch, kv, top_k)
+            timed = _timed_step(cache, batch, kv, top_k)
             if step_index >= warmup:
-                times[which]["host_us"].append(elapsed * 1e6)
-                times[which]["busy_us"].append((elapsed - waited) * 1e6)
-                if step_ms is not None:
-                    times[which]["device_ms"].append(step_ms)
+                _add_sample(times[which], timed)
         order.finish(shared)
     pools = {"shared_pool_attached": shared._shared is not None
              and shared._pool.segment is not None,
@@ -209,20 +213,16 @@ def one_process_ranks(name: str, ranks: int, steps: int, batch: int, device: str
         _prefill(cache, batch)
     generator = torch.Generator().manual_seed(TOP_K_SEED)
     kv = torch.zeros(batch, shared[0].row_bytes, dtype=torch.uint8, device=shared[0].device)
-    times = [{which: {"host_us": [], "busy_us": [], "device_ms": []}
-              for which in ("shared", "private")} for _ in range(ranks)]
+    times = [{which: _new_samples() for which in ("shared", "private")} for _ in range(ranks)]
     for step_index in range(warmup + steps):
         top_k = _top_k(generator, shared[0], batch, prompts[0] + step_index, miss_free)
         for rank in range(ranks):
             pair = [("shared", shared[rank]), ("private", private[rank])]
             for which, cache in pair if step_index % 2 == 0 else pair[::-1]:
                 cache.backend.synchronize(cache.device)
-                elapsed, waited, step_ms = _timed_step(cache, batch, kv, top_k)
+                timed = _timed_step(cache, batch, kv, top_k)
                 if step_index >= warmup:
-                    times[rank][which]["host_us"].append(elapsed * 1e6)
-                    times[rank][which]["busy_us"].append((elapsed - waited) * 1e6)
-                    if step_ms is not None:
-                        times[rank][which]["device_ms"].append(step_ms)
+                    _add_sample(times[rank][which], timed)
     results = [{"rank": rank, "writer": rank == 0, **times[rank],
                 "shared_pool_attached": shared[rank]._pool.segment is not None,
                 "private_pool_shared": private[rank]._pool.segment is not None,

@@ -350,7 +350,8 @@ def test_a_segment_whose_ranks_all_died_is_reclaimed(pool_name: str) -> None:
     """A group killed whole leaves its file; the next writer of that name reclaims it."""
     writer, reader = group(pool_name, 2)
     for cache in (writer, reader):
-        cache._shared._own[shared_segment.S_PID] = dead_pid()  # as SIGKILL leaves the slots
+        # As SIGKILL leaves the slots:
+        cache._pool.segment.slot(cache._shared.spec.rank)[shared_segment.S_PID] = dead_pid()
     fresh = group(pool_name, 2)
     assert fresh[0]._pool.segment.path == writer._pool.segment.path
     for cache in (writer, reader):  # the old group's closes leave the new file alone
@@ -361,7 +362,7 @@ def test_a_segment_whose_ranks_all_died_is_reclaimed(pool_name: str) -> None:
 
 def test_a_dead_rank_fails_the_survivors(pool_name: str) -> None:
     writer, reader = group(pool_name, 2)
-    writer._shared._own[shared_segment.S_PID] = dead_pid()
+    writer._pool.segment.slot(0)[shared_segment.S_PID] = dead_pid()
     reader._shared._next_liveness = 0.0  # the next call checks now, not in 0.25 s
     with pytest.raises(SharedPoolError, match=r"rank 0 \(the writer, pid \d+\) of the group "
                        "exited without closing its cache"):

@@ -22,7 +22,7 @@ from hisparse.tools.shared_pool_run import (
     memory_rank,
     run_group,
 )
-from hisparse.tools.shared_pool_timing import paired_rank, paired_summary
+from hisparse.tools.shared_pool_timing import PHASES, _shared_first, paired_rank, paired_summary
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                    reason="needs a CUDA GPU (several ranks share one)")
@@ -170,8 +170,12 @@ def test_paired_timing_times_a_reader_of_the_shared_pool_against_its_own_private
     assert not describe_failure(results), describe_failure(results)
     for result in results:
         for which in ("shared", "private"):
-            assert len(result[which]["host_us"]) == len(result[which]["busy_us"]) == steps
-            assert result[which]["device_ms"] == []  # (on a GPU only)
+            samples = result[which]
+            assert len(samples["host_us"]) == len(samples["busy_us"]) == steps
+            assert samples["device_ms"] == []  # (on a GPU only)
+            for step in range(steps):  # begin, the layers and end make up the step
+                parts = sum(samples[phase][step] for phase in PHASES)
+                assert 0 < parts <= samples["host_us"][step] * (1 + 1e-9), (which, step)
     summary = paired_summary(results)
     reader, writer = summary["ranks"][1], summary["ranks"][0]
     assert (reader["writer"], writer["writer"]) == (False, True)
@@ -183,6 +187,18 @@ def test_paired_timing_times_a_reader_of_the_shared_pool_against_its_own_private
             numbers = [stats[metric]["ratio_median"], *stats[metric]["ratio_quartiles"],
                        stats[metric]["shared_median"], stats[metric]["private_median"]]
             assert all(math.isfinite(n) and n > 0 for n in numbers), stats
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_paired_timing_puts_each_cache_first_equally_often_at_every_place_in_the_rotation(
+        ranks: int) -> None:
+    """A paired rank's place in its group's rotation moves on by one a step; the cache it
+    times first must not follow it (every other step would make the reader's shared step
+    always the one after the other process's turn, the cold one, with 2 ranks)."""
+    for rank in range(ranks):
+        seen = [((rank + step) % ranks, _shared_first(step, ranks)) for step in range(2 * ranks)]
+        assert sorted(seen) == sorted((place, first) for place in range(ranks)
+                                      for first in (False, True)), (rank, seen)
 
 
 @requires_cuda

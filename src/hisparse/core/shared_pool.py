@@ -164,14 +164,16 @@ class SharedPoolSync:
         self.is_writer = spec.is_writer
         self._backend = backend
         self._decisions = decisions  # the allocator's running digest (HostPool.decisions)
-        self._header = segment.header
-        self._own = segment.slot(spec.rank)
-        self._own_ring = segment.ring(spec.rank)
-        self._writer_slot = segment.slot(spec.writer_rank)
-        self._writer_ring = segment.ring(spec.writer_rank)
+        # Every field as an index into the header's words (one plain-int access each).
+        self._words = segment.words
+        self._own = segment.slot_at(spec.rank)
+        self._own_ring = segment.ring_at(spec.rank)
+        self._writer_slot = segment.slot_at(spec.writer_rank)
         self._readers = [r for r in range(spec.ranks) if r != spec.writer_rank]
-        self._reader_slots = [segment.slot(r) for r in self._readers]
-        self._reader_rings = {r: segment.ring(r) for r in self._readers}
+        self._reader_slots = [segment.slot_at(r) for r in self._readers]
+        # The rings this rank compares with: every reader's (the writer), the writer's (a reader).
+        peers = self._readers if self.is_writer else [spec.writer_rank]
+        self._peer_rings = [(peer, segment.ring_at(peer)) for peer in peers]
         self.seq = 0  # operations completed
         self._hash = 0
         self._last_calls: dict[str, tuple[object, int]] = {}  # by call name
@@ -179,14 +181,14 @@ class SharedPoolSync:
         self._pending_event: Any | None = None
         self._recycled_at = 0  # writer: the last operation that freed rows
         self._reads_confirmed = 0  # writer: every reader's reads_done covers this
-        self._publisher = _Publisher(backend, self._header) if self.is_writer else None
+        self._publisher = _Publisher(backend, segment.words) if self.is_writer else None
         self.skip_read_waits = False  # tests only: shows that a missing wait reads stale rows
         self.waited_s = 0.0  # host time spent waiting for other ranks (for benchmarks)
 
     # --- operations ------------------------------------------------------------------------
     def begin_op(self) -> None:
         """Refuse on a failed pool; now and then, check that every rank still runs."""
-        if self._header[F_FAILED]:
+        if self._words[F_FAILED]:
             raise SharedPoolError(f"shared host pool {self.segment.path} failed: "
                                   f"{self.segment.failure()}; rebuild the group's caches")
         if time.monotonic() >= self._next_liveness:
@@ -198,15 +200,19 @@ class SharedPoolSync:
         writer's rows once its copies are done."""
         seq = self.seq + 1
         digest = hash((self._hash, self._call_code(name, key), self._decisions()))
-        row = self._own_ring[seq % RING]
-        row[0] = -1  # a peer reading the entry mid-update sees no operation
-        row[1] = digest
-        row[0] = seq
-        self._own[S_HASH], self._own[S_SEQ] = digest, seq
+        words, entry = self._words, self._own_ring + 2 * (seq % RING)
+        words[entry] = -1  # a peer reading the entry mid-update sees no operation
+        words[entry + 1] = digest
+        words[entry] = seq
+        own = self._own
+        words[own + S_HASH] = digest
+        words[own + S_SEQ] = seq
         self.seq, self._hash = seq, digest
-        peers = self._readers if self.is_writer else [self.spec.writer_rank]
-        for peer in peers:
-            self._compare(peer, seq, digest, name, key)
+        for peer, ring in self._peer_rings:
+            at = ring + 2 * (seq % RING)
+            first, theirs, second = words[at], words[at + 1], words[at]
+            if first == seq == second and theirs != digest:
+                self._diverged(peer, seq, name, key)
         if self._publisher is not None:
             event, self._pending_event = self._pending_event, None
             self._publisher.publish(seq, event)
@@ -228,9 +234,10 @@ class SharedPoolSync:
         if self.is_writer or self.skip_read_waits:
             return
         need = self.seq + (1 if current else 0)
-        if self._header[F_WRITTEN] >= need:
+        words = self._words
+        if words[F_WRITTEN] >= need:
             return
-        self._wait(lambda: self._header[F_WRITTEN] >= need, [self.spec.writer_rank],
+        self._wait(lambda: words[F_WRITTEN] >= need, [self.spec.writer_rank],
                    f"the writer's host rows of operation {need}")
 
     def before_write(self) -> None:
@@ -238,8 +245,9 @@ class SharedPoolSync:
         if not self.is_writer or self._recycled_at <= self._reads_confirmed:
             return
         need = self._recycled_at
-        slots = self._reader_slots  # (a reader that closed reads nothing more)
-        self._wait(lambda: all(s[S_READS_DONE] >= need or s[S_STATE] == CLOSED for s in slots),
+        words, slots = self._words, self._reader_slots  # (a reader that closed reads no more)
+        self._wait(lambda: all(words[s + S_READS_DONE] >= need or words[s + S_STATE] == CLOSED
+                               for s in slots),
                    self._readers,
                    f"every reader to stop reading the rows freed at operation {need}")
         self._reads_confirmed = need
@@ -251,7 +259,7 @@ class SharedPoolSync:
             self._recycled_at = self.seq + 1
         else:
             reads_done()
-            self._own[S_READS_DONE] = self.seq + 1
+            self._words[self._own + S_READS_DONE] = self.seq + 1
 
     def close(self) -> None:
         if self._publisher is not None:
@@ -278,25 +286,20 @@ class SharedPoolSync:
             self._last_calls[name] = (_copied(key), code)
         return code
 
-    def _compare(self, peer: int, seq: int, digest: int, name: str, key: object) -> None:
-        ring = self._reader_rings[peer] if self.is_writer else self._writer_ring
-        row = ring[seq % RING]
-        first, theirs, second = int(row[0]), int(row[1]), int(row[0])
-        if first == seq == second and theirs != digest:
-            reason = (f"rank {self.spec.rank}'s allocation decisions diverged from rank {peer}'s "
-                      f"at operation {seq} ({name} {_short_repr(key)}): every rank must make "
-                      "the same cache calls (admit, write_prefill, commit_prefill, decode "
-                      "steps, preempt, resume, finish, abort, PD) in the same order with the "
-                      "same request ids and lengths")
-            self._fail(reason)
+    def _diverged(self, peer: int, seq: int, name: str, key: object) -> None:
+        self._fail(f"rank {self.spec.rank}'s allocation decisions diverged from rank {peer}'s "
+                   f"at operation {seq} ({name} {_short_repr(key)}): every rank must make the "
+                   "same cache calls (admit, write_prefill, commit_prefill, decode steps, "
+                   "preempt, resume, finish, abort, PD) in the same order with the same "
+                   "request ids and lengths")
 
     def _limit_lead(self, seq: int) -> None:
         """The writer keeps within RING - 1 operations of every reader, so that each
         operation's hashes are still in the ring when the later rank compares them."""
-        slots = self._reader_slots
+        words, slots = self._words, self._reader_slots
         floor = seq - (RING - 2)
         def caught_up() -> bool:
-            return all(s[S_SEQ] >= floor or s[S_STATE] == CLOSED for s in slots)
+            return all(words[s + S_SEQ] >= floor or words[s + S_STATE] == CLOSED for s in slots)
 
         if caught_up():
             return
@@ -314,7 +317,7 @@ class SharedPoolSync:
         deadline = time.monotonic() + self.spec.wait_timeout_s
         next_check, spins = 0.0, 0
         while not done():
-            if self._header[F_FAILED]:
+            if self._words[F_FAILED]:
                 self.begin_op()  # raises with the pool's failure
             now = time.monotonic()
             if now >= next_check:
@@ -333,7 +336,8 @@ class SharedPoolSync:
 
     def _check_alive(self, ranks: Any) -> None:
         writer = self.spec.writer_rank
-        if not self.is_writer and writer in ranks and self._writer_slot[S_STATE] == CLOSED:
+        if (not self.is_writer and writer in ranks
+                and self._words[self._writer_slot + S_STATE] == CLOSED):
             self._fail(f"the writer (rank {writer}) closed its cache while rank "
                        f"{self.spec.rank} still made calls; close every rank's cache together")
         dead = [(r, pid) for r, pid in self.segment.dead_ranks() if r in ranks]
@@ -354,9 +358,9 @@ class _Publisher:
     copies are complete: inline when nothing is in flight, else on a thread that waits on
     the copies' events (so the writer's host never blocks for its own backups)."""
 
-    def __init__(self, backend: Backend, header: Any) -> None:
+    def __init__(self, backend: Backend, words: memoryview) -> None:
         self._backend = backend
-        self._header = header
+        self._words = words
         self._queue: deque[tuple[int, Any]] = deque()
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -365,7 +369,7 @@ class _Publisher:
     def publish(self, seq: int, event: Any | None) -> None:
         with self._ready:
             if event is None and not self._queue:
-                self._header[F_WRITTEN] = seq
+                self._words[F_WRITTEN] = seq
                 return
             self._queue.append((seq, event))
             if self._thread is None:
@@ -386,7 +390,7 @@ class _Publisher:
                 self._backend.synchronize_event(event)
             with self._ready:
                 self._queue.popleft()
-                self._header[F_WRITTEN] = max(int(self._header[F_WRITTEN]), seq)
+                self._words[F_WRITTEN] = max(self._words[F_WRITTEN], seq)
                 self._ready.notify_all()
 
     def close(self) -> None:

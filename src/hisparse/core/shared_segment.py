@@ -114,6 +114,10 @@ class SharedSegment:
         self._fd = fd
         self._map = mmap.mmap(fd, layout.total_bytes, flags=mmap.MAP_SHARED)
         self.header = np.frombuffer(self._map, dtype=np.int64, count=layout.header_bytes // 8)
+        # The same header fields as plain ints: a decode step's protocol reads and writes a
+        # dozen of them, and a memoryview item costs half a numpy scalar's access.
+        with memoryview(self._map) as whole:
+            self.words = whole[: layout.header_bytes].cast("q")
         # The whole mapping as one tensor: a registration for the device covers it from its
         # first page, where torch's is_pinned() looks.
         self.mapping = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -186,12 +190,21 @@ class SharedSegment:
 
     # --- views -----------------------------------------------------------------------------
     def slot(self, rank: int) -> np.ndarray:
-        at = SLOTS_AT // 8 + rank * SLOT_FIELDS
+        at = self.slot_at(rank)
         return self.header[at: at + SLOT_FIELDS]
+
+    def slot_at(self, rank: int) -> int:
+        """The index of `rank`'s slot's first field in `header` and `words`."""
+        return SLOTS_AT // 8 + rank * SLOT_FIELDS
+
+    def ring_at(self, rank: int) -> int:
+        """The index of `rank`'s ring's first entry in `header` and `words`: entry `i` is the
+        two words at `ring_at + 2 * i`."""
+        return self.layout.ring_at + rank * RING * 2
 
     def ring(self, rank: int) -> np.ndarray:
         """`[RING, 2]`: (op sequence, decision hash) of a rank's last RING operations."""
-        at = self.layout.ring_at + rank * RING * 2
+        at = self.ring_at(rank)
         return self.header[at: at + RING * 2].reshape(RING, 2)
 
     def failure(self) -> str | None:
@@ -250,7 +263,8 @@ class SharedSegment:
 
     def _unmap(self) -> None:
         self.layers.clear()
-        self.header = self.mapping = None  # type: ignore[assignment]
+        self.words.release()
+        self.header = self.mapping = self.words = None  # type: ignore[assignment]
         # A caller may still hold a view of the rows (host_tensors(), a reservation): the
         # mapping then goes with that view. The file is unlinked already, so nothing leaks.
         with suppress(BufferError):

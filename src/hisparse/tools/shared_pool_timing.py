@@ -58,10 +58,11 @@ def _top_k(generator: torch.Generator, cache: Any, batch: int, length: int,
 
 
 def _timed_step(cache: Any, batch: int, kv: torch.Tensor, top_k: torch.Tensor
-                ) -> tuple[float, float, float | None]:
+                ) -> tuple[float, float, float | None, tuple[float, float, float]]:
     """One decode step (begin, every layer's write_newest and swap_in, end): its host
-    seconds, the host seconds of it spent waiting for other ranks, and on a GPU its device
-    milliseconds (events around the step, on the compute stream)."""
+    seconds, the host seconds of it spent waiting for other ranks, on a GPU its device
+    milliseconds (events around the step, on the compute stream), and the host seconds of
+    its three phases (begin, the layers, end)."""
     shared = cache._shared
     waited = shared.waited_s if shared is not None else 0.0
     cuda = cache.device.type == "cuda"
@@ -70,28 +71,38 @@ def _timed_step(cache: Any, batch: int, kv: torch.Tensor, top_k: torch.Tensor
         start_event.record()
     started = time.perf_counter()
     step = cache.begin_decode_step(list(range(batch)))
+    begun = time.perf_counter()
     for layer in range(cache.num_layers):
         step.write_newest(layer, kv)
         step.swap_in(layer, top_k)
+    layers_done = time.perf_counter()
     step.end()
-    elapsed = time.perf_counter() - started
+    ended = time.perf_counter()
+    elapsed = ended - started
+    phases = (begun - started, layers_done - begun, ended - layers_done)
     device_ms = None
     if cuda:
         end_event.record()
         end_event.synchronize()
         device_ms = start_event.elapsed_time(end_event)
     waited = (shared.waited_s if shared is not None else 0.0) - waited
-    return elapsed, waited, device_ms
+    return elapsed, waited, device_ms, phases
+
+
+PHASES = ("begin_us", "layers_us", "end_us")
 
 
 def _new_samples() -> dict[str, list[float]]:
-    return {"host_us": [], "busy_us": [], "device_ms": []}
+    return {"host_us": [], "busy_us": [], "device_ms": [], **{p: [] for p in PHASES}}
 
 
-def _add_sample(samples: dict[str, list[float]], timed: tuple[float, float, float | None]
-                ) -> None:
-    """One `_timed_step` result into `samples`: host and busy microseconds, device ms."""
-    elapsed, waited, step_ms = timed
+def _add_sample(samples: dict[str, list[float]],
+                timed: tuple[float, float, float | None, tuple[float, float, float]]) -> None:
+    """One `_timed_step` result into `samples`: host and busy microseconds, device ms, and
+    the host microseconds of each phase."""
+    elapsed, waited, step_ms, phases = timed
+    for phase, seconds in zip(PHASES, phases, strict=True):
+        samples[phase].append(seconds * 1e6)
     samples["host_us"].append(elapsed * 1e6)
     samples["busy_us"].append((elapsed - waited) * 1e6)
     if step_ms is not None:
@@ -159,9 +170,9 @@ def paired_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, batc
                 warmup: int = 20, miss_free: bool = False) -> dict[str, Any]:
     """One rank of a shared group (`name`, the writer rank 0) that also holds a private
     cache of the same config, and in each of its turns (`_Turns`, the group's processes in
-    rotation) times one step on each with the same top-k: the shared cache first on even
-    steps, the private one first on odd ones, so that neither always runs on a host warmed
-    by the other. Between the two, the first one's device work (its backup too) is waited
+    rotation) times one step on each with the same top-k, each first in half of the steps
+    at every place in the rotation (`_shared_first`), so that neither always runs on a host
+    warmed by the other. Between the two, the first one's device work (its backup too) is waited
     for, untimed, so that they do not overlap on the GPU. Reported: each cache's per-step
     `host_us`, `busy_us` (without waits for other ranks) and `device_ms` (on a GPU), in
     step order, and whether the shared cache is attached to the shared pool and holds the
@@ -180,7 +191,8 @@ def paired_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, batc
         order.start(step_index)
         top_k = _top_k(generator, shared, batch, prompt + step_index, miss_free)
         pair = [("shared", shared), ("private", private)]
-        for position, (which, cache) in enumerate(pair if step_index % 2 == 0 else pair[::-1]):
+        first = pair if _shared_first(step_index, ranks) else pair[::-1]
+        for position, (which, cache) in enumerate(first):
             if position:  # untimed: the first step's device work (its backup too) must
                 cache.backend.synchronize(cache.device)  # not overlap the second's
             timed = _timed_step(cache, batch, kv, top_k)
@@ -195,6 +207,15 @@ def paired_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, batc
     shared.close()
     private.close()
     return {"rank": rank, "writer": rank == 0, **times, **pools}
+
+
+def _shared_first(step_index: int, turns: int) -> bool:
+    """Whether a paired rank times its shared cache first at `step_index`. The first step of
+    a turn runs on a host the previous process's turn left cold, the more so for a process
+    late in the rotation; a process's place moves on by one a step, so alternating the order
+    every step would tie each order to the same places (with 2 ranks, the reader's shared
+    step would always be the cold one). The order flips once per full rotation instead."""
+    return (step_index // turns) % 2 == 0
 
 
 def one_process_ranks(name: str, ranks: int, steps: int, batch: int, device: str = "cpu",
@@ -255,7 +276,9 @@ def paired_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
     one process, adjacent in time), with its quartiles. Without waits, the private step's
     host time is its whole host time (it waits for no rank)."""
     out: dict[str, Any] = {"steps": sum(len(r["shared"]["host_us"]) for r in results)}
-    for metric, key in (("host", "host_us"), ("host_busy", "busy_us"), ("device", "device_ms")):
+    metrics = (("host", "host_us"), ("host_busy", "busy_us"), ("device", "device_ms"),
+               *((phase.removesuffix("_us"), phase) for phase in PHASES))
+    for metric, key in metrics:
         private_key = "host_us" if key == "busy_us" else key
         pairs = [(s, p) for r in results
                  for s, p in zip(r["shared"][key], r["private"][private_key], strict=True)]

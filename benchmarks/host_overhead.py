@@ -256,6 +256,16 @@ def run_steps(cache: hisparse.HiSparseCache, cell: Cell, indices: range,
         sync()
 
 
+def _pausing(sync: Callable[[], None], pause_ms: float) -> Callable[[], None]:
+    """`sync`, then `pause_ms` of sleep: the host idle, neither spinning on the device nor
+    running Python, before the step that follows."""
+    def sync_then_pause() -> None:
+        sync()
+        time.sleep(pause_ms / 1e3)
+
+    return sync_then_pause
+
+
 def _quantile(values: list[float], q: float) -> float:
     return sorted(values)[int(q * (len(values) - 1))]
 
@@ -396,7 +406,8 @@ def measure(device: object, batches: list[int], churns: list[float], seq_len: in
             steps: int, layers: int | None, breakdown: bool, profile: bool, seed: int,
             shape: dict[str, int] | None = None, ragged: bool = False, rounds: int | None = None,
             steps_per_round: int = 2, disjoint: bool = False,
-            newest_modes: tuple[str, ...] = ("separate",)) -> dict[str, object]:
+            newest_modes: tuple[str, ...] = ("separate",), pause_ms: float = 0.0
+            ) -> dict[str, object]:
     per_round = split_rounds(steps, rounds or -(-steps // steps_per_round))
     probe = preset(shape, layers)
     restore = 1 if disjoint else max(
@@ -410,6 +421,8 @@ def measure(device: object, batches: list[int], churns: list[float], seq_len: in
     dev = cache.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (
         (lambda: torch.xpu.synchronize(dev)) if dev.type == "xpu" else (lambda: None))
+    if pause_ms > 0:
+        sync = _pausing(sync, pause_ms)
     cells = make_cells(cache, batches, churns, seq_len, seed, ragged, disjoint, newest_modes)
     references = run_rounds(cache, cells, warmup, per_round, sync, seed)
     everything = [value for round_ in references for value in round_]
@@ -583,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=["separate", "folded"],
                         help="how each cell hands over a layer's new rows: write_newest then "
                              "swap_in, or swap_in(..., newest_kv=) (default: both, side by side)")
+    parser.add_argument("--pause-ms", type=float, default=0.0,
+                        help="sleep this long after each device synchronisation, before the "
+                             "step: is the host slower right after a long wait for the device?")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -604,14 +620,15 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/host_overhead.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),
         "mode": "eager calls (no graph), host wall time per call; device synchronised "
-                "between steps only",
+                "between steps only" + (f", then {args.pause_ms:g} ms of sleep" if args.pause_ms
+                                        else ""),
         "environment": run_environment("cpu" if args.noop_kernels else device),
         "targets_us": TARGETS_US,
         "lengths": "ragged" if args.ragged else "equal",
         **measure(device, args.batches, args.churns, args.seq_len, args.warmup, args.steps,
                   args.layers, args.breakdown, args.profile, args.seed, shape, args.ragged,
                   args.rounds, args.steps_per_round, args.disjoint_requests,
-                  tuple(dict.fromkeys(args.newest))),
+                  tuple(dict.fromkeys(args.newest)), args.pause_ms),
     }
     if args.floors:
         try:

@@ -524,6 +524,25 @@ def test_host_overhead_cells_keep_their_trace_when_interleaved(
             assert cell["misses_per_step"] == expected
 
 
+def test_host_overhead_pauses_after_every_device_synchronisation_when_asked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--pause-ms 1.5`: a 1.5 ms sleep after every synchronisation (two a timed step, the
+    one before its begin among them), said in the file's mode; the cells are still timed."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import host_overhead
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(host_overhead.time, "sleep", sleeps.append)
+    out = tmp_path / "host-overhead.json"
+    argv = ["--device", "cpu", *HOST_OVERHEAD_SMALL, "--steps", "2", "--pause-ms", "1.5",
+            "--output", str(out)]
+    assert host_overhead.main(argv) == 0
+    document = json.loads(out.read_text())
+    assert document["mode"].endswith("then 1.5 ms of sleep")
+    timed_steps = sum(c["step"]["steps"] for c in document["cells"])
+    assert len(sleeps) >= 2 * timed_steps and set(sleeps) == {0.0015}
+
+
 def test_host_overhead_refuses_empty_rounds(capsys: pytest.CaptureFixture[str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(BENCHMARKS))

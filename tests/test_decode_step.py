@@ -104,7 +104,9 @@ def test_the_step_object_drives_whole_decode_steps(kind: Any, group: int,
     for index in range(6):
         step = cache.begin_decode_step(names)
         assert isinstance(step, DecodeStep) and step.request_ids == tuple(names)
-        assert list(step.positions) == [cache.seq_len(n) - 1 for n in names]
+        # A tuple of ints, quiet steps' too (they keep the moved-on array until it is read).
+        assert step.positions == tuple(cache.seq_len(n) - 1 for n in names)
+        assert all(type(p) is int for p in step.positions)
         via_cache = index % 3 == 1  # every layer through the cache; index % 3 == 2: mixed
         new = reference.newest(step)
         top_k = None

@@ -126,10 +126,12 @@ class DecodeStep:
     """
 
     def __init__(self, context: DecodeContext, request_ids: tuple[Hashable, ...],
-                 positions: tuple[int, ...], records: list[RequestRecord],
+                 positions: tuple[Any, ...] | np.ndarray, records: list[RequestRecord],
                  grew: list[RequestRecord]) -> None:
         self.request_ids = request_ids
-        self.positions = positions  # position of each request's new token (its seq_len - 1)
+        # A quiet step's come as the array it moved on; a tuple is made only if read (an
+        # eager step at B = 128 would pay a few us for it, and most callers never read it).
+        self._positions = positions
         buffers = context.buffers
         self.req_slots = buffers.req_slots  # [Bcap] int32 request slot per row (0: padding)
         self.num_real = buffers.num_real  # [1] int32
@@ -141,6 +143,14 @@ class DecodeStep:
         self._written: set[int] = set()  # layers given write_newest
         self._anchored: list[GroupReplay] = []  # groups whose anchor swapped in
         self._state = StepState.OPEN
+
+    @property
+    def positions(self) -> tuple[Any, ...]:
+        """The position of each request's new token (its seq_len - 1)."""
+        positions = self._positions
+        if not isinstance(positions, tuple):
+            positions = self._positions = tuple(positions.tolist())
+        return positions
 
     @property
     def batch_size(self) -> int:
@@ -214,7 +224,7 @@ class DecodeStep:
         c.slots.lengths[run.slots] += 1
         if expected is not None:
             _check_moved_on(c, expected, len(records))
-        return cls(c, request_ids, tuple(positions.tolist()), records, [])
+        return cls(c, request_ids, positions, records, [])
 
     # --- per layer ------------------------------------------------------------------------
     def write_newest(self, layer: int, kv: torch.Tensor) -> None:

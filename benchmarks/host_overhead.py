@@ -63,6 +63,9 @@ from hisparse.backends.registry import get_backend
 from hisparse.tools.benchmarking import run_environment
 
 CALLS = ("begin_decode_step", "write_newest", "swap_in", "end_decode_step")
+# The device synchronisation before each timed step: its wall time and the process's CPU
+# time in it.
+WAITS = ("sync_before_step", "sync_before_step_cpu")
 REFERENCE_CALLS = 200  # calls of the host-speed reference workload per measurement
 
 
@@ -227,7 +230,12 @@ def run_steps(cache: hisparse.HiSparseCache, cell: Cell, indices: range,
     clock, folded = time.perf_counter_ns, cell.newest == "folded"
     for index in indices:
         top_k = cell.trace.step(index)
+        waited, waited_cpu = clock(), time.process_time_ns()
         sync()
+        synced, synced_cpu = clock(), time.process_time_ns()
+        if keep:  # whether the host spun (CPU time = wall) or slept through the wait
+            times["sync_before_step"].append((synced - waited) / 1e3)
+            times["sync_before_step_cpu"].append((synced_cpu - waited_cpu) / 1e3)
         t0 = clock()
         cache.begin_decode_step(ids)
         t1 = clock()
@@ -256,12 +264,19 @@ def run_steps(cache: hisparse.HiSparseCache, cell: Cell, indices: range,
         sync()
 
 
-def _pausing(sync: Callable[[], None], pause_ms: float) -> Callable[[], None]:
-    """`sync`, then `pause_ms` of sleep: the host idle, neither spinning on the device nor
-    running Python, before the step that follows."""
+def _pausing(sync: Callable[[], None], pause_ms: float, kind: str) -> Callable[[], None]:
+    """`sync`, then `pause_ms` of `kind`: "sleep" leaves the core idle before the step that
+    follows, "spin" keeps it busy in a Python loop for as long."""
+    seconds = pause_ms / 1e3
+
     def sync_then_pause() -> None:
         sync()
-        time.sleep(pause_ms / 1e3)
+        if kind == "sleep":
+            time.sleep(seconds)
+        else:
+            until = time.perf_counter() + seconds
+            while time.perf_counter() < until:
+                pass
 
     return sync_then_pause
 
@@ -285,7 +300,8 @@ def summarize(slots: list[tuple[float, dict[str, list[float]]]], fastest: float 
         times["begin_decode_step"], times["end_decode_step"], strict=True)]
     return {name: {"median_us": statistics.median(v), "p10_us": _quantile(v, 0.1),
                    "p90_us": _quantile(v, 0.9), "steps" if name == "step" else "calls": len(v)}
-            for name, v in ((n, times[n]) for n in (*CALLS, "begin_plus_end", "step")) if v}
+            for name, v in ((n, times[n]) for n in (*CALLS, "begin_plus_end", "step", *WAITS))
+            if v}
 
 
 def reference_workload(device: torch.device) -> Callable[[], int]:
@@ -406,8 +422,8 @@ def measure(device: object, batches: list[int], churns: list[float], seq_len: in
             steps: int, layers: int | None, breakdown: bool, profile: bool, seed: int,
             shape: dict[str, int] | None = None, ragged: bool = False, rounds: int | None = None,
             steps_per_round: int = 2, disjoint: bool = False,
-            newest_modes: tuple[str, ...] = ("separate",), pause_ms: float = 0.0
-            ) -> dict[str, object]:
+            newest_modes: tuple[str, ...] = ("separate",), pause_ms: float = 0.0,
+            pause_kind: str = "sleep") -> dict[str, object]:
     per_round = split_rounds(steps, rounds or -(-steps // steps_per_round))
     probe = preset(shape, layers)
     restore = 1 if disjoint else max(
@@ -422,7 +438,7 @@ def measure(device: object, batches: list[int], churns: list[float], seq_len: in
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (
         (lambda: torch.xpu.synchronize(dev)) if dev.type == "xpu" else (lambda: None))
     if pause_ms > 0:
-        sync = _pausing(sync, pause_ms)
+        sync = _pausing(sync, pause_ms, pause_kind)
     cells = make_cells(cache, batches, churns, seq_len, seed, ragged, disjoint, newest_modes)
     references = run_rounds(cache, cells, warmup, per_round, sync, seed)
     everything = [value for round_ in references for value in round_]
@@ -597,8 +613,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="how each cell hands over a layer's new rows: write_newest then "
                              "swap_in, or swap_in(..., newest_kv=) (default: both, side by side)")
     parser.add_argument("--pause-ms", type=float, default=0.0,
-                        help="sleep this long after each device synchronisation, before the "
+                        help="pause this long after each device synchronisation, before the "
                              "step: is the host slower right after a long wait for the device?")
+    parser.add_argument("--pause-kind", choices=["sleep", "spin"], default="sleep",
+                        help="how --pause-ms waits: an idle core, or a busy one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -620,15 +638,15 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/host_overhead.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),
         "mode": "eager calls (no graph), host wall time per call; device synchronised "
-                "between steps only" + (f", then {args.pause_ms:g} ms of sleep" if args.pause_ms
-                                        else ""),
+                "between steps only" + (f", then {args.pause_ms:g} ms of {args.pause_kind}"
+                                        if args.pause_ms else ""),
         "environment": run_environment("cpu" if args.noop_kernels else device),
         "targets_us": TARGETS_US,
         "lengths": "ragged" if args.ragged else "equal",
         **measure(device, args.batches, args.churns, args.seq_len, args.warmup, args.steps,
                   args.layers, args.breakdown, args.profile, args.seed, shape, args.ragged,
                   args.rounds, args.steps_per_round, args.disjoint_requests,
-                  tuple(dict.fromkeys(args.newest)), args.pause_ms),
+                  tuple(dict.fromkeys(args.newest)), args.pause_ms, args.pause_kind),
     }
     if args.floors:
         try:

@@ -541,6 +541,10 @@ def test_host_overhead_pauses_after_every_device_synchronisation_when_asked(
     assert document["mode"].endswith("then 1.5 ms of sleep")
     timed_steps = sum(c["step"]["steps"] for c in document["cells"])
     assert len(sleeps) >= 2 * timed_steps and set(sleeps) == {0.0015}
+    for cell in document["cells"]:  # the wait before each timed step, wall and CPU time
+        waits = [cell[name] for name in host_overhead.WAITS]
+        assert [w["calls"] for w in waits] == [cell["step"]["steps"]] * 2
+        assert all(w["median_us"] >= 0 for w in waits)
 
 
 def test_host_overhead_refuses_empty_rounds(capsys: pytest.CaptureFixture[str],

@@ -96,7 +96,8 @@ def test_every_value_of_every_launch_switch_is_built(builds, name: str) -> None:
     expected = {
         "classify": {"EARLY_LOADS": {True, False}, "POSITION_KEYED": {True, False},
                      "KEY_EXTENTS": {True, False}, "USE_PDL": pdl,
-                     "COUNTER_SEM": {"relaxed", "acq_rel"}, "ADDRESS_ORDER": {True, False}},
+                     "COUNTER_SEM": {"relaxed", "acq_rel"}, "ADDRESS_ORDER": {True, False},
+                     "WRITE_NEWEST": {True, False}, "BACKUP_NEWEST": {True, False}},
         "select": {"EARLY_LOADS": {True, False}, "POSITION_KEYED": {True, False},
                    "KEY_EXTENTS": {True, False}, "USE_PDL": pdl, "ADDRESS_ORDER": {True, False}},
         "copy": {"USE_PDL": pdl},

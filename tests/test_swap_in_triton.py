@@ -699,6 +699,67 @@ def test_a_swap_in_handed_the_new_rows_writes_them_in_its_lookup(
     assert len({key[3] for key in launcher._swap_ins}) == 1, "bound without the new rows"
 
 
+@pytest.mark.parametrize("sizes", SIZES[:2], ids=lambda s: f"K{s.top_k}-H{s.hot}")
+def test_a_lookup_given_the_new_rows_host_rows_backs_them_up_there(
+        sizes: Sizes, rng: torch.Generator) -> None:
+    """With `newest_host_rows`, the lookup also writes each real batch row's new token into
+    its host row (the newest token's, which no lookup reads: it is served from slot H), as
+    the reference does; padding rows write none, even when handed a host row, and no other
+    host row changes."""
+    want = make_tables(sizes, rng)
+    got = clone_tables(want)
+    got.host_kv = [h.clone().pin_memory() if ON_GPU else h.clone() for h in want.host_kv]
+    want.host_kv = [h.clone().pin_memory() if ON_GPU else h.clone() for h in want.host_kv]
+    before = [h.clone() for h in got.host_kv]
+    groups = max(LAYER_GROUPS) + 1
+    req_buffer = torch.zeros(sizes.batch_cap, dtype=torch.int32, device=DEVICE)
+    real_buffer = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    newest_buffer = torch.zeros(sizes.batch_cap, dtype=torch.int32, device=DEVICE)
+    host_row_buffer = torch.zeros(sizes.batch_cap, dtype=torch.int32, device=DEVICE)
+    out_buffer = torch.full((groups, sizes.batch_cap, sizes.top_k), POISON, dtype=torch.int32,
+                            device=DEVICE)
+    launcher = triton_kernels.SwapInLauncher(
+        got, req_buffer, real_buffer, out_buffer, traits=triton_kernels.default_traits(DEVICE),
+        newest_rows=newest_buffer, newest_host_rows=host_row_buffer)
+    assert launcher.backs_up_newest
+    page_table, seq_lens, ext = want.page_table.cpu(), want.seq_lens.cpu(), want.extent_tokens
+    req_slots, top_k, num_real = next_top_k(want, sizes, {}, rng)
+    real = int(num_real)
+    rows = sizes.batch_cap
+    slots = req_slots.cpu().tolist()
+    newest_host = [int(page_table[r, (int(seq_lens[r]) - 1) // ext]) * ext
+                   + (int(seq_lens[r]) - 1) % ext for r in slots[:real]]
+    # A padding row is handed a host row no real row writes: only `num_real` keeps it out.
+    spare = min(set(range(want.host_kv[0].shape[0])) - set(newest_host))
+    host_rows = torch.tensor(newest_host + [spare] * (rows - real), dtype=torch.int32)
+    outside = min(set(range(sizes.num_requests)) - set(slots[:real]), default=0)
+    newest = torch.full((rows,), outside * (sizes.hot + 1) + sizes.hot, dtype=torch.int32)
+    newest[:real] = req_slots[:real].cpu() * (sizes.hot + 1) + sizes.hot
+    req_buffer.copy_(req_slots)
+    real_buffer.copy_(num_real)
+    newest_buffer.copy_(newest)
+    host_row_buffer.copy_(host_rows)
+    for layer, group in SWAP_IN_CALLS:
+        kv = torch.randint(0, 256, (rows, sizes.row_bytes), dtype=torch.uint8,
+                           generator=rng).to(DEVICE)
+        kv[real:] = 0
+        out_want = torch.full((rows, sizes.top_k), POISON, dtype=torch.int32, device=DEVICE)
+        swap_in_reference(want, layer, group, req_slots, top_k, num_real, out_want,
+                          poisoned_plan(sizes).first_rows(rows),
+                          newest=NewestRows(kv, newest_buffer, host_row_buffer))
+        out_buffer[group].fill_(POISON)
+        launcher.swap_in(layer, group, rows, top_k.clone(), kv.clone())
+        if ON_GPU:
+            torch.cuda.synchronize()
+        assert torch.equal(out_buffer[group], out_want), f"layer {layer}"
+        assert_same_state(got, want)
+        assert torch.equal(got.host_kv[layer], want.host_kv[layer]), f"layer {layer}"
+        expected = before[layer].clone()
+        expected[torch.tensor(newest_host, dtype=torch.long)] = kv[:real].cpu()
+        assert torch.equal(got.host_kv[layer], expected), f"layer {layer}: other host rows"
+        before[layer] = expected
+
+
 def test_the_standalone_swap_in_refuses_new_rows_it_cannot_read(rng: torch.Generator) -> None:
     sizes = SMALL[0]
     t = make_tables(sizes, rng)

@@ -117,8 +117,69 @@ def test_the_triton_launcher_writes_the_new_rows_in_its_lookup(
         real(self, layer, group, rows, top_k, newest_kv)
 
     monkeypatch.setattr(swap_in_triton.SwapInLauncher, "swap_in", recording)
+    backups = _count_backups(monkeypatch)
     _decode_side_by_side(InterpretedTritonCpu(), group, residency_map, 1, steps=4, seed=seed)
     assert fused and set(fused) <= set(range(0, NUM_LAYERS, group))
+    # The separate cache backs up every step; the folded one only where a follower wrote its
+    # rows through write_newest (index groups), the lookups having backed up all the others.
+    assert backups == {"steps": 8, "launched": 4 if group == 1 else 8}
+
+
+def _count_backups(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of ended single-token steps and of the backup launches they made."""
+    from hisparse.core.kernels import DecodeKernels
+    from hisparse.core.step import DecodeStep
+
+    counts = {"steps": 0, "launched": 0}
+    launch, end = DecodeKernels.launch_backup, DecodeStep.end
+
+    def counted_launch(self: DecodeKernels, *args: object) -> None:
+        counts["launched"] += 1
+        launch(self, *args)
+
+    def counted_end(self: DecodeStep, accepted: object = None) -> None:
+        counts["steps"] += 1
+        end(self, accepted)
+
+    monkeypatch.setattr(DecodeKernels, "launch_backup", counted_launch)
+    monkeypatch.setattr(DecodeStep, "end", counted_end)
+    return counts
+
+
+def _folding_device() -> object:
+    return "cuda" if ON_GPU else InterpretedTritonCpu()
+
+
+def test_a_write_newest_after_a_folded_swap_in_is_what_the_host_row_keeps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lookup backs each layer's rows up as it writes them; a later `write_newest` of a
+    layer in the same step overwrites the device row, and the step's end then backs that up
+    (its backup runs), so the host row holds the last rows written, as with the two calls.
+    A step of folded calls only, and one cancelled after them, leave the same state as the
+    two calls do."""
+    backups = _count_backups(monkeypatch)
+    separate, folded = _pair(_folding_device(), 1, "host_row", 1)
+    rng = np.random.default_rng()
+    batch = list(range(len(PROMPTS)))
+    for rewrite, cancel in ((True, False), (False, True), (False, False)):
+        steps = [c.begin_decode_step(batch) for c in (separate, folded)]
+        for layer in range(NUM_LAYERS):
+            kv, again = (torch.from_numpy(rng.integers(0, 256, (len(batch), ROW_BYTES),
+                                                       dtype=np.uint8)) for _ in range(2))
+            top_k = torch.tensor([rng.permutation(p + 1)[:K].tolist()
+                                  for p in steps[0].positions], dtype=torch.int32)
+            separate.write_newest(layer, kv.to(separate.device))
+            separate.swap_in(layer, top_k.to(separate.device))
+            folded.swap_in(layer, top_k.to(folded.device), newest_kv=kv.to(folded.device))
+            if rewrite and layer == 0:
+                for cache in (separate, folded):
+                    cache.write_newest(layer, again.to(cache.device))
+        for cache in (separate, folded):
+            cache.cancel_decode_step() if cancel else cache.end_decode_step()
+        assert_same_state(*(_device_state(c) for c in (separate, folded)))
+        for want, got in zip(_host_bytes(separate), _host_bytes(folded), strict=True):
+            assert torch.equal(want, got)
+    assert backups == {"steps": 4, "launched": 3}  # the folded cache's: the rewritten step
 
 
 @pytest.mark.parametrize("bad", ["wide", "few rows", "int64"])

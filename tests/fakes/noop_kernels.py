@@ -23,9 +23,13 @@ from hisparse.backends.cpu import CpuBackend
 
 class _NoopSwapIn:
     """The swap-in launcher's interface (`swap_in`, `replay`), doing nothing; like Triton's,
-    it takes a layer's new rows into its own call."""
+    it takes a layer's new rows into its own call (and backs them up there, if given their
+    host rows)."""
 
     writes_newest = True
+
+    def __init__(self, backs_up_newest: bool) -> None:
+        self.backs_up_newest = backs_up_newest
 
     def swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor,
                 newest_kv: torch.Tensor | None = None) -> None:
@@ -57,8 +61,9 @@ class NoopKernelCpu(CpuBackend):
 
     def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
                          out: torch.Tensor, *, plans: Any = None, skip_io: bool = False,
-                         newest_rows: torch.Tensor | None = None) -> Any:
-        return _NoopSwapIn()
+                         newest_rows: torch.Tensor | None = None,
+                         newest_host_rows: torch.Tensor | None = None) -> Any:
+        return _NoopSwapIn(newest_host_rows is not None)
 
     def union_launcher(self, tokens: int, top_k: int, *args: Any, **kwargs: Any) -> Any:
         return _NoopUnion(tokens, top_k)

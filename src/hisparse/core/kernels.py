@@ -34,7 +34,8 @@ class DecodeKernels:
                  plans: Sequence[MissPlan | None],
                  newest_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
                  advance: tuple[torch.Tensor, ...] | None = None,
-                 swap_in_writes_newest: bool = True) -> None:
+                 swap_in_writes_newest: bool = True,
+                 newest_host_rows: torch.Tensor | None = None) -> None:
         self.skip_io = skip_io
         # Asked for by name so that a backend without the feature raises here.
         if skip_io:
@@ -42,13 +43,18 @@ class DecodeKernels:
         elif zero_copy:
             backend.zero_copy_swap_in_kernel()
         # `swap_in_writes_newest`: one newest row per batch row, which the swap-in may write
-        # itself (a verify width's S rows per request are the union's business: False).
+        # itself (a verify width's S rows per request are the union's business: False), and
+        # with `newest_host_rows` (a pool whose rows this cache writes) back up as well.
         folds = swap_in_writes_newest and newest_rows is not None
         self.launcher: Any = backend.swap_in_launcher(
             tables, req_slots, num_real, out, plans=plans, skip_io=skip_io,
-            newest_rows=newest_rows[0] if folds else None)
-        # Whether a swap-in can take the layer's new rows into its own launch (Triton's).
+            newest_rows=newest_rows[0] if folds else None,
+            newest_host_rows=newest_host_rows if folds else None)
+        # Whether a swap-in can take the layer's new rows into its own launch (Triton's), and
+        # write them to their host rows there too.
         self._swap_in_writes_newest = bool(getattr(self.launcher, "writes_newest", False))
+        self._swap_in_backs_up_newest = (self._swap_in_writes_newest and bool(
+            getattr(self.launcher, "backs_up_newest", False)))
         # The GPU backends bind the fused kernel; `Backend` gives every other the reference.
         self.backup: BackupFn = backend.backup_kernel()
         # `write_newest(layer, rows)`: the new tokens' rows into the batch's newest device rows
@@ -63,24 +69,27 @@ class DecodeKernels:
         self.failure: str | None = None
 
     def launch_swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor,
-                       newest_kv: torch.Tensor | None = None) -> None:
+                       newest_kv: torch.Tensor | None = None) -> bool:
         """Swap in `layer` for the first `rows` batch rows of the batch buffers; `top_k` is
         the caller's `[rows, K]` tensor, read in place (no copy). `newest_kv`: the layer's
         new rows (checked `[B, W]` uint8), written first: inside the swap-in's own lookup
         launch where the launcher can and the rows are `[rows, W]` words, else by
-        `write_newest`."""
+        `write_newest`. Returns whether the lookup also wrote them to their host rows (the
+        step's backup then need not copy this layer)."""
         try:  # (a try costs nothing until it catches; a context manager would, per layer)
             if newest_kv is None:
                 self.launcher.swap_in(layer, group, rows, top_k)
             elif (self._swap_in_writes_newest and newest_kv.shape[0] == rows
                   and word_rows(newest_kv)):
                 self.launcher.swap_in(layer, group, rows, top_k, newest_kv)
+                return self._swap_in_backs_up_newest
             else:
                 self.write_newest(layer, newest_kv)
                 self.launcher.swap_in(layer, group, rows, top_k)
         except BaseException as exc:
             self._failed(f"swap_in({layer})", exc)
             raise
+        return False
 
     def launch_advance(self, rows: int) -> None:
         """Move the first `rows` batch rows and their lengths on by one token, on the device."""

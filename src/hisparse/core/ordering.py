@@ -70,7 +70,10 @@ class NewestBackup:
     still be copying, `wait()` for it (`done`); the host, before it rewrites host rows,
     through `HostRowGuard` (a copy in flight: a full device sync, with a stream or without).
     Without a stream the backup runs in order on the compute stream and needs no device
-    barrier.
+    barrier. A step whose every layer's swap-in lookup wrote the new rows to their host rows
+    as well (`swap_in(..., newest_kv=)` on a GPU) launches no backup (`covered`): those writes
+    ran on the compute stream, before the step's end mark, which the next step's kernels
+    follow in order and slot reseeding waits for; the host's rewrites still wait for them.
     """
 
     def __init__(self, backend: Backend, device: torch.device, stream: Any | None,
@@ -97,6 +100,11 @@ class NewestBackup:
         # On the compute stream too the kernel writes host rows after the host has moved on:
         # the host's own copies of host rows (a shared prefix's boundary or private copy)
         # must wait for it (a device sync; a no-op on the CPU backend).
+        self._host_rows.note_copies_in_flight()
+
+    def covered(self) -> None:
+        """The step's lookups wrote every layer's host row, on the compute stream: nothing to
+        launch, but the host must not rewrite host rows before those writes land."""
         self._host_rows.note_copies_in_flight()
 
     def wait(self) -> None:

@@ -81,7 +81,10 @@ class DecodeContext:
                                 buffers.req_slots, buffers.num_real, buffers.out, plans,
                                 (buffers.newest_rows, buffers.newest_rows_long),
                                 (buffers.field("batch_slots"), buffers.num_real,
-                                 buffers.newest_host_rows, buffers.field("new_seq_lens")))
+                                 buffers.newest_host_rows, buffers.field("new_seq_lens")),
+                                # (a shared pool's reader leaves host rows to the writer)
+                                newest_host_rows=(buffers.newest_host_rows if pool.writes_rows
+                                                  else None))
         backup_stream = backend.backup_stream() if config.async_backup else None
         prefetch = config.shared_index_prefetch and size > 1
         prefetch_stream = backend.prefetch_stream() if prefetch else None
@@ -141,6 +144,9 @@ class DecodeStep:
         self._records = records
         self._grew = grew  # the records that took an extent for their new token
         self._written: set[int] = set()  # layers given write_newest
+        # Layers whose new rows their swap-in's lookup also wrote to the host rows (the backup
+        # need not copy them); a later write_newest of the layer takes it out again.
+        self._backed_up: set[int] = set()
         self._anchored: list[GroupReplay] = []  # groups whose anchor swapped in
         self._state = StepState.OPEN
 
@@ -234,6 +240,7 @@ class DecodeStep:
         check_layer(layer, c.num_layers)
         c.kernels.write_newest(layer, self._newest_rows(c, kv))
         self._written.add(layer)
+        self._backed_up.discard(layer)
 
     def _newest_rows(self, c: DecodeContext, kv: object) -> torch.Tensor:
         """`kv` checked as the step's new rows `[B, W]` uint8 on the device."""
@@ -289,7 +296,10 @@ class DecodeStep:
         # that captures one graph per batch size gets small grids for small batches. They
         # read the caller's top-k in place (a copy into a buffer of ours cost 6 us per call).
         out = c.buffers.views(rows).out[group]
-        c.kernels.launch_swap_in(layer, group, rows, top_k, newest)
+        if c.kernels.launch_swap_in(layer, group, rows, top_k, newest):
+            self._backed_up.add(layer)
+        elif newest is not None:
+            self._backed_up.discard(layer)
         if newest is not None:
             self._written.add(layer)
         self._finish_anchor(replay, top_k, out)
@@ -348,11 +358,16 @@ class DecodeStep:
             self._prepare_end(c)
             shared = self._enter_shared(c, "end")
             self._mark_end(c)
-            if c.pool.writes_rows:  # (a shared pool's reader leaves the backup to the writer)
-                c.order.backup.issue(self._launch_backup, c.order.step_end)
+            backup_stream = None  # where this step's host-row writes run (None: compute)
+            if c.pool.writes_rows:  # (a shared pool's reader leaves them to the writer)
+                if len(self._backed_up) == c.num_layers:
+                    c.order.backup.covered()  # every layer's lookup wrote its host row
+                else:
+                    c.order.backup.issue(self._launch_backup, c.order.step_end)
+                    backup_stream = c.order.backup.stream
             c.traffic.backed_up_tokens += self.batch_size
             self._close(c, StepState.ENDED)
-            self._exit_shared(c, shared, "end", wrote=True)
+            self._exit_shared(c, shared, "end", wrote=True, stream=backup_stream)
 
     def cancel(self) -> None:
         """Undo the step's token append, for a forward pass that failed part way.
@@ -403,11 +418,11 @@ class DecodeStep:
         return shared
 
     def _exit_shared(self, c: DecodeContext, shared: Any | None, action: str,
-                     wrote: bool) -> None:
+                     wrote: bool, stream: Any | None = None) -> None:
         if shared is None:
             return
         if wrote and c.pool.writes_rows:
-            shared.wrote(c.order.backup.stream)  # published once the backup has landed
+            shared.wrote(stream)  # published once the host-row writes on `stream` landed
         # The batch's ids were hashed at its begin: its size is enough here.
         shared.end_op(action, self.batch_size)
 

@@ -287,7 +287,8 @@ class VerifyStep(DecodeStep):
                                  c.order.step_end)
             c.traffic.backed_up_tokens += backups
             self._close(c, StepState.ENDED)
-            self._exit_shared(c, shared, f"end{counts}", wrote=True)  # `accepted` counts
+            self._exit_shared(c, shared, f"end{counts}", wrote=True,  # `accepted` counts
+                              stream=c.order.backup.stream)
 
     def _roll_back(self, c: DecodeContext) -> None:
         """A cancel rolls back all S tokens of every request; the newest slot gets its token

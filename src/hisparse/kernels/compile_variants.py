@@ -62,6 +62,7 @@ class _Scenario:
     replay: bool = False  # copy_planned (a shared-index follower layer)
     quick: bool = False  # in the probe's default, quick compile
     newest: bool = False  # the lookup also writes the layer's new rows (swap_in's newest_kv)
+    backup: bool = True  # ... and backs them up to their host rows (a pool this rank writes)
 
 
 # ==== compile_variants: everything that knows the kernel modules ===========================
@@ -113,8 +114,9 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
         with swap_in_plan.tuning(**scenario.tuning):
             launches.scenario = scenario.label
             if scenario.swap_in:
+                newest = args["newest"] if scenario.backup else args["newest_unsaved"]
                 swap_in_launch.swap_in_triton(tables, 0, 0, *args["swap_in"], traits=traits,
-                                              newest=args["newest"] if scenario.newest else None)
+                                              newest=newest if scenario.newest else None)
             if scenario.replay:
                 launches.scenario = f"{scenario.label}, replay"
                 swap_in_launch.copy_planned_triton(tables, 0, args["plan"], traits=traits)
@@ -150,6 +152,8 @@ def _swap_in_scenarios() -> list[_Scenario]:
         _Scenario("B=1 fp8 extents, new rows in the lookup", 1, newest=True),
         _Scenario("B=64 bf16 token pages, new rows in the lookup", 64, row_bytes=1152,
                   extent=16, newest=True),
+        _Scenario("B=16 fp8 extents, new rows in the lookup, not backed up (a shared "
+                  "pool's reader)", 16, newest=True, backup=False),
         _Scenario("B=16 shared-index replay", 16, swap_in=False, replay=True),
         _Scenario("B=1 H=16384", 1, hot_slots=16384),
         _Scenario("B=1 H=32768 int32 residency", 1, hot_slots=32768),
@@ -229,7 +233,9 @@ def _scenario_tables(s: _Scenario, torch: Any) -> tuple[Any, dict[str, Any]]:
         "plan": MissPlan.empty(b, k, torch.device("cpu")),
         "backup": (torch.empty(b, dtype=i32), torch.empty(b, dtype=i32), num_real),
         "newest": NewestRows(torch.empty(b, s.row_bytes, dtype=torch.uint8),
-                             torch.empty(b, dtype=i32)),
+                             torch.empty(b, dtype=i32), torch.empty(b, dtype=i32)),
+        "newest_unsaved": NewestRows(torch.empty(b, s.row_bytes, dtype=torch.uint8),
+                                     torch.empty(b, dtype=i32)),
     }
     return tables, args
 

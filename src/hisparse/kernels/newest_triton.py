@@ -29,7 +29,8 @@ def write_newest_row(
     BLOCK_WORDS: tl.constexpr,
 ):
     """Batch row b's new token into its device row; also run by the swap-in's lookup kernel
-    when a call hands it the layer's new rows (`swap_in(..., newest_kv=)`)."""
+    when a call hands it the layer's new rows (`swap_in(..., newest_kv=)`). Returns the
+    row's words and whether they were written (the lookup may back them up to host)."""
     row = tl.load(newest_rows_ptr + b)
     words = tl.arange(0, BLOCK_WORDS)
     # An out-of-range row would be an engine bug; skipping it keeps every access in bounds.
@@ -38,6 +39,7 @@ def write_newest_row(
     source = rows_ptr.to(tl.pointer_type(tl.int32)) + b.to(tl.int64) * ROW_WORDS
     data = tl.load(source + words, mask=mask)
     tl.store(layer_ptr + row.to(tl.int64) * ROW_WORDS + words, data, mask=mask)
+    return data, move
 
 
 @triton.jit

@@ -146,11 +146,13 @@ class MissPlan:
 @dataclass(frozen=True, eq=False)
 class NewestRows:
     """What a swap-in that also writes the layer's new token rows reads: `kv [rows, W]`
-    uint8 (dense, 4-byte aligned: `word_rows`) and the batch's `[Bcap]` int32
-    newest device rows."""
+    uint8 (dense, 4-byte aligned: `word_rows`), the batch's `[Bcap]` int32 newest device
+    rows and, to back the rows up to the host pool as it writes them, their `[Bcap]` int32
+    host rows (-1 on padding rows)."""
 
     kv: torch.Tensor
     rows: torch.Tensor
+    host_rows: torch.Tensor | None = None
 
 
 def word_rows(rows: torch.Tensor) -> bool:

@@ -162,23 +162,29 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
               "KEY_EXTENTS": plan.key_extents, "USE_PDL": plan.pdl,
               "ADDRESS_ORDER": plan.address_order, "NUM_BUCKETS": buckets,
               "REQUEST_COUNTS": request_counts is not None}
-    if newest is None:  # placeholders the kernel never reads
-        new_kv, new_rows, layer_words, device_rows = out, req_slots, out, 0
-        write = {"WRITE_NEWEST": False, "ROW_WORDS": 1, "BLOCK_WORDS": 1}
-    else:
-        layer_words = layer_rows(t, layer)[1]
+    # Placeholders the kernel never reads, unless the call writes (and backs up) new rows.
+    new_kv, new_rows, layer_words, device_rows = out, req_slots, out, 0
+    host_rows, host_words, addresses = req_slots, out, {}
+    write = {"WRITE_NEWEST": False, "BACKUP_NEWEST": False, "ROW_WORDS": 1, "BLOCK_WORDS": 1}
+    if newest is not None:
+        host_layer, layer_words = layer_rows(t, layer)
         new_kv, new_rows, device_rows = newest.kv, newest.rows, layer_words.shape[0]
-        write = {"WRITE_NEWEST": True, "ROW_WORDS": layer_words.shape[1],
+        write = {"WRITE_NEWEST": True, "BACKUP_NEWEST": newest.host_rows is not None,
+                 "ROW_WORDS": layer_words.shape[1],
                  "BLOCK_WORDS": triton.next_power_of_2(layer_words.shape[1])}
+        if newest.host_rows is not None:
+            host_rows, host_words = newest.host_rows, host_layer
+            addresses = {_HOST_WORDS_ARG: _host_address(t, layer)}
     launches = [
         BoundLaunch(classify_kernel, plan.classify_grid, (
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, resident, last_use,
             lru_clock, key_extents, scratch.miss_row, scratch.miss_count, t.counters[layer],
-            bucket_count, scratch.hit_count, new_kv, new_rows, layer_words, num_requests,
-            t.slots_per_request, k, hot_slots, t.extent_tokens, max_pages, n_rows, positions,
-            resident.shape[0], device_rows),
+            bucket_count, scratch.hit_count, new_kv, new_rows, layer_words, host_rows,
+            host_words, num_requests, t.slots_per_request, k, hot_slots, t.extent_tokens,
+            max_pages, n_rows, positions, resident.shape[0], device_rows),
             {**shared, "COUNTER_SEM": plan.counter_sem, "CHUNK_K": plan.classify_chunk,
-             "num_warps": plan.classify_warps, **write}, device=device, direct=direct),
+             "num_warps": plan.classify_warps, **write}, device=device, addresses=addresses,
+            direct=direct),
         BoundLaunch(select_kernel, (rows,), (
             num_real, req_slots, t.seq_lens, top_k, out, resident, t.slot_key[group], last_use,
             lru_clock, scratch.miss_row, scratch.miss_count, scratch.order, miss_plan.src,
@@ -244,9 +250,10 @@ def _run(launches: tuple[BoundLaunch, ...], scratch: Scratch) -> None:
 
 
 # Positions of the top-k tensor among the lookup's and the selection's arguments, and of the
-# new rows among the lookup's.
+# new rows and the layer's host rows among the lookup's.
 _TOP_K_ARG = 3
 _NEWEST_KV_ARG = 15
+_HOST_WORDS_ARG = 19
 
 
 class SwapInLauncher:
@@ -260,7 +267,8 @@ class SwapInLauncher:
     def __init__(self, tables: CacheTables, req_slots: torch.Tensor, num_real: torch.Tensor,
                  out: torch.Tensor, *, traits: DeviceTraits,
                  plans: Sequence[MissPlan | None] | None = None, skip_io: bool = False,
-                 newest_rows: torch.Tensor | None = None) -> None:
+                 newest_rows: torch.Tensor | None = None,
+                 newest_host_rows: torch.Tensor | None = None) -> None:
         device = tables.last_use.device
         check_tables(tables)
         groups, batch_cap, top_k = out.shape
@@ -275,9 +283,15 @@ class SwapInLauncher:
         for plan in self.plans:
             if plan is not None:
                 check_plan(plan, batch_cap, top_k, device)
-        if newest_rows is not None:
-            check_int32("newest_rows", newest_rows, (batch_cap,), device)
+        for name, rows in (("newest_rows", newest_rows), ("newest_host_rows", newest_host_rows)):
+            if rows is not None:
+                check_int32(name, rows, (batch_cap,), device)
+        if newest_host_rows is not None and newest_rows is None:
+            raise fail("newest_host_rows (where the lookup backs new rows up) needs "
+                       "newest_rows (where it writes them)", "newest_rows=None",
+                       "pass both or neither")
         self._newest_rows = newest_rows
+        self._newest_host_rows = newest_host_rows
         self._tuning: Tuning | None = None
         self._reset()
 
@@ -285,6 +299,12 @@ class SwapInLauncher:
     def writes_newest(self) -> bool:
         """Whether `swap_in` can write the layer's new rows in its lookup (`newest_kv`)."""
         return self._newest_rows is not None and self.tables.device_kv.is_contiguous()
+
+    @property
+    def backs_up_newest(self) -> bool:
+        """Whether a lookup that writes the new rows also writes them to their host rows
+        (`newest_host_rows`), so that the step's backup has nothing left to copy."""
+        return self.writes_newest and self._newest_host_rows is not None
 
     def _reset(self) -> None:
         tune = current_tuning()
@@ -320,8 +340,8 @@ class SwapInLauncher:
         if launches is None:
             recorded = self.plans[group]
             plan = recorded.first_rows(rows) if recorded is not None else self._scratch.plan
-            newest = (NewestRows(newest_kv, self._newest_rows) if newest_kv is not None
-                      else None)
+            newest = (NewestRows(newest_kv, self._newest_rows, self._newest_host_rows)
+                      if newest_kv is not None else None)
             launches = self._swap_ins[key] = _bind(
                 self.tables, self.launch_plan(rows), layer, group, self._req_slots[:rows],
                 top_k, self._num_real, self._out[group][:rows], plan, self._scratch,
@@ -410,6 +430,8 @@ def swap_in_triton(
 def _check_newest(tables: CacheTables, newest: NewestRows, batch_cap: int) -> None:
     device = tables.last_use.device
     check_int32("newest.rows", newest.rows, (batch_cap,), device)
+    if newest.host_rows is not None:
+        check_int32("newest.host_rows", newest.host_rows, (batch_cap,), device)
     kv = newest.kv
     if (kv.dtype != torch.uint8 or tuple(kv.shape) != (batch_cap, tables.row_bytes)
             or kv.device != device or not word_rows(kv)):

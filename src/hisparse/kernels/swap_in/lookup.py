@@ -172,6 +172,18 @@ def _add_counters(counters_ptr, n_hit, n_miss, n_invalid, SEM: tl.constexpr):
 
 
 @triton.jit
+def _back_up_row(b, write, data, newest_host_rows_ptr, host_words_ptr, num_host_rows,
+                 ROW_WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
+    """Batch row b's new row `data` into its host row, where `write` (a real row whose device
+    write happened) and the host row is in range (padding rows have none)."""
+    host_row = tl.load(newest_host_rows_ptr + b)
+    write = write & (host_row >= 0) & (host_row < num_host_rows)
+    words = tl.arange(0, BLOCK_WORDS)
+    mask = tl.where(write, words < ROW_WORDS, False)
+    tl.store(host_words_ptr + host_row.to(tl.int64) * ROW_WORDS + words, data, mask=mask)
+
+
+@triton.jit
 def classify_kernel(
     num_real_ptr, req_slots_ptr, seq_lens_ptr, top_k_ptr, out_ptr, page_table_ptr,
     resident_ptr,  # [NUM_KEYS] int16 / int32 this group's residency map
@@ -188,6 +200,8 @@ def classify_kernel(
     newest_kv_ptr,  # [B, ROW_WORDS] the layer's new rows (WRITE_NEWEST only)
     newest_rows_ptr,  # [Bcap] int32 device row of each batch row's new token
     device_words_ptr,  # [D, ROW_WORDS] int32 the layer's device rows
+    newest_host_rows_ptr,  # [Bcap] int32 host row of each batch row's new token (-1: padding)
+    host_words_ptr,  # [N, ROW_WORDS] int32 the layer's host rows (BACKUP_NEWEST only)
     R, S, K, H, E, P, N, T, NUM_KEYS,
     D,  # device rows of the layer (the sink row included)
     EARLY_LOADS: tl.constexpr,
@@ -200,6 +214,7 @@ def classify_kernel(
     NUM_BUCKETS: tl.constexpr,
     REQUEST_COUNTS: tl.constexpr,  # count hits per batch row for the per-request counters
     WRITE_NEWEST: tl.constexpr,  # also write the new token's row (write_newest's kernel)
+    BACKUP_NEWEST: tl.constexpr,  # and back it up to its host row (the backup's kernel)
     ROW_WORDS: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
 ):
@@ -233,5 +248,10 @@ def classify_kernel(
         # The newest slot is never a victim, so this row is written by nothing else in the
         # call; attention reads it only after the call, like every row the call returns.
         if tl.program_id(1) == 0:
-            write_newest_row(b, newest_kv_ptr, newest_rows_ptr, device_words_ptr, D, ROW_WORDS,
-                             BLOCK_WORDS)
+            data, moved = write_newest_row(b, newest_kv_ptr, newest_rows_ptr, device_words_ptr,
+                                           D, ROW_WORDS, BLOCK_WORDS)
+            if BACKUP_NEWEST:
+                # The row's host row is this step's own (nothing reads it before the step's
+                # end), so the store needs no ordering beyond the stream's.
+                _back_up_row(b, real & moved, data, newest_host_rows_ptr, host_words_ptr, N,
+                             ROW_WORDS, BLOCK_WORDS)

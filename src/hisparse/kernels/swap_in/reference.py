@@ -50,6 +50,8 @@ def swap_in_reference(
     t = tables
     if newest is not None:  # write_newest's index_copy_, first
         t.device_kv[layer].index_copy_(0, newest.rows.long(), newest.kv)
+        if newest.host_rows is not None:  # and the backup's copy of the real rows
+            _back_up_newest(t.host_kv[layer], newest, num_real)
     found = _lookup(t, group, req_slots, top_k, num_real)
     chosen = _select_victims(t, group, found)
     miss, victim = chosen.miss, chosen.victim
@@ -63,6 +65,14 @@ def swap_in_reference(
         per_row = torch.stack([served.sum(1), miss.sum(1)], dim=1)
         t.request_counters.index_add_(0, found.r[found.real], per_row[found.real])
     out.copy_(result.to(out.dtype))
+
+
+def _back_up_newest(host: torch.Tensor, newest: NewestRows, num_real: torch.Tensor) -> None:
+    """The new rows of the real batch rows into their host rows (none for padding rows)."""
+    rows = newest.kv.shape[0]
+    host_rows = newest.host_rows[:rows].long()
+    back_up = (torch.arange(rows, device=host_rows.device) < num_real.long()) & (host_rows >= 0)
+    host[host_rows[back_up].to(host.device)] = newest.kv[back_up].to(host.device)
 
 
 def _lookup(t: CacheTables, group: int, req_slots: torch.Tensor, top_k: torch.Tensor,

@@ -134,6 +134,7 @@ def test_multi_process_fuzz_is_byte_exact_on_every_rank(pool_name: str) -> None:
     assert results[0]["mismatches"] == results[1]["mismatches"] == 0, (seed, results)
     counts = [{k: v for k, v in r.items() if k not in ("rank", "seconds")} for r in results]
     assert counts[0] == counts[1] and counts[0]["checked_rows"] > 10000, (seed, counts)
+    assert 0 < counts[0]["folded_steps"] < counts[0]["steps"], counts  # both ways of writing
 
 
 @pytest.mark.parametrize("residency_map", ["host_row", "position"])
@@ -213,6 +214,7 @@ def test_gpu_fuzz_with_ranks_sharing_one_gpu(pool_name: str, ranks: int,
     assert not describe_failure(results), describe_failure(results)
     assert all(r["mismatches"] == 0 and r["steps"] == 2500 for r in results), results
     assert all(r["leaked_extents"] == 0 and r["shared_admits"] > 0 for r in results), results
+    assert all(0 < r["folded_steps"] < r["steps"] for r in results), results
 
 
 @requires_cuda

@@ -166,7 +166,8 @@ class FuzzRank:
         self.handles: list[tuple[Any, Origin]] = []  # retained prefixes, oldest first
         self.next_id = 0
         self.counts = dict(steps=0, cancels=0, checked_rows=0, mismatches=0, admits=0, pd=0,
-                           finishes=0, aborts=0, preempts=0, resumes=0, exhausted=0)
+                           finishes=0, aborts=0, preempts=0, resumes=0, exhausted=0,
+                           folded_steps=0)
         if self.sharing:
             self.counts.update(retains=0, releases=0, shared_admits=0, private_copies=0,
                                leaked_extents=0)
@@ -361,10 +362,17 @@ class FuzzRank:
             top_k[b, : len(picks)] = picks
         device = self.cache.device
         top = torch.from_numpy(top_k.astype(np.int32)).to(device)
+        # Half the steps hand the new rows to the swap-in, whose lookup (on a GPU) then also
+        # writes the writer's host rows in place of the step's backup.
+        folded = self.rng.random() < 0.5
+        self.counts["folded_steps"] += folded
         for layer in range(self.L):
-            step.write_newest(layer, torch.from_numpy(kv_at(seeds, positions, layer,
-                                                            self.W)).to(device))
-            rows = step.swap_in(layer, top)
+            kv = torch.from_numpy(kv_at(seeds, positions, layer, self.W)).to(device)
+            if folded:
+                rows = step.swap_in(layer, top, newest_kv=kv)
+            else:
+                step.write_newest(layer, kv)
+                rows = step.swap_in(layer, top)
             self.check(layer, rows, top_k, batch)
         if self.rng.random() < 0.1:
             step.cancel()

@@ -42,8 +42,9 @@ def test_a_corrupted_row_is_counted_and_fails_the_run(monkeypatch: pytest.Monkey
                                                       seed: int) -> None:
     real = hisparse.HiSparseCache.swap_in
 
-    def corrupting(self: hisparse.HiSparseCache, layer: int, top_k):  # type: ignore[no-untyped-def]
-        rows = real(self, layer, top_k)
+    def corrupting(self: hisparse.HiSparseCache, layer: int, top_k,  # type: ignore[no-untyped-def]
+                   newest_kv=None):
+        rows = real(self, layer, top_k, newest_kv=newest_kv)
         first = int(rows[0][rows[0] >= 0][0])
         self.device_kv(layer)[first, 3] ^= 0xFF
         return rows

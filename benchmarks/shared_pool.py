@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--fuzz-steps", type=non_negative_int, default=10000,
                         help="fuzz decode steps per rank (default: 10000; 0: no fuzz)")
+    parser.add_argument("--fuzz-folded", type=float, default=0.5,
+                        help="the share of fuzz steps that hand the new rows to swap_in "
+                             "(newest_kv=) instead of write_newest (default: 0.5)")
     parts = {"memory": memory, "timing": timing, "timing_interleaved": timing_interleaved,
              "timing_paired": timing_paired, "timing_one_process": timing_one_process}
     parser.add_argument("--parts", nargs="+", default=list(parts), choices=list(parts),
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         entry: dict[str, Any] = {part: parts[part](args, ranks) for part in args.parts}
         if args.fuzz_steps:
             fuzz = group(fuzz_rank, f"bench-{os.getpid()}-fuzz{ranks}", ranks, timeout_s=3600,
-                         seed=args.seed + ranks, steps=args.fuzz_steps, device=args.device)
+                         seed=args.seed + ranks, steps=args.fuzz_steps, device=args.device,
+                         folded=args.fuzz_folded)
             entry["fuzz"] = fuzz
             entry["fuzz_mismatches"] = sum(r["mismatches"] for r in fuzz)
             entry["fuzz_steps_total"] = sum(r["steps"] for r in fuzz)

@@ -17,6 +17,9 @@ import torch
 import shared_pool_workers as workers
 from hisparse.core.shared_segment import segment_path
 from hisparse.tools.shared_pool_run import (
+    FUZZ_CONFIG,
+    FuzzRank,
+    _cache,
     describe_failure,
     fuzz_rank,
     memory_rank,
@@ -230,3 +233,30 @@ def test_gpu_group_holds_one_registered_pool(pool_name: str, ranks: int) -> None
     worst_shared = max(r["private_delta"] for r in shared)
     least_private = min(r["private_delta"] for r in private)
     assert worst_shared < least_private - 0.8 * pool, (worst_shared, least_private, pool)
+
+
+def test_a_fuzz_mismatch_is_reported_with_where_it_was_and_the_actions_before_it() -> None:
+    """A host row changed behind the cache's back fails the fuzz's final check, which says
+    which layer, position and host row, at which step, after which actions."""
+    cache = _cache(None, 0, 1, "cpu", FUZZ_CONFIG)
+    try:
+        fuzz = FuzzRank(cache, int(torch.randint(0, 2**31, (1,))), writer=True)
+        for _ in range(3):
+            fuzz.admit()
+        for _ in range(6):
+            fuzz.decode()
+        fuzz.check_host_rows()
+        assert fuzz.counts["mismatches"] == 0 and not fuzz.mismatch_details
+        request = next(r for r, n in fuzz.length.items() if n > 0)
+        extents = cache._requests.get(request, "check").extents
+        host_row = extents[0] * cache.extent_tokens  # the request's token 0
+        cache.host_tensors()[1][host_row] ^= 0xFF
+        fuzz.check_host_rows()
+    finally:
+        cache.close()
+    assert fuzz.counts["mismatches"] >= 1
+    report = fuzz.mismatch_details[0]
+    assert (report["where"], report["layer"], report["position"]) == (
+        "host rows at the end", 1, 0)
+    assert report["host_row"] == host_row and report["step"] == fuzz.counts["steps"] == 6
+    assert report["recent"] and all(isinstance(s, int) for s, _ in report["recent"])

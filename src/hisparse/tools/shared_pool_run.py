@@ -17,6 +17,7 @@ import os
 import random
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -153,7 +154,8 @@ class FuzzRank:
 
     MAX_HANDLES = 4  # retained at once: the tight pool must still admit
 
-    def __init__(self, cache: Any, seed: int, writer: bool) -> None:
+    def __init__(self, cache: Any, seed: int, writer: bool, folded: float = 0.5) -> None:
+        self.folded = folded  # the share of steps that hand the new rows to swap_in
         self.cache, self.writer = cache, writer
         self.rng = random.Random(seed)
         self.L, self.W = cache.num_layers, cache.row_bytes
@@ -168,6 +170,9 @@ class FuzzRank:
         self.counts = dict(steps=0, cancels=0, checked_rows=0, mismatches=0, admits=0, pd=0,
                            finishes=0, aborts=0, preempts=0, resumes=0, exhausted=0,
                            folded_steps=0)
+        # For a mismatch's report: the last actions, and the first mismatches themselves.
+        self.recent: deque[tuple[int, str]] = deque(maxlen=16)
+        self.mismatch_details: list[dict[str, Any]] = []
         if self.sharing:
             self.counts.update(retains=0, releases=0, shared_admits=0, private_copies=0,
                                leaked_extents=0)
@@ -182,6 +187,7 @@ class FuzzRank:
             actions += [(self.retain, 2), (self.release, 1)]
         while self.counts["steps"] < steps:
             action = self.rng.choices([a for a, _ in actions], [w for _, w in actions])[0]
+            self.recent.append((self.counts["steps"], action.__name__))
             try:
                 action()
             except PoolExhaustedError:
@@ -364,8 +370,9 @@ class FuzzRank:
         top = torch.from_numpy(top_k.astype(np.int32)).to(device)
         # Half the steps hand the new rows to the swap-in, whose lookup (on a GPU) then also
         # writes the writer's host rows in place of the step's backup.
-        folded = self.rng.random() < 0.5
+        folded = self.rng.random() < self.folded
         self.counts["folded_steps"] += folded
+        self.recent.append((self.counts["steps"], "folded" if folded else "separate"))
         for layer in range(self.L):
             kv = torch.from_numpy(kv_at(seeds, positions, layer, self.W)).to(device)
             if folded:
@@ -395,6 +402,12 @@ class FuzzRank:
         wrong = valid & ((device_rows < 0) | (got != expected).any(axis=-1))
         self.counts["checked_rows"] += int(valid.sum())
         self.counts["mismatches"] += int(wrong.sum())
+        for b, k in zip(*np.nonzero(wrong), strict=True):
+            request = batch[b]
+            self._report("swap_in", layer=layer, request=request,
+                         position=int(top_k[b, k]), length=self.length[request] + 1,
+                         device_row=int(device_rows[b, k]),
+                         hot_slot=int(device_rows[b, k]) % (self.cache.hot_slots + 1))
 
     def check_host_rows(self) -> None:
         """At the end: every live request's and retained prefix's rows in the host pool,
@@ -418,20 +431,32 @@ class FuzzRank:
                 wrong = (host[layer][torch.from_numpy(rows)] != expected[layer]).any(dim=-1)
                 self.counts["checked_rows"] += length
                 self.counts["mismatches"] += int(wrong.sum())
+                for position in torch.nonzero(wrong).flatten().tolist():
+                    self._report("host rows at the end", layer=layer, position=position,
+                                 length=length, host_row=int(rows[position]))
+
+    def _report(self, where: str, **what: Any) -> None:
+        if len(self.mismatch_details) < 5:
+            self.mismatch_details.append({"where": where, "step": self.counts["steps"], **what,
+                                          "recent": list(self.recent)})
 
 
 def fuzz_rank(barrier: Any, name: str | None, rank: int, ranks: int, seed: int, steps: int,
-              device: str = "cpu", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One rank of the fuzz: the same schedule as every other rank of the group."""
+              device: str = "cpu", overrides: dict[str, Any] | None = None,
+              folded: float = 0.5) -> dict[str, Any]:
+    """One rank of the fuzz: the same schedule as every other rank of the group; `folded`
+    of its steps hand the new rows to swap_in (`newest_kv=`), the rest write them first."""
     cache = _cache(name, rank, ranks, device, {**FUZZ_CONFIG, **(overrides or {})})
     barrier.wait()
     started = time.perf_counter()
     try:
-        counts = FuzzRank(cache, seed, writer=rank == 0).run(steps)
+        fuzz = FuzzRank(cache, seed, writer=rank == 0, folded=folded)
+        counts = fuzz.run(steps)
     finally:
         barrier.wait()  # no rank closes while another may still wait on its rows
         cache.close()
-    return {**counts, "rank": rank, "seconds": time.perf_counter() - started}
+    details = {"mismatch_details": fuzz.mismatch_details} if fuzz.mismatch_details else {}
+    return {**counts, "rank": rank, "seconds": time.perf_counter() - started, **details}
 
 
 # --- memory ---------------------------------------------------------------------------------

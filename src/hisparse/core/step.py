@@ -82,9 +82,10 @@ class DecodeContext:
                                 (buffers.newest_rows, buffers.newest_rows_long),
                                 (buffers.field("batch_slots"), buffers.num_real,
                                  buffers.newest_host_rows, buffers.field("new_seq_lens")),
-                                # (a shared pool's reader leaves host rows to the writer)
-                                newest_host_rows=(buffers.newest_host_rows if pool.writes_rows
-                                                  else None))
+                                # Private pools only: on a shared pool the readers read
+                                # wrong rows now and then (benchmarks/NOTES.md, 23rd pass).
+                                newest_host_rows=(buffers.newest_host_rows
+                                                  if pool.segment is None else None))
         backup_stream = backend.backup_stream() if config.async_backup else None
         prefetch = config.shared_index_prefetch and size > 1
         prefetch_stream = backend.prefetch_stream() if prefetch else None

@@ -645,6 +645,18 @@ def test_the_bound_launcher_matches_the_reference(sizes: Sizes, rng: torch.Gener
                for launch in launches), "launches did not (or wrongly did) go direct"
 
 
+def _newest_device_rows(sizes: Sizes, req_slots: torch.Tensor, real: int) -> torch.Tensor:
+    """`[Bcap]` newest device rows: each real row's newest slot (slot H), which no lookup of
+    the call picks as a victim or returns. Padding rows go where the engine's sink row would:
+    a row no lookup of the call reads, here the newest slot of a request outside the batch."""
+    outside = min(set(range(sizes.num_requests)) - set(req_slots[:real].tolist()),
+                  default=0)  # (a full batch has no padding rows)
+    newest = torch.full((sizes.batch_cap,), outside * (sizes.hot + 1) + sizes.hot,
+                        dtype=torch.int32, device=DEVICE)
+    newest[:real] = req_slots[:real] * (sizes.hot + 1) + sizes.hot
+    return newest
+
+
 @pytest.mark.parametrize("sizes", SIZES[:2], ids=lambda s: f"K{s.top_k}-H{s.hot}")
 def test_a_swap_in_handed_the_new_rows_writes_them_in_its_lookup(
         sizes: Sizes, rng: torch.Generator) -> None:
@@ -670,14 +682,7 @@ def test_a_swap_in_handed_the_new_rows_writes_them_in_its_lookup(
         req_slots, top_k, num_real = next_top_k(want, sizes, previous, rng)
         rows = int(torch.randint(int(num_real), sizes.batch_cap + 1, ()).item())
         real = int(num_real)
-        # Each real row's newest slot (slot H): no row of the call's victims or results.
-        # Padding rows go where the engine's sink row would: a row no lookup of the call
-        # reads, here the newest slot of a request outside the batch.
-        outside = min(set(range(sizes.num_requests)) - set(req_slots[:real].tolist()),
-                      default=0)  # (a full batch has no padding rows)
-        newest = torch.full((sizes.batch_cap,), outside * (sizes.hot + 1) + sizes.hot,
-                            dtype=torch.int32, device=DEVICE)
-        newest[:real] = req_slots[:real] * (sizes.hot + 1) + sizes.hot
+        newest = _newest_device_rows(sizes, req_slots, real)
         req_buffer.copy_(req_slots)
         real_buffer.copy_(num_real)
         newest_buffer.copy_(newest)
@@ -732,9 +737,7 @@ def test_a_lookup_given_the_new_rows_host_rows_backs_them_up_there(
     # A padding row is handed a host row no real row writes: only `num_real` keeps it out.
     spare = min(set(range(want.host_kv[0].shape[0])) - set(newest_host))
     host_rows = torch.tensor(newest_host + [spare] * (rows - real), dtype=torch.int32)
-    outside = min(set(range(sizes.num_requests)) - set(slots[:real]), default=0)
-    newest = torch.full((rows,), outside * (sizes.hot + 1) + sizes.hot, dtype=torch.int32)
-    newest[:real] = req_slots[:real].cpu() * (sizes.hot + 1) + sizes.hot
+    newest = _newest_device_rows(sizes, req_slots, real)
     req_buffer.copy_(req_slots)
     real_buffer.copy_(num_real)
     newest_buffer.copy_(newest)

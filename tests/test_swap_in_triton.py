@@ -657,6 +657,14 @@ def _newest_device_rows(sizes: Sizes, req_slots: torch.Tensor, real: int) -> tor
     return newest
 
 
+def _new_rows(sizes: Sizes, rows: int, real: int, rng: torch.Generator) -> torch.Tensor:
+    """A layer's random new rows; padding rows all land on the sink: one value, any order."""
+    kv = torch.randint(0, 256, (rows, sizes.row_bytes), dtype=torch.uint8,
+                       generator=rng).to(DEVICE)
+    kv[real:] = 0
+    return kv
+
+
 @pytest.mark.parametrize("sizes", SIZES[:2], ids=lambda s: f"K{s.top_k}-H{s.hot}")
 def test_a_swap_in_handed_the_new_rows_writes_them_in_its_lookup(
         sizes: Sizes, rng: torch.Generator) -> None:
@@ -687,9 +695,7 @@ def test_a_swap_in_handed_the_new_rows_writes_them_in_its_lookup(
         real_buffer.copy_(num_real)
         newest_buffer.copy_(newest)
         for layer, group in SWAP_IN_CALLS:
-            kv = torch.randint(0, 256, (rows, sizes.row_bytes), dtype=torch.uint8,
-                               generator=rng).to(DEVICE)
-            kv[real:] = 0  # padding rows all land on the sink: one value, any order
+            kv = _new_rows(sizes, rows, real, rng)
             out_want = torch.full((rows, sizes.top_k), POISON, dtype=torch.int32, device=DEVICE)
             swap_in_reference(want, layer, group, req_slots[:rows], top_k[:rows], num_real,
                               out_want, poisoned_plan(sizes).first_rows(rows),
@@ -743,9 +749,7 @@ def test_a_lookup_given_the_new_rows_host_rows_backs_them_up_there(
     newest_buffer.copy_(newest)
     host_row_buffer.copy_(host_rows)
     for layer, group in SWAP_IN_CALLS:
-        kv = torch.randint(0, 256, (rows, sizes.row_bytes), dtype=torch.uint8,
-                           generator=rng).to(DEVICE)
-        kv[real:] = 0
+        kv = _new_rows(sizes, rows, real, rng)
         out_want = torch.full((rows, sizes.top_k), POISON, dtype=torch.int32, device=DEVICE)
         swap_in_reference(want, layer, group, req_slots, top_k, num_real, out_want,
                           poisoned_plan(sizes).first_rows(rows),

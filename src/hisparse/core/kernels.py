@@ -44,7 +44,7 @@ class DecodeKernels:
             backend.zero_copy_swap_in_kernel()
         # `swap_in_writes_newest`: one newest row per batch row, which the swap-in may write
         # itself (a verify width's S rows per request are the union's business: False), and
-        # with `newest_host_rows` (a pool whose rows this cache writes) back up as well.
+        # with `newest_host_rows` (a private host pool's) back them up as well.
         folds = swap_in_writes_newest and newest_rows is not None
         self.launcher: Any = backend.swap_in_launcher(
             tables, req_slots, num_real, out, plans=plans, skip_io=skip_io,

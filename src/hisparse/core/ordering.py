@@ -71,9 +71,10 @@ class NewestBackup:
     through `HostRowGuard` (a copy in flight: a full device sync, with a stream or without).
     Without a stream the backup runs in order on the compute stream and needs no device
     barrier. A step whose every layer's swap-in lookup wrote the new rows to their host rows
-    as well (`swap_in(..., newest_kv=)` on a GPU) launches no backup (`covered`): those writes
-    ran on the compute stream, before the step's end mark, which the next step's kernels
-    follow in order and slot reseeding waits for; the host's rewrites still wait for them.
+    as well (`swap_in(..., newest_kv=)` on a GPU, private pools only) launches no backup
+    (`covered`): those writes ran on the compute stream, before the step's end mark, which
+    the next step's kernels follow in order and slot reseeding waits for; the host's
+    rewrites still wait for them.
     """
 
     def __init__(self, backend: Backend, device: torch.device, stream: Any | None,

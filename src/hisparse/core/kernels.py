@@ -53,8 +53,7 @@ class DecodeKernels:
         # Whether a swap-in can take the layer's new rows into its own launch (Triton's), and
         # write them to their host rows there too.
         self._swap_in_writes_newest = bool(getattr(self.launcher, "writes_newest", False))
-        self._swap_in_backs_up_newest = (self._swap_in_writes_newest and bool(
-            getattr(self.launcher, "backs_up_newest", False)))
+        self._swap_in_backs_up_newest = bool(getattr(self.launcher, "backs_up_newest", False))
         # The GPU backends bind the fused kernel; `Backend` gives every other the reference.
         self.backup: BackupFn = backend.backup_kernel()
         # `write_newest(layer, rows)`: the new tokens' rows into the batch's newest device rows

@@ -62,7 +62,7 @@ class _Scenario:
     replay: bool = False  # copy_planned (a shared-index follower layer)
     quick: bool = False  # in the probe's default, quick compile
     newest: bool = False  # the lookup also writes the layer's new rows (swap_in's newest_kv)
-    backup: bool = True  # ... and backs them up to their host rows (a pool this rank writes)
+    backup: bool = True  # ... and backs them up to their host rows (a private host pool)
 
 
 # ==== compile_variants: everything that knows the kernel modules ===========================
@@ -153,7 +153,7 @@ def _swap_in_scenarios() -> list[_Scenario]:
         _Scenario("B=64 bf16 token pages, new rows in the lookup", 64, row_bytes=1152,
                   extent=16, newest=True),
         _Scenario("B=16 fp8 extents, new rows in the lookup, not backed up (a shared "
-                  "pool's reader)", 16, newest=True, backup=False),
+                  "host pool)", 16, newest=True, backup=False),
         _Scenario("B=16 shared-index replay", 16, swap_in=False, replay=True),
         _Scenario("B=1 H=16384", 1, hot_slots=16384),
         _Scenario("B=1 H=32768 int32 residency", 1, hot_slots=32768),

@@ -368,8 +368,8 @@ class FuzzRank:
             top_k[b, : len(picks)] = picks
         device = self.cache.device
         top = torch.from_numpy(top_k.astype(np.int32)).to(device)
-        # Half the steps hand the new rows to the swap-in, whose lookup (on a GPU) then also
-        # writes the writer's host rows in place of the step's backup.
+        # `folded` of the steps hand the new rows to the swap-in, whose lookup then writes
+        # them (the writer's host rows still come from the step's backup on a shared pool).
         folded = self.rng.random() < self.folded
         self.counts["folded_steps"] += folded
         self.recent.append((self.counts["steps"], "folded" if folded else "separate"))

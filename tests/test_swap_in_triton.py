@@ -738,8 +738,12 @@ def test_a_lookup_given_the_new_rows_host_rows_backs_them_up_there(
     real = int(num_real)
     rows = sizes.batch_cap
     slots = req_slots.cpu().tolist()
+    # A real row of a request with no token (a free slot, which the tables may hold) has no
+    # host row to write: -1, as on a padding row.
     newest_host = [int(page_table[r, (int(seq_lens[r]) - 1) // ext]) * ext
-                   + (int(seq_lens[r]) - 1) % ext for r in slots[:real]]
+                   + (int(seq_lens[r]) - 1) % ext if int(seq_lens[r]) > 0 else -1
+                   for r in slots[:real]]
+    backed_up = torch.tensor([h >= 0 for h in newest_host])
     # A padding row is handed a host row no real row writes: only `num_real` keeps it out.
     spare = min(set(range(want.host_kv[0].shape[0])) - set(newest_host))
     host_rows = torch.tensor(newest_host + [spare] * (rows - real), dtype=torch.int32)
@@ -762,7 +766,8 @@ def test_a_lookup_given_the_new_rows_host_rows_backs_them_up_there(
         assert_same_state(got, want)
         assert torch.equal(got.host_kv[layer], want.host_kv[layer]), f"layer {layer}"
         expected = before[layer].clone()
-        expected[torch.tensor(newest_host, dtype=torch.long)] = kv[:real].cpu()
+        expected[torch.tensor(newest_host, dtype=torch.long)[backed_up]] = kv[:real].cpu()[
+            backed_up]
         assert torch.equal(got.host_kv[layer], expected), f"layer {layer}: other host rows"
         before[layer] = expected
 

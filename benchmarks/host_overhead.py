@@ -34,6 +34,10 @@ around `triton.runtime.jit.JITFunction.run`), which tells the launch cost from t
 around it; it adds the wrapper's own cost, so its step figures are not the headline ones.
 `--profile` runs one more pass per cell under cProfile, one profile per call, and keeps each
 call's top 20 functions by own time (in the JSON and on stdout): what is left of each call.
+`--warm` asks why a call costs more inside a step than its code needs: one more pass per cell
+times the same calls back to back (`--warm-calls` of each, no device sync or other calls in
+between), and the reference workload right after a sync against back to back (`warm_pass`);
+the cell's `warm` holds their medians and the in-step medians over them.
 
     PYTHONPATH=src python benchmarks/host_overhead.py --device cuda \
         --output benchmarks/results/host-overhead-h200.json
@@ -391,9 +395,106 @@ def run_rounds(cache: hisparse.HiSparseCache, cells: list[Cell], warmup: int,
     return references
 
 
+def back_to_back_steps(cache: hisparse.HiSparseCache, ids: list[str], calls: int,
+                       sync: Callable[[], None]) -> dict[str, float]:
+    """`calls` steps of begin then end, no layer's call in between and no sync but before and
+    after the loop: the two calls' cost on a host that runs nothing else. (With no swap-in
+    every end launches the whole backup, as a step whose lookups did not write it does.)"""
+    clock, begins, ends = time.perf_counter_ns, [], []
+    sync()
+    for _ in range(calls):
+        t0 = clock()
+        cache.begin_decode_step(ids)
+        t1 = clock()
+        cache.end_decode_step()
+        t2 = clock()
+        begins.append((t1 - t0) / 1e3)
+        ends.append((t2 - t1) / 1e3)
+    sync()
+    return {"begin_back_to_back": statistics.median(begins), "begin_first_of_back_to_back":
+            begins[0], "end_back_to_back": statistics.median(ends),
+            "end_first_of_back_to_back": ends[0]}
+
+
+def back_to_back_layer(cache: hisparse.HiSparseCache, cell: Cell, calls: int,
+                       sync: Callable[[], None]) -> dict[str, float]:
+    """One complete step of the cell at its next trace step, layer 0's call (the cell's
+    newest mode, timed as `run_steps` times it) made `calls` times back to back with the
+    same top-k: the engine takes a layer's swap-in again within a step (the repeats hit what
+    the first brought in). Separate: each repeat is write_newest then swap_in, each timed."""
+    top_k, kv, folded = cell.trace.step(cell.index), cell.kv, cell.newest == "folded"
+    cell.index += 1
+    clock, swaps, writes = time.perf_counter_ns, [], []
+    sync()
+    cache.begin_decode_step(cell.ids)
+    for _ in range(calls):
+        if folded:
+            b = clock()
+            cache.swap_in(0, top_k[0], newest_kv=kv[0])
+            c = clock()
+        else:
+            a = clock()
+            cache.write_newest(0, kv[0])
+            b = clock()
+            cache.swap_in(0, top_k[0])
+            c = clock()
+            writes.append((b - a) / 1e3)
+        swaps.append((c - b) / 1e3)
+    for layer in range(1, cache.num_layers):  # the rest of the step, untimed
+        if folded:
+            cache.swap_in(layer, top_k[layer], newest_kv=kv[layer])
+        else:
+            cache.write_newest(layer, kv[layer])
+            cache.swap_in(layer, top_k[layer])
+    cache.end_decode_step()
+    sync()
+    result = {"swap_in_back_to_back": statistics.median(swaps),
+              "swap_in_first_of_back_to_back": swaps[0]}
+    if writes:
+        result |= {"write_newest_back_to_back": statistics.median(writes),
+                   "write_newest_first_of_back_to_back": writes[0]}
+    return result
+
+
+def reference_after_sync(work: Callable[[], int], calls: int, sync: Callable[[], None]
+                         ) -> dict[str, float]:
+    """The reference workload, one call timed after each of `calls` syncs, against `calls`
+    calls back to back: is the host slower at the same code right after a sync? (On a GPU
+    the sync waits for the last call's copy only; `--pause-ms` makes the wait a long one.)"""
+    clock, after_sync = time.perf_counter_ns, []
+    for _ in range(calls):
+        sync()
+        start = clock()
+        work()
+        after_sync.append((clock() - start) / 1e3)
+    sync()
+    cold, warm = statistics.median(after_sync), reference_us(work, sync, calls)
+    return {"reference_after_sync": cold, "reference_warm": warm,
+            "reference_after_sync_over_warm": cold / warm}
+
+
+def warm_pass(cache: hisparse.HiSparseCache, cell: Cell, calls: int,
+              sync: Callable[[], None], record: dict[str, object]) -> dict[str, object]:
+    """`--warm`: the cell's calls back to back (medians, us), untimed by its statistics, and
+    each call's in-step median (the timed rounds') over its back-to-back one."""
+    cell.rejoin(cache, sync)  # its batch quiet again, as before its timed steps
+    warm: dict[str, object] = {"calls": calls}
+    warm |= back_to_back_steps(cache, cell.ids, calls, sync)
+    warm |= back_to_back_layer(cache, cell, calls, sync)
+    warm |= reference_after_sync(reference_workload(cache.device), calls, sync)
+    for name, call in (("begin", "begin_decode_step"), ("end", "end_decode_step"),
+                       ("swap_in", "swap_in"), ("write_newest", "write_newest")):
+        if call in record and f"{name}_back_to_back" in warm:
+            warm[f"{name}_in_step_over_back_to_back"] = (
+                record[call]["median_us"] / warm[f"{name}_back_to_back"])
+    return warm
+
+
 def extra_passes(cache: hisparse.HiSparseCache, cell: Cell, steps: int, breakdown: bool,
-                 profile: bool, sync: Callable[[], None], record: dict[str, object]) -> None:
-    """`--breakdown` and `--profile`: one more pass each over the cell (after the rounds)."""
+                 profile: bool, sync: Callable[[], None], record: dict[str, object],
+                 warm_calls: int = 0) -> None:
+    """`--breakdown`, `--profile` and `--warm` (`warm_calls` > 0): one more pass each over the
+    cell (after the rounds)."""
     if breakdown:
         cell.rejoin(cache, sync)
         launches: dict[str, list[float]] = defaultdict(list)
@@ -416,6 +517,8 @@ def extra_passes(cache: hisparse.HiSparseCache, cell: Cell, steps: int, breakdow
         for name, table in record["profile_top20"].items():
             print(f"--- cProfile, B={cell.batch} churn={cell.churn}: {name} ({steps} steps, "
                   "per call)\n" + "\n".join(table), flush=True)
+    if warm_calls:
+        record["warm"] = warm_pass(cache, cell, warm_calls, sync, record)
 
 
 def measure(device: object, batches: list[int], churns: list[float], seq_len: int, warmup: int,
@@ -423,13 +526,14 @@ def measure(device: object, batches: list[int], churns: list[float], seq_len: in
             shape: dict[str, int] | None = None, ragged: bool = False, rounds: int | None = None,
             steps_per_round: int = 2, disjoint: bool = False,
             newest_modes: tuple[str, ...] = ("separate",), pause_ms: float = 0.0,
-            pause_kind: str = "sleep") -> dict[str, object]:
+            pause_kind: str = "sleep", warm_calls: int = 0) -> dict[str, object]:
     per_round = split_rounds(steps, rounds or -(-steps // steps_per_round))
     probe = preset(shape, layers)
     restore = 1 if disjoint else max(
         restore_steps(c, probe.top_k, probe.hot_slots, seq_len - 1) for c in churns)
     # Tokens the busiest request decodes: its own cell's (disjoint) or every cell's.
     own = warmup + len(per_round) * restore + steps + (breakdown + profile) * (restore + steps)
+    own += (restore + warm_calls + 1) if warm_calls else 0  # `warm_pass`'s steps
     cells_per_batch = len(churns) * len(newest_modes)
     cache = make_cache(device, cells_per_batch * sum(batches) if disjoint else max(batches),
                        seq_len, own * (1 if disjoint else len(batches) * cells_per_batch),
@@ -452,7 +556,7 @@ def measure(device: object, batches: list[int], churns: list[float], seq_len: in
         record["reference_us"] = [reference for reference, _ in cell.slots]
         record |= {"restore_steps": cell.restore, "timed_hits": cell.hits,
                    "timed_misses": cell.misses, "misses_per_step": cell.misses / steps}
-        extra_passes(cache, cell, steps, breakdown, profile, sync, record)
+        extra_passes(cache, cell, steps, breakdown, profile, sync, record, warm_calls)
         records.append(record)
     stats = cache.stats().to_dict()
     for record in records:
@@ -480,6 +584,9 @@ def print_cell(record: dict[str, object]) -> None:
                      {f"{k}_p10": round(record[k]["p10_us"], 1)
                       for k in ("begin_decode_step", "end_decode_step", "begin_plus_end")} |
                      {f"{k}_norm": round(norm[k]["median_us"], 1) for k in keys}), flush=True)
+    if "warm" in record:
+        print(json.dumps({k: record[k] for k in ("batch", "churn", "newest")} | {"warm": {
+            k: round(v, 2) for k, v in record["warm"].items()}}), flush=True)
 
 
 def _nop_kernel() -> object:
@@ -574,7 +681,7 @@ def _stream_floors(dev: torch.device, median_us: Callable[[Callable[[], object]]
 TARGETS_US = {"swap_in": 25.0, "write_newest": 8.0, "begin_plus_end": 60.0, "step": 2500.0}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="backend or device (default: best here)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
@@ -617,10 +724,20 @@ def main(argv: list[str] | None = None) -> int:
                              "step: is the host slower right after a long wait for the device?")
     parser.add_argument("--pause-kind", choices=["sleep", "spin"], default="sleep",
                         help="how --pause-ms waits: an idle core, or a busy one")
+    parser.add_argument("--warm", action="store_true",
+                        help="also time the calls back to back and the reference right after "
+                             "a sync (an extra pass per cell): the in-step cost over the code's")
+    parser.add_argument("--warm-calls", type=int, default=40,
+                        help="calls of each kind in the --warm pass")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("steps", "steps_per_round", "rounds"):
+    for name in ("steps", "steps_per_round", "rounds", "warm_calls"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     device: object = args.device or str(hisparse.get_backend().device())
@@ -646,7 +763,8 @@ def main(argv: list[str] | None = None) -> int:
         **measure(device, args.batches, args.churns, args.seq_len, args.warmup, args.steps,
                   args.layers, args.breakdown, args.profile, args.seed, shape, args.ragged,
                   args.rounds, args.steps_per_round, args.disjoint_requests,
-                  tuple(dict.fromkeys(args.newest)), args.pause_ms, args.pause_kind),
+                  tuple(dict.fromkeys(args.newest)), args.pause_ms, args.pause_kind,
+                  args.warm_calls if args.warm else 0),
     }
     if args.floors:
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -554,3 +555,34 @@ def test_host_overhead_refuses_empty_rounds(capsys: pytest.CaptureFixture[str],
 
     for option in ("--rounds", "--steps-per-round", "--steps"):
         assert_main_refuses(capsys, host_overhead.main, [option, "0"], option)
+
+
+def test_host_overhead_warm_pass_times_the_calls_back_to_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--warm`: per cell, the calls back to back (no sync, no other call between), layer 0's
+    call repeated within one step, and the reference right after a sync against back to back,
+    each with the in-step median over it; the timed statistics keep their own steps only."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import host_overhead
+
+    out = tmp_path / "host-overhead.json"
+    argv = ["--noop-kernels", *HOST_OVERHEAD_SMALL, "--steps", "3", "--warm", "--warm-calls",
+            "6", "--output", str(out)]
+    assert host_overhead.main(argv) == 0
+    cells = json.loads(out.read_text())["cells"]
+    assert len(cells) == 8
+    for cell in cells:
+        warm, folded = cell["warm"], cell["newest"] == "folded"
+        assert cell["begin_decode_step"]["calls"] == cell["swap_in"]["calls"] // 2 == 3
+        names = ["begin", "end", "swap_in"] + ([] if folded else ["write_newest"])
+        assert ("write_newest_back_to_back" in warm) is not folded
+        assert warm["calls"] == 6
+        for name in names:
+            for key in (f"{name}_back_to_back", f"{name}_first_of_back_to_back",
+                        f"{name}_in_step_over_back_to_back"):
+                assert math.isfinite(warm[key]) and warm[key] > 0, key
+        assert warm["reference_after_sync"] > 0 and warm["reference_warm"] > 0
+        assert warm["reference_after_sync_over_warm"] == pytest.approx(
+            warm["reference_after_sync"] / warm["reference_warm"])
+        assert warm["begin_in_step_over_back_to_back"] == pytest.approx(
+            cell["begin_decode_step"]["median_us"] / warm["begin_back_to_back"])

@@ -3,11 +3,12 @@
 On a GPU every kernel launch and torch op is asynchronous, so a call's host time is its Python
 and its launch overhead. The plain CPU backend runs the torch reference kernels synchronously,
 and their run time (a swap-in over [B, K], a 61-layer backup) hides the Python around them.
-Here the swap-in, replay, union, backup and newest-token launchers return at once, and streams
-and events are the CPU's (None, no-ops), so timing a call measures the engine's own per-call
-work plus the few small torch ops it issues itself (the batch upload, the table updates), which
-on a GPU are launches too. Rows and tables are left as they were: for host-overhead benchmarks
-only, never for correctness (`benchmarks/host_overhead.py --noop-kernels`).
+Here the swap-in, replay, union, backup, batch-advance and newest-token launchers return at
+once, and streams and events are the CPU's (None, no-ops), so timing a call measures the
+engine's own per-call work plus the few small torch ops it issues itself (the batch upload,
+the table updates), which on a GPU are launches too. Rows and tables are left as they were:
+for host-overhead benchmarks only, never for correctness
+(`benchmarks/host_overhead.py --noop-kernels`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class NoopKernelCpu(CpuBackend):
         return _NoopUnion(tokens, top_k)
 
     def backup_kernel(self) -> BackupFn:
+        return _noop
+
+    def batch_advance(self, *args: Any, **kwargs: Any) -> Callable[[int], None]:
         return _noop
 
     def newest_writer(self, device_kv: torch.Tensor, newest_rows: torch.Tensor,

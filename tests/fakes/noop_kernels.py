@@ -63,7 +63,7 @@ class NoopKernelCpu(CpuBackend):
     def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
                          out: torch.Tensor, *, plans: Any = None, skip_io: bool = False,
                          newest_rows: torch.Tensor | None = None,
-                         newest_host_rows: torch.Tensor | None = None) -> Any:
+                         newest_host_rows: torch.Tensor | None = None, union: Any = None) -> Any:
         return _NoopSwapIn(newest_host_rows is not None)
 
     def union_launcher(self, tokens: int, top_k: int, *args: Any, **kwargs: Any) -> Any:

@@ -227,14 +227,14 @@ class AcceleratorBackend(Backend):
     def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
                          out: torch.Tensor, *, plans: Any = None, skip_io: bool = False,
                          newest_rows: torch.Tensor | None = None,
-                         newest_host_rows: torch.Tensor | None = None) -> Any:
+                         newest_host_rows: torch.Tensor | None = None, union: Any = None) -> Any:
         launcher = bind_triton_kernel("SwapInLauncher")
         if launcher is None:  # no triton: the reference, as for every kernel
             return super().swap_in_launcher(tables, req_slots, num_real, out,
                                             plans=plans, skip_io=skip_io)
         return launcher(tables, req_slots, num_real, out, traits=self.kernel_traits(
             tables.last_use.device), plans=plans, skip_io=skip_io, newest_rows=newest_rows,
-            newest_host_rows=newest_host_rows)
+            newest_host_rows=newest_host_rows, union=union)
 
     def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
                        draft_base: torch.Tensor, num_real: torch.Tensor,

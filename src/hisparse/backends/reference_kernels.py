@@ -30,11 +30,12 @@ class ReferenceKernelBindings:
     def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
                          out: torch.Tensor, *, plans: Any = None, skip_io: bool = False,
                          newest_rows: torch.Tensor | None = None,
-                         newest_host_rows: torch.Tensor | None = None) -> Any:
+                         newest_host_rows: torch.Tensor | None = None, union: Any = None) -> Any:
         """The engine's swap-in over its tables and batch buffers: the torch reference here;
         the GPU backends bind the Triton launcher (which also writes a layer's new rows into
         `newest_rows`' device rows, and backs them up to `newest_host_rows`, when a call hands
-        them over)."""
+        them over, and with `union` de-duplicates a verify width's flattened rows itself: here
+        the union plan and scatter do that around the swap-in, so `union` is not taken)."""
         from hisparse.kernels.swap_in.reference import ReferenceSwapInLauncher
 
         return ReferenceSwapInLauncher(tables, req_slots, num_real, out,

@@ -17,7 +17,7 @@ import torch
 
 from hisparse.backends.base import Backend, BackupFn
 from hisparse.errors import HisparseError, RequestStateError
-from hisparse.layout.tables import CacheTables, MissPlan, word_rows
+from hisparse.layout.tables import CacheTables, DraftUnion, MissPlan, word_rows
 
 
 class DecodeKernels:
@@ -35,7 +35,8 @@ class DecodeKernels:
                  newest_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
                  advance: tuple[torch.Tensor, ...] | None = None,
                  swap_in_writes_newest: bool = True,
-                 newest_host_rows: torch.Tensor | None = None) -> None:
+                 newest_host_rows: torch.Tensor | None = None,
+                 union: DraftUnion | None = None) -> None:
         self.skip_io = skip_io
         # Asked for by name so that a backend without the feature raises here.
         if skip_io:
@@ -46,10 +47,14 @@ class DecodeKernels:
         # itself (a verify width's S rows per request are the union's business: False), and
         # with `newest_host_rows` (a private host pool's) back them up as well.
         folds = swap_in_writes_newest and newest_rows is not None
+        # `union` (a verify width's): the launcher may de-duplicate the flattened rows itself
+        # (Triton's); `fuses_union` says whether it took them.
         self.launcher: Any = backend.swap_in_launcher(
             tables, req_slots, num_real, out, plans=plans, skip_io=skip_io,
             newest_rows=newest_rows[0] if folds else None,
-            newest_host_rows=newest_host_rows if folds else None)
+            newest_host_rows=newest_host_rows if folds else None,
+            **({"union": union} if union is not None else {}))
+        self.fuses_union = getattr(self.launcher, "union", None) is not None
         # Whether a swap-in can take the layer's new rows into its own launch (Triton's), and
         # write them to their host rows there too.
         self._swap_in_writes_newest = bool(getattr(self.launcher, "writes_newest", False))

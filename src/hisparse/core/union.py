@@ -14,6 +14,11 @@ replays them; one graph per (batch bucket, S), since U is part of every shape.
 
 The Triton kernels are built for one top-k width: each S gets its own launcher bound to an
 out buffer of width U (`backend.swap_in_launcher`), its own miss plans and group replays.
+The Triton launcher de-duplicates the flattened `[B, S * K]` rows inside its own lookup and
+selection instead (`layout.tables.DraftUnion`; it `fuses_union`): then there is no union row,
+plan or scatter, and its out buffer is the result. The misses take their slots in the same
+order and every table ends the same as through the union (benchmarks/NOTES.md, twenty-fourth
+pass).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from hisparse.core.kernels import DecodeKernels
 from hisparse.core.ordering import SideStreamReplay
 from hisparse.core.replay import GroupReplay
 from hisparse.kernels.union_reference import Union, build_union
-from hisparse.layout.tables import CacheTables, MissPlan
+from hisparse.layout.tables import CacheTables, DraftUnion, MissPlan
 
 __all__ = ["Union", "UnionWidth", "build_union", "build_width"]
 
@@ -71,9 +76,9 @@ class UnionWidth:
     The per-batch-size views are cached (`views`): a call per layer slices nothing."""
 
     tokens: int  # S
-    union_top_k: torch.Tensor  # [Bcap, U] int32: the union row the kernel reads
+    union_top_k: torch.Tensor  # [Bcap, U] int32: the union row the kernel reads (unfused)
     union_out: torch.Tensor  # [G, Bcap, U] int32: the kernel's rows for it
-    rows: torch.Tensor  # [G, Bcap, S, K] int32: what swap_in returns
+    rows: torch.Tensor  # [G, Bcap, S, K] int32: what swap_in returns (fused: union_out's view)
     kernels: _UnionKernels
     replays: list[GroupReplay | None]
     _views: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
@@ -111,7 +116,8 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
     plans = [MissPlan.empty(capacity, width, device) if group_size > 1 else None
              for _ in range(num_groups)]
     kernels = _UnionKernels(main, backend, skip_io, zero_copy, tables, req_slots, num_real,
-                            union_out, plans, draft_rows, swap_in_writes_newest=False)
+                            union_out, plans, draft_rows, swap_in_writes_newest=False,
+                            union=DraftUnion(tokens, top_k, first, draft_base, table))
     replays: list[GroupReplay | None] = [None] * num_groups
     for group in range(num_groups if group_size > 1 else 0):
         anchor = group * group_size
@@ -121,10 +127,15 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
         plan = plans[group]
         assert plan is not None
         replays[group] = GroupReplay(group, anchor, followers, plan, tables, kernels, side)
-    union_top_k = torch.full((capacity, width), -1, **i32)
-    rows = torch.full((num_groups, capacity, tokens, top_k), -1, **i32)
-    kernels.union = backend.union_launcher(tokens, top_k, first, draft_base, num_real,
-                                           union_top_k, union_out, rows, tables.counters,
-                                           table=table)
+    if kernels.fuses_union:  # its swap-in reads the [B, S * K] rows and writes the result
+        union_top_k = torch.empty((capacity, 0), **i32)
+        rows = union_out.view(num_groups, capacity, tokens, top_k)
+        kernels.union = None
+    else:
+        union_top_k = torch.full((capacity, width), -1, **i32)
+        rows = torch.full((num_groups, capacity, tokens, top_k), -1, **i32)
+        kernels.union = backend.union_launcher(tokens, top_k, first, draft_base, num_real,
+                                               union_top_k, union_out, rows, tables.counters,
+                                               table=table)
     return UnionWidth(tokens=tokens, union_top_k=union_top_k, union_out=union_out, rows=rows,
                       kernels=kernels, replays=replays)

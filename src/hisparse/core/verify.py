@@ -229,13 +229,16 @@ class VerifyStep(DecodeStep):
             self.write_newest(layer, newest_kv)
         if replay is not None:
             replay.begin_plan()
-        # Two launches around the swap-in (kernels.union_triton): the union row and inverse
-        # codes, then the rows back to [B, S, K] and the extra counts.
         union_top_k, outs, singles = width.views(rows)
         kernels = width.kernels
-        kernels.launch_union_plan(rows, checked)
-        kernels.launch_swap_in(layer, group, rows, union_top_k)
-        kernels.launch_union_scatter(layer, group, rows)
+        if kernels.fuses_union:
+            kernels.launch_swap_in(layer, group, rows, checked.view(rows, -1))
+        else:
+            # Two launches around the swap-in (kernels.union_triton): the union row and
+            # inverse codes, then the rows back to [B, S, K] and the extra counts.
+            kernels.launch_union_plan(rows, checked)
+            kernels.launch_swap_in(layer, group, rows, union_top_k)
+            kernels.launch_union_scatter(layer, group, rows)
         result = outs[group] if self.num_tokens > 1 else singles[group]
         self._finish_anchor(replay, top_k, result)
         return result

@@ -63,6 +63,7 @@ class _Scenario:
     quick: bool = False  # in the probe's default, quick compile
     newest: bool = False  # the lookup also writes the layer's new rows (swap_in's newest_kv)
     backup: bool = True  # ... and backs them up to their host rows (a private host pool)
+    tokens: int = 1  # S > 1: a verify step's [B, S * K] rows, de-duplicated in the swap-in
 
 
 # ==== compile_variants: everything that knows the kernel modules ===========================
@@ -116,7 +117,8 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
             if scenario.swap_in:
                 newest = args["newest"] if scenario.backup else args["newest_unsaved"]
                 swap_in_launch.swap_in_triton(tables, 0, 0, *args["swap_in"], traits=traits,
-                                              newest=newest if scenario.newest else None)
+                                              newest=newest if scenario.newest else None,
+                                              union=args["union"])
             if scenario.replay:
                 launches.scenario = f"{scenario.label}, replay"
                 swap_in_launch.copy_planned_triton(tables, 0, args["plan"], traits=traits)
@@ -159,6 +161,10 @@ def _swap_in_scenarios() -> list[_Scenario]:
         _Scenario("B=1 H=32768 int32 residency", 1, hot_slots=32768),
         _Scenario("tiny preset B=8 (the probe's)", 8, top_k=64, hot_slots=128, row_bytes=64,
                   extent=64, replay=True, quick=True),
+        _Scenario("B=1 verify S=2, union in the swap-in", 1, tokens=2, quick=True),
+        _Scenario("B=16 verify S=4, union in the swap-in, by position", 16, tokens=4,
+                  hot_slots=8192, extent=16, residency="position"),
+        _Scenario("B=128 verify S=8, union in the swap-in", 128, tokens=8, hot_slots=16384),
     ]
 
 
@@ -202,7 +208,13 @@ def _scenario_tables(s: _Scenario, torch: Any) -> tuple[Any, dict[str, Any]]:
     """CPU tables shaped like a deployment's (torch.empty: never touched, so the host pool
     and device rows cost address space only). Sizes keep production's divisibility by 16,
     which Triton specialises on: R=16 requests, 128 Ki tokens per request."""
-    from hisparse.layout.tables import CacheTables, MissPlan, NewestRows, residency_dtype
+    from hisparse.layout.tables import (
+        CacheTables,
+        DraftUnion,
+        MissPlan,
+        NewestRows,
+        residency_dtype,
+    )
 
     i32, requests, positions = torch.int32, 16, 131072
     pages = positions // s.extent
@@ -225,8 +237,12 @@ def _scenario_tables(s: _Scenario, torch: Any) -> tuple[Any, dict[str, Any]]:
         key_host_extent=(torch.empty(key_extents, dtype=i32) if s.residency == "key_row"
                          else None),
     )
-    b, k = s.batch, s.top_k
+    b, k = s.batch, s.top_k * s.tokens
     num_real = torch.empty(1, dtype=i32)
+    table = torch.empty(b, positions + 16, dtype=i32)  # max_seq_len + D
+    union = (DraftUnion(s.tokens, s.top_k, torch.empty(b, dtype=torch.int64),
+                        torch.empty(b, dtype=torch.int64), lambda: table)
+             if s.tokens > 1 else None)
     args = {
         "swap_in": (torch.empty(b, dtype=i32), torch.empty(b, k, dtype=i32), num_real,
                     torch.empty(b, k, dtype=i32)),
@@ -236,6 +252,7 @@ def _scenario_tables(s: _Scenario, torch: Any) -> tuple[Any, dict[str, Any]]:
                              torch.empty(b, dtype=i32), torch.empty(b, dtype=i32)),
         "newest_unsaved": NewestRows(torch.empty(b, s.row_bytes, dtype=torch.uint8),
                                      torch.empty(b, dtype=i32)),
+        "union": union,
     }
     return tables, args
 

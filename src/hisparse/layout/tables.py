@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -153,6 +154,22 @@ class NewestRows:
     kv: torch.Tensor
     rows: torch.Tensor
     host_rows: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class DraftUnion:
+    """What a swap-in over a verify step's flattened `[B, S * K]` top-k reads to treat it as
+    one de-duplicated row per request (a position selected several times is looked up once
+    and missed at most once): the step's `[Bcap]` int64 first token positions and draft slot
+    0 device rows, and `table()`, which hands over the cache's `[Bcap, max_seq_len + D]`
+    int32 presence table (made at the first call that asks; all SENTINEL between calls,
+    `kernels.union_reference.presence_table`)."""
+
+    tokens: int  # S
+    top_k: int  # K, entries per query token
+    first: torch.Tensor
+    draft_base: torch.Tensor
+    table: Callable[[], torch.Tensor]
 
 
 def word_rows(rows: torch.Tensor) -> bool:

@@ -43,7 +43,14 @@ from hisparse.kernels.swap_in.plan import (
     replay_plan,
 )
 from hisparse.kernels.swap_in.select import select_kernel
-from hisparse.layout.tables import CacheTables, MissPlan, NewestRows, residency_dtype, word_rows
+from hisparse.layout.tables import (
+    CacheTables,
+    DraftUnion,
+    MissPlan,
+    NewestRows,
+    residency_dtype,
+    word_rows,
+)
 from hisparse.layout.widths import INT16_MAX_HOT_SLOTS
 
 
@@ -143,9 +150,11 @@ def _host_address(tables: CacheTables, layer: int) -> int:
 def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
           req_slots: torch.Tensor, top_k: torch.Tensor, num_real: torch.Tensor,
           out: torch.Tensor, miss_plan: MissPlan, scratch: Scratch, direct: bool,
-          newest: NewestRows | None = None) -> tuple[BoundLaunch, ...]:
+          newest: NewestRows | None = None, union: DraftUnion | None = None
+          ) -> tuple[BoundLaunch, ...]:
     """The lookup, selection and (unless skip-IO) copy launches of one call; with `newest`,
-    the lookup also writes the layer's new rows."""
+    the lookup also writes the layer's new rows; with `union`, `top_k` is a verify step's
+    flattened `[rows, S * K]`, de-duplicated per row."""
     t, device = tables, tables.last_use.device
     num_requests, max_pages = t.page_table.shape
     rows, k, hot_slots = plan.rows, plan.top_k, plan.hot_slots
@@ -175,16 +184,25 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
         if newest.host_rows is not None:
             host_rows, host_words = newest.host_rows, host_layer
             addresses = {_HOST_WORDS_ARG: _host_address(t, layer)}
+    # Placeholders again, unless the call de-duplicates a verify row.
+    first, draft_base, presence, dedup = req_slots, req_slots, req_slots, {"DEDUP": False}
+    if union is not None:
+        first, draft_base, presence = union.first, union.draft_base, union.table()
+        _check_presence_table(presence, rows, device)
+        dedup = {"DEDUP": True}
+    presence_stride = presence.stride(0) if union is not None else 0
     launches = [
         BoundLaunch(classify_kernel, plan.classify_grid, (
             num_real, req_slots, t.seq_lens, top_k, out, t.page_table, resident, last_use,
             lru_clock, key_extents, scratch.miss_row, scratch.miss_count, t.counters[layer],
             bucket_count, scratch.hit_count, new_kv, new_rows, layer_words, host_rows,
             host_words, num_requests, t.slots_per_request, k, hot_slots, t.extent_tokens,
-            max_pages, n_rows, positions, resident.shape[0], device_rows),
+            max_pages, n_rows, positions, resident.shape[0], device_rows, first, draft_base,
+            presence, presence_stride),
             {**shared, "COUNTER_SEM": plan.counter_sem, "CHUNK_K": plan.classify_chunk,
-             "num_warps": plan.classify_warps, **write}, device=device, addresses=addresses,
-            direct=direct),
+             "num_warps": plan.classify_warps, **write, **dedup,
+             "TOKEN_K": union.top_k if union is not None else 1}, device=device,
+            addresses=addresses, direct=direct),
         BoundLaunch(select_kernel, (rows,), (
             num_real, req_slots, t.seq_lens, top_k, out, resident, t.slot_key[group], last_use,
             lru_clock, scratch.miss_row, scratch.miss_count, scratch.order, miss_plan.src,
@@ -192,8 +210,8 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
             bucket_cursor, done, scratch.row_buckets, scratch.hit_count,
             request_counts if request_counts is not None else t.counters, t.page_table,
             num_requests, t.slots_per_request, k, hot_slots, n_rows, positions,
-            resident.shape[0], t.extent_tokens, max_pages),
-            {**shared, "FAST_ROUNDS": plan.select_fast_rounds, "BLOCK_K": plan.block_k,
+            resident.shape[0], t.extent_tokens, max_pages, presence, presence_stride),
+            {**shared, **dedup, "FAST_ROUNDS": plan.select_fast_rounds, "BLOCK_K": plan.block_k,
              "BLOCK_H": plan.block_h, "num_warps": plan.select_warps,
              **({"launch_pdl": True} if plan.pdl else {})}, device=device, direct=direct),
     ]
@@ -268,7 +286,8 @@ class SwapInLauncher:
                  out: torch.Tensor, *, traits: DeviceTraits,
                  plans: Sequence[MissPlan | None] | None = None, skip_io: bool = False,
                  newest_rows: torch.Tensor | None = None,
-                 newest_host_rows: torch.Tensor | None = None) -> None:
+                 newest_host_rows: torch.Tensor | None = None,
+                 union: DraftUnion | None = None) -> None:
         device = tables.last_use.device
         check_tables(tables)
         groups, batch_cap, top_k = out.shape
@@ -292,6 +311,9 @@ class SwapInLauncher:
                        "pass both or neither")
         self._newest_rows = newest_rows
         self._newest_host_rows = newest_host_rows
+        if union is not None:
+            _check_union(union, batch_cap, top_k, device)
+        self.union = union
         self._tuning: Tuning | None = None
         self._reset()
 
@@ -345,7 +367,7 @@ class SwapInLauncher:
             launches = self._swap_ins[key] = _bind(
                 self.tables, self.launch_plan(rows), layer, group, self._req_slots[:rows],
                 top_k, self._num_real, self._out[group][:rows], plan, self._scratch,
-                direct=self.traits.direct_launch, newest=newest)
+                direct=self.traits.direct_launch, newest=newest, union=self.union)
         else:
             if launches[0].address(_TOP_K_ARG) != top_k.data_ptr():
                 # Another top-k tensor (the bound launches keep the last one alive).
@@ -367,6 +389,30 @@ class SwapInLauncher:
                                                      self.plans[group].first_rows(rows), rows,
                                                      direct=self.traits.direct_launch)
         launch()
+
+
+def _check_union(union: DraftUnion, batch_cap: int, width: int, device: torch.device
+                 ) -> None:
+    if union.tokens * union.top_k != width:
+        raise fail("a verify union's launcher reads S x K entries per row",
+                   f"out width {width} for S={union.tokens}, K={union.top_k}",
+                   "bind it to a [G, Bcap, S * K] out")
+    for name in ("first", "draft_base"):
+        field = getattr(union, name)
+        if field.dtype != torch.int64 or tuple(field.shape) != (batch_cap,) or (
+                field.device != device):
+            raise fail(f"union.{name} must be int64 [{batch_cap}] on {device}",
+                       f"{field.dtype} {list(field.shape)} on {field.device}",
+                       "pass the verify step's persistent begin-block field")
+
+
+def _check_presence_table(table: torch.Tensor, rows: int, device: torch.device) -> None:
+    # Its width (max_seq_len + D: above every position a step may select) is the cache's.
+    if (table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] < rows
+            or table.device != device or table.stride(1) != 1):
+        raise fail(f"union.table() must be an int32 [>= {rows}, positions] presence table "
+                   f"on {device}", f"{table.dtype} {list(table.shape)} on {table.device}",
+                   "make it with union_reference.presence_table")
 
 
 def _check_shape(tables: CacheTables, top_k: int) -> None:
@@ -392,11 +438,13 @@ def swap_in_triton(
     skip_io: bool = False,
     traits: DeviceTraits | None = None,
     newest: NewestRows | None = None,
+    union: DraftUnion | None = None,
 ) -> None:
     """Swap-in of one layer for a padded batch (docs/ARCHITECTURE.md), checked and bound on
     every call. `traits`: the device's, by default as its backend states them; `newest`: the
-    layer's new rows, written by the lookup. Raises InvalidInputError, before any launch, for
-    inputs it cannot use."""
+    layer's new rows, written by the lookup; `union`: top_k is a verify step's `[Bcap, S * K]`
+    rows, de-duplicated per row (as `core.union` swaps in their union). Raises
+    InvalidInputError, before any launch, for inputs it cannot use."""
     t = tables
     device = t.last_use.device
     if top_k.dim() != 2:
@@ -418,13 +466,15 @@ def swap_in_triton(
         check_plan(plan, batch_cap, k, device)
     if newest is not None:
         _check_newest(t, newest, batch_cap)
+    if union is not None:
+        _check_union(union, batch_cap, k, device)
     scratch = scratch_for(t, batch_cap, k)
     launch_plan = plan_launch(batch_cap, k, t.hot_slots, t.extent_tokens,
                               t.residency_map == "position", traits or default_traits(device),
                               skip_io=skip_io, key_extents=t.key_host_extent is not None)
     _run(_bind(t, launch_plan, layer, group, req_slots, top_k, num_real, out,
                plan if plan is not None else scratch.plan, scratch, direct=False,
-               newest=newest), scratch)
+               newest=newest, union=union), scratch)
 
 
 def _check_newest(tables: CacheTables, newest: NewestRows, batch_cap: int) -> None:

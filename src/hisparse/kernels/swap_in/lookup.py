@@ -15,9 +15,12 @@ import triton.language as tl
 
 from hisparse.kernels.newest_triton import write_newest_row
 from hisparse.kernels.swap_in.pdl import gdc_launch_dependents
+from hisparse.kernels.union_reference import SENTINEL
 
 # Above every stamp a clock reaches (it advances once per decode step).
 _NO_STAMP = tl.constexpr(2**31 - 1)
+# An empty presence-table entry (union_reference.presence_table).
+_SENTINEL = tl.constexpr(SENTINEL)
 
 
 @triton.jit
@@ -79,12 +82,16 @@ def _lookup_chunk(
     N,  # host rows
     T,  # positions per request (keys by position: r * T + position)
     NUM_KEYS,  # entries of resident (N, unless keyed by position or by key extents)
+    first,  # a verify step's first token position (DEDUP only)
+    draft_base,  # the device row of its draft slot 0 (DEDUP only)
     EARLY_LOADS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,
     KEY_EXTENTS: tl.constexpr,  # the page table holds key extents (host_row with aliases)
+    DEDUP: tl.constexpr,  # the row is a verify step's S query tokens' top-k, flattened
+    TOKEN_K: tl.constexpr,  # entries per query token (DEDUP only)
 ):
     """Resolve top-k entries: the device row of every non-miss (-1 for none/invalid), the hit
-    slot / host row of long-regime entries, and each entry's code (`_entry_codes`)."""
+    slot / host row of long-regime entries, each entry's code (`_entry_codes`) and position."""
     in_k = k_offsets < K
     if EARLY_LOADS:
         # Neither load waits for num_real or seq_len: the top-k row is read unconditionally
@@ -101,6 +108,15 @@ def _lookup_chunk(
         pos = tl.load(top_k_ptr + b * K + k_offsets, mask=tl.where(real, in_k, False),
                       other=-1)
     valid, invalid, result, candidate = _entry_regime(pos, n, base, H)
+    if DEDUP:
+        # The step's own tokens come from their draft slots, and a query token may select
+        # positions up to its own only (union_reference.build_union).
+        after_own = valid & (pos > first + k_offsets // TOKEN_K)
+        draft = valid & (pos >= first) & ~after_own
+        result = tl.where(draft, draft_base + (pos - first), tl.where(after_own, -1, result))
+        invalid = invalid | after_own
+        valid = valid & ~after_own
+        candidate = candidate & (pos < first)
     if POSITION_KEYED:
         # A hit needs no host row; a position the page table cannot map is lost (below).
         lost = candidate & (pos >= T)
@@ -138,21 +154,38 @@ def _lookup_chunk(
             miss = miss & ~no_row
     result = tl.where(hit, base + slot, result)
     code = _entry_codes(miss, row, valid & ~miss & ~lost, invalid | lost)
-    return in_k, result, hit, slot, miss, row, code
+    return in_k, result, hit, slot, miss, row, code, pos
 
 
 @triton.jit
 def _entry_codes(miss, row, served, invalid):
     """What `miss_row` holds per top-k entry: a miss's host row (>= 0); else -3 served (hit,
-    short regime or newest token), -2 invalid, -1 no entry. The selection and the prefetching
-    copy read the misses from it."""
+    short regime or newest token), -2 invalid, -1 no entry; in a verify row, a miss whose
+    position an earlier-claimed entry also selects is `-4 - row` (`_claim_positions`). The
+    selection and the prefetching copy read the misses from it."""
     return tl.where(miss, row, tl.where(served, -3, tl.where(invalid, -2, -1)))
 
 
 @triton.jit
-def _count_codes(code):
-    """(hits, misses, invalid) among entry codes; hits count every served entry."""
-    n_hit = tl.sum((code == -3).to(tl.int32), axis=0)
+def _claim_positions(b, k_offsets, pos, miss, row, code, presence_ptr, presence_stride,
+                     SEM: tl.constexpr):
+    """A verify row's de-duplication: every served or missing entry takes the minimum of its
+    position's presence-table entry and its own index (the selection then knows each
+    position's first entry by it, and resets it). The entry that found the table empty is
+    the position's one count; the other misses of a position are coded `-4 - row`, so that
+    only one entry per position copies its row (copy.py reads misses as codes >= 0)."""
+    tracked = (code == -3) | miss
+    entry = presence_ptr + b.to(tl.int64) * presence_stride + pos
+    old = tl.atomic_min(entry, k_offsets, mask=tracked, sem=SEM)
+    unique = tracked & (old == _SENTINEL)
+    return tl.where(miss & ~unique, -4 - row, code), unique
+
+
+@triton.jit
+def _count_codes(code, unique):
+    """(hits, misses, invalid) among entry codes; hits count every served entry that is its
+    position's first (`unique`: all of them but a verify row's repeats)."""
+    n_hit = tl.sum(((code == -3) & unique).to(tl.int32), axis=0)
     n_miss = tl.sum((code >= 0).to(tl.int32), axis=0)
     n_invalid = tl.sum((code == -2).to(tl.int32), axis=0)
     return n_hit, n_miss, n_invalid
@@ -204,6 +237,10 @@ def classify_kernel(
     host_words_ptr,  # [N, ROW_WORDS] int32 the layer's host rows (BACKUP_NEWEST only)
     R, S, K, H, E, P, N, T, NUM_KEYS,
     D,  # device rows of the layer (the sink row included)
+    first_ptr,  # [Bcap] int64 each request's first token position of the step (DEDUP only)
+    draft_base_ptr,  # [Bcap] int64 device row of each request's draft slot 0 (DEDUP only)
+    presence_ptr,  # [Bcap, presence_stride] int32 presence table, SENTINEL in and out (DEDUP)
+    presence_stride,
     EARLY_LOADS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,  # resident is indexed by r * T + position, not by host row
     KEY_EXTENTS: tl.constexpr,  # resident is indexed by key row, the page table by key extent
@@ -217,6 +254,8 @@ def classify_kernel(
     BACKUP_NEWEST: tl.constexpr,  # and back it up to its host row (the backup's kernel)
     ROW_WORDS: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
+    DEDUP: tl.constexpr,  # top_k is a verify step's [S * TOKEN_K] row per request
+    TOKEN_K: tl.constexpr,
 ):
     if USE_PDL:  # the selection kernel may start now: it waits (gdc_wait) before our output
         gdc_launch_dependents()
@@ -224,25 +263,35 @@ def classify_kernel(
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
                                     EARLY_LOADS)
     clock = tl.load(lru_clock_ptr + r)
+    first, draft_base = 0, 0
+    if DEDUP:
+        first = tl.load(first_ptr + b)
+        draft_base = tl.load(draft_base_ptr + b)
     k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
-    in_k, result, hit, slot, miss, row, code = _lookup_chunk(
+    in_k, result, hit, slot, miss, row, code, pos = _lookup_chunk(
         b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
-        key_host_extent_ptr, K, H, E, P, N, T, NUM_KEYS, EARLY_LOADS, POSITION_KEYED,
-        KEY_EXTENTS,
+        key_host_extent_ptr, K, H, E, P, N, T, NUM_KEYS, first, draft_base, EARLY_LOADS,
+        POSITION_KEYED, KEY_EXTENTS, DEDUP, TOKEN_K,
     )
+    unique = in_k
+    if DEDUP:
+        code, unique = _claim_positions(b, k_offsets, pos, miss, row, code, presence_ptr,
+                                        presence_stride, COUNTER_SEM)
     if ADDRESS_ORDER:
         tl.atomic_add(bucket_count_ptr + _address_bucket(row, N, NUM_BUCKETS),
-                      tl.full(row.shape, 1, tl.int32), mask=miss, sem=COUNTER_SEM)
+                      tl.full(row.shape, 1, tl.int32), mask=miss & unique, sem=COUNTER_SEM)
     tl.store(out_ptr + b * K + k_offsets, result, mask=in_k)
     tl.store(miss_row_ptr + b * K + k_offsets, code, mask=in_k)
     # A hit is the whole LRU update of its slot: it takes the clock's value.
     tl.store(last_use_ptr + r.to(tl.int64) * H + slot, tl.zeros(slot.shape, tl.int32) + clock,
              mask=hit)
     # One count of the chunk's codes serves the layer's counters and the row's miss count.
-    n_hit, n_miss, n_invalid = _count_codes(code)
+    n_hit, n_miss, n_invalid = _count_codes(code, unique)
     _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
     tl.atomic_add(miss_count_ptr + b, n_miss, mask=n_miss > 0, sem=COUNTER_SEM)
     if REQUEST_COUNTS:
+        if DEDUP:  # a request's hits are its older positions' (as through the union)
+            n_hit = tl.sum(((code == -3) & unique & (pos < first)).to(tl.int32), axis=0)
         tl.atomic_add(hit_count_ptr + b, n_hit, mask=n_hit > 0, sem=COUNTER_SEM)
     if WRITE_NEWEST:  # noqa: SIM102 (a constexpr test alone: the branch compiles away)
         # The newest slot is never a victim, so this row is written by nothing else in the

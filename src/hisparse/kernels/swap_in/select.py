@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hisparse.kernels.swap_in.lookup import _NO_STAMP, _address_bucket, _row_context
+from hisparse.kernels.swap_in.lookup import _NO_STAMP, _SENTINEL, _address_bucket, _row_context
 from hisparse.kernels.swap_in.pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -26,6 +26,7 @@ def _select_victims(
     plan_src_ptr, plan_dst_ptr, plan_stride,
     bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr, page_table_ptr,
     K, H, N, T, NUM_KEYS, E, P,
+    presence_ptr, presence_stride,
     FAST_ROUNDS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -33,9 +34,11 @@ def _select_victims(
     NUM_BUCKETS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,
     KEY_EXTENTS: tl.constexpr,
+    DEDUP: tl.constexpr,
 ):
     """Give the misses of row b the slots with the oldest stamps below the clock (ties by
-    slot id), in slot order, install them, and return how many were installed."""
+    slot id), in slot order, install them, and return how many were installed. A verify
+    row's (DEDUP) are its positions' first entries; the others then read their slots."""
     h = tl.arange(0, BLOCK_H)
     in_h = h < H
     k = tl.arange(0, BLOCK_K)
@@ -44,6 +47,9 @@ def _select_victims(
     stamps = tl.load(stamp_row + h, mask=in_h, other=0)
     keys_by_slot = tl.load(slot_key_ptr + r.to(tl.int64) * H + h, mask=in_h, other=-1)
     row = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1)
+    if DEDUP:
+        row, repeat, first_entry = _first_misses(b, k, K, row, top_k_ptr, presence_ptr,
+                                                 presence_stride)
     # A statement, not a conditional expression: that would load the top-k row either way.
     if POSITION_KEYED:
         key = r * T + tl.load(top_k_ptr + b * K + k, mask=k < K, other=0)
@@ -84,7 +90,38 @@ def _select_victims(
     else:
         tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
         tl.store(plan_dst_ptr + b * plan_stride + rank, base + slot, mask=miss)
+    if DEDUP:
+        tl.debug_barrier()  # the first entries' rows in `out` are visible to every thread
+        held = tl.load(out_ptr + b * K + first_entry, mask=repeat, other=-1)
+        tl.store(out_ptr + b * K + k, held, mask=repeat)
     return installed
+
+
+@triton.jit
+def _first_misses(b, k, K, code, top_k_ptr, presence_ptr, presence_stride):
+    """A verify row's misses (codes >= 0, and `-4 - row` for the repeats the lookup found):
+    (the host row of each position's first entry, -1 elsewhere; the other misses; the first
+    entry of each miss's position, which the lookup's atomic minimum left in the table)."""
+    missed = (code >= 0) | (code <= -4)
+    pos = tl.load(top_k_ptr + b * K + k, mask=missed, other=0)
+    first_entry = tl.load(presence_ptr + b.to(tl.int64) * presence_stride + pos, mask=missed,
+                          other=-1)
+    first = missed & (first_entry == k)
+    return tl.where(first, tl.where(code >= 0, code, -4 - code), -1), missed & ~first, first_entry
+
+
+@triton.jit
+def _release_positions(b, K, top_k_ptr, miss_row_ptr, presence_ptr, presence_stride,
+                       BLOCK_K: tl.constexpr):
+    """Empty the presence-table entries row b's lookup claimed (every served or missing
+    entry's position), for the next call."""
+    tl.debug_barrier()  # after every thread's reads of them
+    k = tl.arange(0, BLOCK_K)
+    code = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1)
+    claimed = (code == -3) | (code >= 0) | (code <= -4)
+    pos = tl.load(top_k_ptr + b * K + k, mask=claimed, other=0)
+    tl.store(presence_ptr + b.to(tl.int64) * presence_stride + pos,
+             tl.full(pos.shape, _SENTINEL, tl.int32), mask=claimed)
 
 
 @triton.jit
@@ -222,6 +259,8 @@ def select_kernel(
     T,  # positions per request
     NUM_KEYS,  # entries of this group's residency map
     E, P,
+    presence_ptr,  # [Bcap, presence_stride] int32 the lookup's presence table (DEDUP only)
+    presence_stride,
     EARLY_LOADS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,
     KEY_EXTENTS: tl.constexpr,  # a miss's key is its key row, not its host row
@@ -235,6 +274,7 @@ def select_kernel(
     ADDRESS_ORDER: tl.constexpr,
     NUM_BUCKETS: tl.constexpr,
     REQUEST_COUNTS: tl.constexpr,  # add the row's hits and misses to its request's counters
+    DEDUP: tl.constexpr,  # a verify row: misses are de-duplicated (lookup.py, _claim_positions)
 ):
     """One program per batch row. It owns all LRU state of its request (two rows of a batch
     never share a request slot), so the LRU needs no atomics (the address-ordered plan's
@@ -264,10 +304,14 @@ def select_kernel(
                 b, r, clock, num_misses, base, last_use_ptr, slot_key_ptr, resident_ptr,
                 miss_row_ptr, top_k_ptr, out_ptr, order_ptr, plan_src_ptr, plan_dst_ptr,
                 plan_stride, bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr,
-                page_table_ptr, K, H, N, T, NUM_KEYS, E, P, FAST_ROUNDS, BLOCK_K, BLOCK_H,
-                ADDRESS_ORDER, NUM_BUCKETS, POSITION_KEYED, KEY_EXTENTS,
+                page_table_ptr, K, H, N, T, NUM_KEYS, E, P, presence_ptr, presence_stride,
+                FAST_ROUNDS, BLOCK_K, BLOCK_H, ADDRESS_ORDER, NUM_BUCKETS, POSITION_KEYED,
+                KEY_EXTENTS, DEDUP,
             )
         tl.store(lru_clock_ptr + r, clock + 1)
+    if DEDUP:
+        _release_positions(b, K, top_k_ptr, miss_row_ptr, presence_ptr, presence_stride,
+                           BLOCK_K)
     if ADDRESS_ORDER:
         _count_address_ordered_plan(b, K, plan_count_ptr, bucket_count_ptr, bucket_cursor_ptr,
                                     done_ptr, NUM_BUCKETS)

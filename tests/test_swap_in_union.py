@@ -1,0 +1,147 @@
+"""The swap-in that de-duplicates a verify step's `[B, S * K]` rows itself (`DraftUnion`)
+against the union reference: the union plan, the reference swap-in over the union row, and
+the scatter back to `[B, S, K]` (`kernels.union_reference`).
+
+Both must leave every table alike (the misses take their victims in the same order), return
+the same rows, count the same hits, misses and invalid entries, and the presence table must
+be empty again after every call. On a GPU the kernels run natively at DeepSeek-V3.2 sizes;
+without one under TRITON_INTERPRET=1 at small sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse.kernels.swap_in.reference import swap_in_reference
+from hisparse.kernels.union_reference import (
+    SENTINEL,
+    presence_table,
+    union_plan_reference,
+    union_scatter_reference,
+)
+from hisparse.layout.tables import CacheTables, DraftUnion, MissPlan
+from interpreted_kernels import DEVICE, KERNEL_MARK, ON_GPU  # sets TRITON_INTERPRET first
+from interpreted_kernels import swap_in_triton as triton_kernels
+from test_swap_in_triton import POISON, SWAP_IN_CALLS, Sizes, clone_tables, make_tables
+
+pytestmark = KERNEL_MARK
+
+# (sizes, S): H >= S x K, as a cache with max_draft_tokens = S requires.
+CASES = [
+    (Sizes(top_k=16, hot=32, row_bytes=16, extent=8, batch_cap=3, num_requests=4), 2),
+    (Sizes(top_k=16, hot=64, row_bytes=16, extent=1, batch_cap=4, num_requests=5,
+           resident_dtype=torch.int32), 4),
+    (Sizes(top_k=24, hot=48, row_bytes=24, extent=4, batch_cap=3, num_requests=4), 1),
+] + ([(Sizes(top_k=2048, hot=4096, row_bytes=656, extent=64, batch_cap=8,
+             num_requests=10), 2),
+      (Sizes(top_k=2048, hot=16384, row_bytes=656, extent=64, batch_cap=4,
+             num_requests=6), 8)] if ON_GPU else [])
+VARIANTS = [("host_row", False), ("host_row", True), ("position", False)]
+
+
+def verify_top_k(tables: CacheTables, sizes: Sizes, S: int, gen: torch.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(req_slots, top_k [Bcap, S, K], num_real, first): each real row's S query tokens pick,
+    with repeats, from a small pool of its older positions and its own S tokens, with -1,
+    invalid entries (below -1, or after the query token) and garbage on padding rows."""
+    cap, K = sizes.batch_cap, sizes.top_k
+    seq_lens = tables.seq_lens.tolist()
+    # A verify step's requests hold its S tokens (seq_len = first + S); padding rows any.
+    order = torch.randperm(sizes.num_requests, generator=gen).tolist()
+    ready = [r for r in order if seq_lens[r] >= S]
+    slots = torch.tensor((ready + [r for r in order if r not in ready])[:cap])
+    num_real = int(torch.randint(1, min(cap, len(ready)) + 1, (1,), generator=gen))
+    top_k = torch.randint(-3, 4 * sizes.hot, (cap, S, K), generator=gen, dtype=torch.int32)
+    first = torch.zeros(cap, dtype=torch.int64)
+    for b in range(num_real):
+        n = seq_lens[int(slots[b])]
+        first[b] = start = n - S
+        older = torch.randint(0, max(start, 1), (max(K // 2, 1),), generator=gen)
+        choices = torch.cat([older if start else older[:0], torch.arange(start, start + S),
+                             torch.tensor([-1, -1, -2, n + 3])])
+        pick = torch.randint(0, choices.numel(), (S, K), generator=gen)
+        top_k[b] = choices[pick].to(torch.int32)
+    return (slots.to(torch.int32).to(DEVICE), top_k.to(DEVICE),
+            torch.tensor([num_real], dtype=torch.int32, device=DEVICE), first.to(DEVICE))
+
+
+def union_path(t: CacheTables, layer: int, group: int, req_slots: torch.Tensor,
+               top_k: torch.Tensor, num_real: torch.Tensor, first: torch.Tensor,
+               draft_base: torch.Tensor) -> torch.Tensor:
+    cap, S, K = top_k.shape
+    union_top_k = torch.full((cap, S * K), -1, dtype=torch.int32, device=DEVICE)
+    inverse = torch.full_like(union_top_k, S * K)
+    union_plan_reference(top_k, first, num_real, union_top_k, inverse)
+    union_rows = torch.full_like(union_top_k, POISON)
+    swap_in_reference(t, layer, group, req_slots, union_top_k, num_real, union_rows)
+    out = torch.full_like(top_k, POISON)
+    union_scatter_reference(inverse, union_rows, draft_base, out, t.counters[layer])
+    return out
+
+
+def fused_path(t: CacheTables, layer: int, group: int, req_slots: torch.Tensor,
+               top_k: torch.Tensor, num_real: torch.Tensor, union: DraftUnion,
+               plan: MissPlan) -> torch.Tensor:
+    cap, S, K = top_k.shape
+    out = torch.full((cap, S * K), POISON, dtype=torch.int32, device=DEVICE)
+    triton_kernels.swap_in_triton(t, layer, group, req_slots, top_k.view(cap, S * K),
+                                  num_real, out, plan=plan, union=union)
+    return out.view(cap, S, K)
+
+
+@pytest.mark.parametrize(("sizes", "S"), CASES)
+@pytest.mark.parametrize(("residency_map", "key_extents"), VARIANTS)
+def test_the_fused_union_swap_in_matches_the_union_reference(
+        sizes: Sizes, S: int, residency_map: str, key_extents: bool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    ref = make_tables(sizes, gen, residency_map, key_extents=key_extents)
+    tri = clone_tables(ref)
+    cap, K = sizes.batch_cap, sizes.top_k
+    slots = sizes.hot + 1
+    table = presence_table(cap, 4 * sizes.hot + 8, DEVICE)
+    first = torch.zeros(cap, dtype=torch.int64, device=DEVICE)
+    draft_base = torch.zeros(cap, dtype=torch.int64, device=DEVICE)
+    union = DraftUnion(S, K, first, draft_base, lambda: table)
+    for _step in range(3):
+        req_slots, top_k, num_real, step_first = verify_top_k(ref, sizes, S, gen)
+        first.copy_(step_first)
+        # Any device rows will do: both paths hand the same ones out for the step's tokens.
+        draft_base.copy_(req_slots.long() * slots + sizes.hot - S + 1)
+        for layer, group in SWAP_IN_CALLS:
+            plan = MissPlan.empty(cap, S * K, DEVICE)
+            want = union_path(ref, layer, group, req_slots, top_k, num_real, first,
+                              draft_base)
+            got = fused_path(tri, layer, group, req_slots, top_k, num_real, union, plan)
+            assert torch.equal(got, want), (layer, (got != want).nonzero()[:8].tolist())
+            for name in ("resident", "slot_key", "last_use", "lru_clock", "counters",
+                         "request_counters", "device_kv"):
+                assert torch.equal(getattr(tri, name), getattr(ref, name)), (layer, name)
+            assert bool((table == SENTINEL).all()), "the presence table was left dirty"
+            # The plan lists each missing position once: the rows the followers replay.
+            count = plan.count[:cap].clamp(min=0)
+            assert int(count.sum()) <= int(ref.counters[layer, 1])
+
+
+def test_a_position_repeated_in_every_row_is_one_miss_and_one_slot() -> None:
+    sizes = Sizes(top_k=16, hot=32, row_bytes=16, extent=8, batch_cap=1, num_requests=1)
+    S, K = 2, sizes.top_k
+    gen = torch.Generator().manual_seed(3)
+    t = make_tables(sizes, gen)
+    n = int(t.seq_lens[0])
+    start = n - S
+    # Position 0 is long evicted in a request of 3 H tokens: a miss in every entry.
+    top_k = torch.zeros(1, S, K, dtype=torch.int32, device=DEVICE)
+    table = presence_table(1, n + 8, DEVICE)
+    union = DraftUnion(S, K, torch.tensor([start], device=DEVICE),
+                       torch.zeros(1, dtype=torch.int64, device=DEVICE), lambda: table)
+    before = t.counters[0].clone()
+    out = fused_path(t, 0, 0, torch.zeros(1, dtype=torch.int32, device=DEVICE), top_k,
+                     torch.ones(1, dtype=torch.int32, device=DEVICE), union,
+                     MissPlan.empty(1, S * K, DEVICE))
+    assert (t.counters[0] - before).tolist() == [0, 1, 0]
+    assert out.unique().numel() == 1 and int(out[0, 0, 0]) >= 0
+    row = t.device_kv[0, int(out[0, 0, 0])]
+    host = int(t.page_table[0, 0]) * sizes.extent
+    assert torch.equal(row.cpu(), t.host_kv[0][host].cpu())
+    assert bool((table == SENTINEL).all())

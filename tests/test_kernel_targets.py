@@ -46,8 +46,12 @@ KERNELS = {"classify", "select", "copy", "copy_prefetched", "backup", "union_pla
 # the warps at 1024 lanes of the target's width now (DeviceTraits.warp_size), and both fit.
 KNOWN_PROBLEMS: dict[tuple[str, str, str], str] = {}
 # The NVIDIA builds that spill today: the selection at 32 warps, where 1024 threads per block
-# leave each 64 registers (ptxas caps them to fit), for H > 8192. None of the shipped shapes.
-NVIDIA_SPILLS_TODAY = {("select", "B=1 H=16384"), ("select", "B=1 H=32768 int32 residency")}
+# leave each 64 registers (ptxas caps them to fit), for H > 8192, and for a verify row of
+# 8192 or 16384 entries (S = 4 or 8 at K = 2048) at 16 or 32 warps: without the union in the
+# swap-in the same builds spill 8 and 114 slots on sm_90, with it 24 and 134.
+NVIDIA_SPILLS_TODAY = {("select", "B=1 H=16384"), ("select", "B=1 H=32768 int32 residency"),
+                       ("select", "B=16 verify S=4, union in the swap-in, by position"),
+                       ("select", "B=128 verify S=8, union in the swap-in")}
 
 
 @pytest.fixture(scope="module")

@@ -64,21 +64,24 @@ def _entry_regime(pos, n, base, H):
 
 
 @triton.jit
+def _verify_regime(pos, k_offsets, valid, invalid, result, candidate, first, draft_base,
+                   TOKEN_K: tl.constexpr):
+    """`_entry_regime` for a verify row: the step's own tokens come from their draft slots,
+    and a query token may select positions up to its own only (union_reference.build_union)."""
+    after_own = valid & (pos > first + k_offsets // TOKEN_K)
+    draft = valid & (pos >= first) & ~after_own
+    result = tl.where(draft, draft_base + (pos - first), tl.where(after_own, -1, result))
+    return valid & ~after_own, invalid | after_own, result, candidate & (pos < first)
+
+
+@triton.jit
 def _lookup_chunk(
-    b,
-    k_offsets,
-    real,
-    r,
-    n,
-    base,
+    b, k_offsets, real, r, n, base,
     top_k_ptr,  # [Bcap, K] int32 positions, -1 = none
     page_table_ptr,  # [R, P] int32 host (or key) extent ids
     resident_ptr,  # [NUM_KEYS] int16 / int32 hot slot per residency key (this group)
     key_host_extent_ptr,  # [NUM_KEYS / E] int32 host extent per key extent (KEY_EXTENTS)
-    K,
-    H,
-    E,
-    P,
+    K, H, E, P,
     N,  # host rows
     T,  # positions per request (keys by position: r * T + position)
     NUM_KEYS,  # entries of resident (N, unless keyed by position or by key extents)
@@ -109,14 +112,8 @@ def _lookup_chunk(
                       other=-1)
     valid, invalid, result, candidate = _entry_regime(pos, n, base, H)
     if DEDUP:
-        # The step's own tokens come from their draft slots, and a query token may select
-        # positions up to its own only (union_reference.build_union).
-        after_own = valid & (pos > first + k_offsets // TOKEN_K)
-        draft = valid & (pos >= first) & ~after_own
-        result = tl.where(draft, draft_base + (pos - first), tl.where(after_own, -1, result))
-        invalid = invalid | after_own
-        valid = valid & ~after_own
-        candidate = candidate & (pos < first)
+        valid, invalid, result, candidate = _verify_regime(
+            pos, k_offsets, valid, invalid, result, candidate, first, draft_base, TOKEN_K)
     if POSITION_KEYED:
         # A hit needs no host row; a position the page table cannot map is lost (below).
         lost = candidate & (pos >= T)
@@ -205,6 +202,14 @@ def _add_counters(counters_ptr, n_hit, n_miss, n_invalid, SEM: tl.constexpr):
 
 
 @triton.jit
+def _add_request_hits(hit_count_ptr, n_hit, code, unique, pos, first, DEDUP: tl.constexpr,
+                      SEM: tl.constexpr):
+    if DEDUP:  # a request's hits are its older positions' (as through the union)
+        n_hit = tl.sum(((code == -3) & unique & (pos < first)).to(tl.int32), axis=0)
+    tl.atomic_add(hit_count_ptr, n_hit, mask=n_hit > 0, sem=SEM)
+
+
+@triton.jit
 def _back_up_row(b, write, data, newest_host_rows_ptr, host_words_ptr, num_host_rows,
                  ROW_WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
     """Batch row b's new row `data` into its host row, where `write` (a real row whose device
@@ -226,10 +231,8 @@ def classify_kernel(
     miss_row_ptr,  # [Bcap, K] int32 scratch: each entry's code (_entry_codes)
     miss_count_ptr,  # [Bcap] int32 scratch: misses per batch row (zero between calls)
     counters_ptr,  # [3] int64 this layer's counters
-    bucket_count_ptr,  # [NUM_BUCKETS] int32 scratch: misses per host-address bucket (zero
-    # between calls; ADDRESS_ORDER only)
-    hit_count_ptr,  # [Bcap] int32 scratch: hits per batch row (zero between calls;
-    # REQUEST_COUNTS only)
+    bucket_count_ptr,  # [NUM_BUCKETS] int32: misses per address bucket (ADDRESS_ORDER)
+    hit_count_ptr,  # [Bcap] int32: hits per batch row (REQUEST_COUNTS; zero between calls)
     newest_kv_ptr,  # [B, ROW_WORDS] the layer's new rows (WRITE_NEWEST only)
     newest_rows_ptr,  # [Bcap] int32 device row of each batch row's new token
     device_words_ptr,  # [D, ROW_WORDS] int32 the layer's device rows
@@ -237,10 +240,9 @@ def classify_kernel(
     host_words_ptr,  # [N, ROW_WORDS] int32 the layer's host rows (BACKUP_NEWEST only)
     R, S, K, H, E, P, N, T, NUM_KEYS,
     D,  # device rows of the layer (the sink row included)
-    first_ptr,  # [Bcap] int64 each request's first token position of the step (DEDUP only)
-    draft_base_ptr,  # [Bcap] int64 device row of each request's draft slot 0 (DEDUP only)
-    presence_ptr,  # [Bcap, presence_stride] int32 presence table, SENTINEL in and out (DEDUP)
-    presence_stride,
+    # DEDUP only: [Bcap] int64 each request's first token position of the step and device row
+    # of its draft slot 0, and the [Bcap, presence_stride] int32 presence table (all SENTINEL)
+    first_ptr, draft_base_ptr, presence_ptr, presence_stride,
     EARLY_LOADS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,  # resident is indexed by r * T + position, not by host row
     KEY_EXTENTS: tl.constexpr,  # resident is indexed by key row, the page table by key extent
@@ -252,10 +254,8 @@ def classify_kernel(
     REQUEST_COUNTS: tl.constexpr,  # count hits per batch row for the per-request counters
     WRITE_NEWEST: tl.constexpr,  # also write the new token's row (write_newest's kernel)
     BACKUP_NEWEST: tl.constexpr,  # and back it up to its host row (the backup's kernel)
-    ROW_WORDS: tl.constexpr,
-    BLOCK_WORDS: tl.constexpr,
-    DEDUP: tl.constexpr,  # top_k is a verify step's [S * TOKEN_K] row per request
-    TOKEN_K: tl.constexpr,
+    ROW_WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
+    DEDUP: tl.constexpr, TOKEN_K: tl.constexpr,  # top_k: a verify row of S * TOKEN_K entries
 ):
     if USE_PDL:  # the selection kernel may start now: it waits (gdc_wait) before our output
         gdc_launch_dependents()
@@ -265,8 +265,7 @@ def classify_kernel(
     clock = tl.load(lru_clock_ptr + r)
     first, draft_base = 0, 0
     if DEDUP:
-        first = tl.load(first_ptr + b)
-        draft_base = tl.load(draft_base_ptr + b)
+        first, draft_base = tl.load(first_ptr + b), tl.load(draft_base_ptr + b)
     k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
     in_k, result, hit, slot, miss, row, code, pos = _lookup_chunk(
         b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
@@ -290,9 +289,8 @@ def classify_kernel(
     _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
     tl.atomic_add(miss_count_ptr + b, n_miss, mask=n_miss > 0, sem=COUNTER_SEM)
     if REQUEST_COUNTS:
-        if DEDUP:  # a request's hits are its older positions' (as through the union)
-            n_hit = tl.sum(((code == -3) & unique & (pos < first)).to(tl.int32), axis=0)
-        tl.atomic_add(hit_count_ptr + b, n_hit, mask=n_hit > 0, sem=COUNTER_SEM)
+        _add_request_hits(hit_count_ptr + b, n_hit, code, unique, pos, first, DEDUP,
+                          COUNTER_SEM)
     if WRITE_NEWEST:  # noqa: SIM102 (a constexpr test alone: the branch compiles away)
         # The newest slot is never a victim, so this row is written by nothing else in the
         # call; attention reads it only after the call, like every row the call returns.

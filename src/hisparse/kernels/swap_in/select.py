@@ -48,8 +48,7 @@ def _select_victims(
     keys_by_slot = tl.load(slot_key_ptr + r.to(tl.int64) * H + h, mask=in_h, other=-1)
     row = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1)
     if DEDUP:
-        row, repeat, first_entry = _first_misses(b, k, K, row, top_k_ptr, presence_ptr,
-                                                 presence_stride)
+        row = _first_misses(b, k, K, row, top_k_ptr, presence_ptr, presence_stride)
     # A statement, not a conditional expression: that would load the top-k row either way.
     if POSITION_KEYED:
         key = r * T + tl.load(top_k_ptr + b * K + k, mask=k < K, other=0)
@@ -92,22 +91,43 @@ def _select_victims(
         tl.store(plan_dst_ptr + b * plan_stride + rank, base + slot, mask=miss)
     if DEDUP:
         tl.debug_barrier()  # the first entries' rows in `out` are visible to every thread
-        held = tl.load(out_ptr + b * K + first_entry, mask=repeat, other=-1)
-        tl.store(out_ptr + b * K + k, held, mask=repeat)
+        _fill_repeats(b, k, K, miss_row_ptr, top_k_ptr, presence_ptr, presence_stride, out_ptr)
     return installed
 
 
 @triton.jit
-def _first_misses(b, k, K, code, top_k_ptr, presence_ptr, presence_stride):
-    """A verify row's misses (codes >= 0, and `-4 - row` for the repeats the lookup found):
-    (the host row of each position's first entry, -1 elsewhere; the other misses; the first
-    entry of each miss's position, which the lookup's atomic minimum left in the table)."""
+def _missed_positions(b, k, K, code, top_k_ptr, presence_ptr, presence_stride):
+    """A verify row's misses (codes >= 0, and `-4 - row` for the repeats the lookup found)
+    and the first entry of each one's position (the lookup's atomic minimum left it in the
+    table)."""
     missed = (code >= 0) | (code <= -4)
     pos = tl.load(top_k_ptr + b * K + k, mask=missed, other=0)
     first_entry = tl.load(presence_ptr + b.to(tl.int64) * presence_stride + pos, mask=missed,
                           other=-1)
+    return missed, first_entry
+
+
+@triton.jit
+def _first_misses(b, k, K, code, top_k_ptr, presence_ptr, presence_stride):
+    """The host row of each missing position's first entry, -1 elsewhere: the entries that
+    take victims."""
+    missed, first_entry = _missed_positions(b, k, K, code, top_k_ptr, presence_ptr,
+                                            presence_stride)
     first = missed & (first_entry == k)
-    return tl.where(first, tl.where(code >= 0, code, -4 - code), -1), missed & ~first, first_entry
+    return tl.where(first, tl.where(code >= 0, code, -4 - code), -1)
+
+
+@triton.jit
+def _fill_repeats(b, k, K, miss_row_ptr, top_k_ptr, presence_ptr, presence_stride, out_ptr):
+    """Every other miss of a position reads its first entry's slot. Loaded again rather than
+    kept from `_first_misses`: held across the victim search, at 16384 entries a row, the two
+    vectors spilled (kernels/targets.py's builds)."""
+    code = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1)
+    missed, first_entry = _missed_positions(b, k, K, code, top_k_ptr, presence_ptr,
+                                            presence_stride)
+    repeat = missed & (first_entry != k)
+    held = tl.load(out_ptr + b * K + first_entry, mask=repeat, other=-1)
+    tl.store(out_ptr + b * K + k, held, mask=repeat)
 
 
 @triton.jit

@@ -78,7 +78,7 @@ class HiSparseConfig:
     validate: bool = False
     # D: the most tokens one verify step appends per request (speculative decoding); the cache
     # reserves D never-evicted device slots per request for them (docs/ARCHITECTURE.md). The
-    # first verify (or dedupe) step also allocates the Triton union plan's presence table:
+    # first verify (or dedupe) step also allocates the Triton swap-in's presence table:
     # max_batch x (max_seq_len + D) x 4 bytes of device memory (32 MiB at 64 x 128k).
     max_draft_tokens: int = 1
     _derived: frozenset[str] = dataclasses.field(

@@ -81,8 +81,8 @@ class VerifyContext:
                    table_shape=(cap, c.max_seq_len + D))
 
     def table(self) -> torch.Tensor:
-        """The Triton union plan's presence table (`union_reference.presence_table`), made at
-        the first launcher that asks: one for every S (their plans run in stream order)."""
+        """The Triton swap-in's presence table (`union_reference.presence_table`), made at
+        the first call that asks: one for every S (their swap-ins run in stream order)."""
         if self._table is None:
             self._table = presence_table(*self.table_shape, self.begin_block.field("first").device)
         return self._table

@@ -149,3 +149,43 @@ def test_a_position_repeated_in_every_row_is_one_miss_and_one_slot() -> None:
     host = int(t.page_table[0, 0]) * sizes.extent
     assert torch.equal(row.cpu(), t.host_kv[0][host].cpu())
     assert bool((table == SENTINEL).all())
+
+
+@pytest.mark.skipif(not ON_GPU, reason="graph capture needs a GPU")
+def test_a_captured_fused_union_replays_with_other_rows_and_real_counts(seed: int) -> None:
+    sizes, S = CASES[3]  # K = 2048, S = 2 on a GPU
+    gen = torch.Generator().manual_seed(seed)
+    ref = make_tables(sizes, gen)
+    tri = clone_tables(ref)
+    cap, K, slots = sizes.batch_cap, sizes.top_k, sizes.hot + 1
+    table = presence_table(cap, 4 * sizes.hot + 8, DEVICE)
+    inputs = verify_top_k(ref, sizes, S, gen)
+    req_slots, top_k, num_real, first = (t.clone() for t in inputs)
+    draft_base = req_slots.long() * slots + sizes.hot - S + 1
+    union = DraftUnion(S, K, first, draft_base, lambda: table)
+    out = torch.full((cap, S * K), POISON, dtype=torch.int32, device=DEVICE)
+    plan = MissPlan.empty(cap, S * K, DEVICE)
+
+    def fused() -> None:
+        triton_kernels.swap_in_triton(tri, 0, 0, req_slots, top_k.view(cap, S * K), num_real,
+                                      out, plan=plan, union=union)
+
+    fused()  # eager first: compiles, and both tables take the same step
+    union_path(ref, 0, 0, req_slots, top_k, num_real, first, draft_base)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused()
+    for _step in range(3):
+        for buffer, value in zip((req_slots, top_k, num_real, first),
+                                 verify_top_k(ref, sizes, S, gen), strict=True):
+            buffer.copy_(value)
+        draft_base.copy_(req_slots.long() * slots + sizes.hot - S + 1)
+        out.fill_(POISON)
+        graph.replay()
+        want = union_path(ref, 0, 0, req_slots, top_k, num_real, first, draft_base)
+        assert torch.equal(out.view(cap, S, K), want)
+        for name in ("resident", "slot_key", "last_use", "lru_clock", "counters",
+                     "device_kv"):
+            assert torch.equal(getattr(tri, name), getattr(ref, name)), name
+        assert bool((table == SENTINEL).all())

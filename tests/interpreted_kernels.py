@@ -23,7 +23,6 @@ from hisparse.kernels import (  # noqa: E402
     advance_triton,
     backup_triton,
     newest_triton,
-    union_triton,
 )
 from hisparse.kernels import swap_in as swap_in_triton  # noqa: E402, F401 (for the tests)
 from hisparse.kernels.swap_in import select  # noqa: E402
@@ -37,8 +36,6 @@ if not ON_GPU:
             importlib.reload(importlib.import_module(f"hisparse.kernels.swap_in.{name}"))
     if type(backup_triton._backup_kernel).__name__ != "InterpretedFunction":
         backup_triton = importlib.reload(backup_triton)
-    if type(union_triton.union_plan_kernel).__name__ != "InterpretedFunction":
-        union_triton = importlib.reload(union_triton)
     if type(newest_triton._write_newest_kernel).__name__ != "InterpretedFunction":
         newest_triton = importlib.reload(newest_triton)
     if type(advance_triton._advance_kernel).__name__ != "InterpretedFunction":

@@ -37,8 +37,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 # Two child processes at once, one per core of the CI box (about 30 s each, cold).
 GROUPS = (("cuda:sm_90", "hip:gfx942", "xpu:pvc"), ("cuda:sm_100", "hip:gfx950"))
 TARGET_NAMES = [t.name for t in TARGETS]
-KERNELS = {"classify", "select", "copy", "copy_prefetched", "backup", "union_plan",
-           "union_scatter", "newest", "advance"}
+KERNELS = {"classify", "select", "copy", "copy_prefetched", "backup", "newest", "advance"}
 
 # Builds known not to fit their target (none today). The selection's launch once gave a
 # program 32 warps counted as 32-lane ones (H > 8192): 2048 threads on AMD's 64-lane waves,
@@ -117,12 +116,11 @@ def test_every_value_of_every_launch_switch_is_built(builds, name: str) -> None:
     assert min(hot) <= 16384 < max(hot) and 16384 in hot, hot
     rows = {v["constexprs"]["ROW_WORDS"] for v in variants if v["kernel"] == "backup"}
     assert min(rows) <= 128 < max(rows), rows  # the backup's 1 and 2 warps
-    # The union's scatter block at S = 2, 4 and 8 (8 and 16 warps), the plan's chunk capped,
-    # the newest writer's and the advance's warp counts.
-    blocks = {v["constexprs"]["BLOCK"] for v in variants if v["kernel"] == "union_scatter"}
-    assert {4096, 8192, 16384} <= blocks, blocks
-    chunks = {v["constexprs"]["CHUNK"] for v in variants if v["kernel"] == "union_plan"}
-    assert max(chunks) == 2048, chunks
+    # Verify rows de-duplicated in the swap-in at S = 2, 4 and 8 (K = 2048), and the newest
+    # writer's and the advance's warp counts.
+    widths = {v["constexprs"]["BLOCK_K"] for v in variants
+              if v["kernel"] == "select" and v["constexprs"]["DEDUP"]}
+    assert {4096, 8192, 16384} <= widths, widths
     for kernel in ("newest", "advance"):
         warps = {v["options"]["num_warps"] for v in variants if v["kernel"] == kernel}
         assert len(warps) == 2, (kernel, warps)

@@ -2,22 +2,21 @@
 
 `InterpretedTritonCpu()` is what the CUDA backend binds (the bound `SwapInLauncher`, its
 replays and the Triton backup), on CPU tensors: the engine paths that only a GPU takes (a
-union launcher per verify width U = S x K and its Triton union plan and scatter, draft-slot
-backups, sharing through the fused kernels) can then be checked here at small sizes
+launcher per verify width U = S x K that de-duplicates the union in its own kernels,
+draft-slot backups, sharing through the fused kernels) can then be checked here at small sizes
 before a GPU run. Import it before anything else from `hisparse.kernels` (it imports
 `interpreted_kernels`, which sets the interpreter).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from hisparse.backends.base import BackupFn, CopyPlannedFn, SwapInFn
 from hisparse.backends.cpu import CpuBackend
-from interpreted_kernels import ON_GPU, advance_triton, backup_triton, swap_in_triton, union_triton
+from interpreted_kernels import ON_GPU, advance_triton, backup_triton, swap_in_triton
 
 
 class InterpretedTritonCpu(CpuBackend):
@@ -47,14 +46,6 @@ class InterpretedTritonCpu(CpuBackend):
             tables, req_slots, num_real, out, traits=self.kernel_traits(tables.last_use.device),
             plans=plans, skip_io=skip_io, newest_rows=newest_rows,
             newest_host_rows=newest_host_rows, union=union)
-
-    def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
-                       draft_base: torch.Tensor, num_real: torch.Tensor,
-                       union_top_k: torch.Tensor, union_out: torch.Tensor, rows: torch.Tensor,
-                       counters: torch.Tensor, *, table: Callable[[], torch.Tensor]) -> Any:
-        return union_triton.UnionLauncher(tokens, top_k, first, draft_base, num_real,
-                                          union_top_k, union_out, rows, counters, direct=False,
-                                          table=table)
 
     def batch_advance(self, batch_slots: torch.Tensor, num_real: torch.Tensor,
                       newest_host_rows: torch.Tensor, new_seq_lens: torch.Tensor,

@@ -7,7 +7,6 @@ import contextlib
 import functools
 import importlib
 import logging
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -27,7 +26,6 @@ _KERNELS = {
     "backup_newest_triton": ("hisparse.kernels.backup_triton",
                              backup_reference.backup_newest_reference),
     "SwapInLauncher": (TRITON_KERNELS, None),
-    "UnionLauncher": ("hisparse.kernels.union_triton", None),
     "BackupLauncher": ("hisparse.kernels.backup_triton", None),
     "NewestWriterTriton": ("hisparse.kernels.newest_triton", None),
     "AdvanceTriton": ("hisparse.kernels.advance_triton", None),
@@ -235,16 +233,4 @@ class AcceleratorBackend(Backend):
         return launcher(tables, req_slots, num_real, out, traits=self.kernel_traits(
             tables.last_use.device), plans=plans, skip_io=skip_io, newest_rows=newest_rows,
             newest_host_rows=newest_host_rows, union=union)
-
-    def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
-                       draft_base: torch.Tensor, num_real: torch.Tensor,
-                       union_top_k: torch.Tensor, union_out: torch.Tensor, rows: torch.Tensor,
-                       counters: torch.Tensor, *, table: Callable[[], torch.Tensor]) -> Any:
-        launcher = bind_triton_kernel("UnionLauncher")
-        if launcher is None:  # no triton: the reference, as for every kernel
-            return super().union_launcher(tokens, top_k, first, draft_base, num_real,
-                                          union_top_k, union_out, rows, counters, table=table)
-        return launcher(tokens, top_k, first, draft_base, num_real, union_top_k, union_out,
-                        rows, counters, table=table,
-                        direct=self.kernel_traits(union_top_k.device).direct_launch)
 

@@ -46,10 +46,9 @@ class ReferenceKernelBindings:
     def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
                        draft_base: torch.Tensor, num_real: torch.Tensor,
                        union_top_k: torch.Tensor, union_out: torch.Tensor, rows: torch.Tensor,
-                       counters: torch.Tensor, *, table: Callable[[], torch.Tensor]) -> Any:
-        """A verify width's union plan and scatter (`kernels.union_reference`): the torch
-        reference here (it never calls `table`); the GPU backends bind the Triton launcher,
-        which takes the cache's presence table from `table()` (one for every width)."""
+                       counters: torch.Tensor) -> Any:
+        """A verify width's union plan and scatter (`kernels.union_reference`), for a
+        swap-in launcher that does not de-duplicate the rows itself (the Triton one does)."""
         from hisparse.kernels.union_reference import ReferenceUnionLauncher
 
         return ReferenceUnionLauncher(tokens, top_k, first, draft_base, num_real, union_top_k,

@@ -7,14 +7,13 @@ swap-in kernel runs over that row (so a position is looked up once, missed at mo
 held in one slot, and the LRU sees one step's use; the misses take slots in that order),
 and its `[B, U]` rows are scattered back to `[B, S, K]` through the inverse index. The
 step's own tokens (its draft positions) never enter the union: they are served from the
-request's draft slots. The union plan and the scatter are one launch each, on the device
-with no host sync (`kernels.union_triton` on the GPU backends, `kernels.union_reference`
-elsewhere, both bound per width through `backend.union_launcher`), so a captured graph
-replays them; one graph per (batch bucket, S), since U is part of every shape.
+request's draft slots. The union plan and the scatter are torch ops on the device with no
+host sync (`kernels.union_reference`, bound per width through `backend.union_launcher`), so a
+captured graph replays them; one graph per (batch bucket, S), since U is part of every shape.
 
-The Triton kernels are built for one top-k width: each S gets its own launcher bound to an
-out buffer of width U (`backend.swap_in_launcher`), its own miss plans and group replays.
-The Triton launcher de-duplicates the flattened `[B, S * K]` rows inside its own lookup and
+Each S gets its own swap-in launcher bound to an out buffer of width U
+(`backend.swap_in_launcher`), its own miss plans and group replays. The Triton launcher
+(the GPU backends') de-duplicates the flattened `[B, S * K]` rows inside its own lookup and
 selection instead (`layout.tables.DraftUnion`; it `fuses_union`): then there is no union row,
 plan or scatter, and its out buffer is the result. The misses take their slots in the same
 order and every table ends the same as through the union (benchmarks/NOTES.md, twenty-fourth
@@ -135,7 +134,6 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
         union_top_k = torch.full((capacity, width), -1, **i32)
         rows = torch.full((num_groups, capacity, tokens, top_k), -1, **i32)
         kernels.union = backend.union_launcher(tokens, top_k, first, draft_base, num_real,
-                                               union_top_k, union_out, rows, tables.counters,
-                                               table=table)
+                                               union_top_k, union_out, rows, tables.counters)
     return UnionWidth(tokens=tokens, union_top_k=union_top_k, union_out=union_out, rows=rows,
                       kernels=kernels, replays=replays)

@@ -234,8 +234,8 @@ class VerifyStep(DecodeStep):
         if kernels.fuses_union:
             kernels.launch_swap_in(layer, group, rows, checked.view(rows, -1))
         else:
-            # Two launches around the swap-in (kernels.union_triton): the union row and
-            # inverse codes, then the rows back to [B, S, K] and the extra counts.
+            # Around the swap-in (kernels.union_reference): the union row and inverse
+            # codes, then the rows back to [B, S, K] and the extra counts.
             kernels.launch_union_plan(rows, checked)
             kernels.launch_swap_in(layer, group, rows, union_top_k)
             kernels.launch_union_scatter(layer, group, rows)

@@ -85,12 +85,12 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
     (small-batch classify chunk, PDL copy), 64 and 128 (address-ordered plan, wide batches).
     Residency by key row (host_row with key extents, the default), by host row without them
     and by position; Tuning's boolean switches flipped (early_loads with each residency
-    key, relaxed_counters, pdl), its numbers as shipped.
-    The rest of the decode path (`_decode_path_launches`): the verify union's plan and
-    scatter at S = 2, 4 and 8 (each chunk and block width the launch code picks), the
-    newest-token writer at each warp count, the quiet step's advance at each warp count.
+    key, relaxed_counters, pdl), its numbers as shipped; verify rows of S = 2, 4 and 8
+    de-duplicated in the swap-in (the widths where the selection changes warps).
+    The rest of the decode path (`_decode_path_launches`): the newest-token writer and the
+    quiet step's advance at each warp count.
     """
-    from hisparse.kernels import advance_triton, backup_triton, newest_triton, union_triton
+    from hisparse.kernels import advance_triton, backup_triton, newest_triton
     from hisparse.kernels.swap_in import launch as swap_in_launch
     from hisparse.kernels.swap_in import plan as swap_in_plan
 
@@ -100,8 +100,6 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
         "copy": (swap_in_launch, "copy_kernel"),
         "copy_prefetched": (swap_in_launch, "copy_prefetched_kernel"),
         "backup": (backup_triton, "_backup_kernel"),
-        "union_plan": (union_triton, "union_plan_kernel"),
-        "union_scatter": (union_triton, "union_scatter_kernel"),
         "newest": (newest_triton, "_write_newest_kernel"),
         "advance": (advance_triton, "_advance_kernel"),
     }
@@ -169,26 +167,14 @@ def _swap_in_scenarios() -> list[_Scenario]:
 
 
 def _decode_path_launches(launches: _Launches, quick: bool) -> None:
-    """The verify union, the newest writer and the quiet step's advance through their own
-    launchers, on CPU tensors (never touched): (tokens, top_k), (row bytes) and (batch
-    capacity) as the shipped presets and the launch code's width switches have them."""
+    """The newest writer and the quiet step's advance through their own launchers, on CPU
+    tensors (never touched): (row bytes) and (batch capacity) as the shipped presets and the
+    launch code's width switches have them."""
     import torch
 
-    from hisparse.kernels import advance_triton, newest_triton, union_triton
+    from hisparse.kernels import advance_triton, newest_triton
 
     i32, i64 = torch.int32, torch.int64
-    unions = [(2, 64)] if quick else [(2, 64), (2, 2048), (4, 2048), (8, 2048)]
-    for tokens, k in unions:
-        launches.scenario = f"verify S={tokens} K={k}"
-        rows, width = 16, tokens * k
-        top_k = torch.empty(rows, tokens, k, dtype=i32)
-        inverse = torch.empty(rows, width, dtype=i32)
-        union_triton.union_plan_triton(
-            top_k, torch.empty(rows, dtype=i64), torch.empty(1, dtype=i32),
-            torch.empty(rows, width, dtype=i32), inverse, torch.empty(rows, 4096, dtype=i32))
-        union_triton.union_scatter_triton(
-            inverse, torch.empty(rows, width, dtype=i32), torch.empty(rows, dtype=i64),
-            torch.empty(rows, tokens, k, dtype=i32), torch.empty(3, dtype=i64))
     for row_bytes in [64] if quick else [64, 656, 1152]:
         launches.scenario = f"newest rows {row_bytes} B"
         device_kv = torch.empty(1, 17, row_bytes, dtype=torch.uint8)

@@ -1,4 +1,4 @@
-"""The verify step's union plan and scatter in plain torch ops: the reference of `union_triton`.
+"""The verify step's union plan and scatter in plain torch ops: the reference path.
 
 A verify step's `[B, S, K]` top-k is swapped in as one de-duplicated `[B, U]` row per request
 (U = S * K; `core.union`). Around the ordinary swap-in two calls do the rest:
@@ -11,7 +11,9 @@ A verify step's `[B, S, K]` top-k is swapped in as one de-duplicated `[B, U]` ro
 The inverse code of an entry (int32): 0..U-1 its union column; U nothing (-1, padding rows
 included); U + 1 an invalid entry (-1, counted as invalid); -2 - d the step's own token d
 (0 <= d < S), served from draft slot d. Both calls are torch ops with no host sync, so a
-captured graph replays them: production on the CPU backend and wherever triton is missing.
+captured graph replays them: production on the CPU backend and wherever triton is missing,
+and the oracle of the Triton swap-in, which de-duplicates the same rows in its own kernels
+(`layout.tables.DraftUnion`, tests/test_swap_in_union.py).
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def union_scatter_reference(
 
 
 class ReferenceUnionLauncher:
-    """`union_triton.UnionLauncher`'s interface over the torch reference: bound once to a
+    """A verify width's union plan and scatter over the torch reference: bound once to a
     union width's persistent buffers (graph capture holds their addresses)."""
 
     def __init__(self, tokens: int, top_k: int, first: torch.Tensor, draft_base: torch.Tensor,

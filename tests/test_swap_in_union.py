@@ -153,7 +153,8 @@ def test_a_position_repeated_in_every_row_is_one_miss_and_one_slot() -> None:
 
 @pytest.mark.skipif(not ON_GPU, reason="graph capture needs a GPU")
 def test_a_captured_fused_union_replays_with_other_rows_and_real_counts(seed: int) -> None:
-    sizes, S = CASES[3]  # K = 2048, S = 2 on a GPU
+    # The widest S = 2 case: K = 2048 on a GPU, the small one under compute-sanitizer.
+    sizes, S = next(case for case in reversed(CASES) if case[1] == 2)
     gen = torch.Generator().manual_seed(seed)
     ref = make_tables(sizes, gen)
     tri = clone_tables(ref)

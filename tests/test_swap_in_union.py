@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from hisparse.errors import InvalidInputError
 from hisparse.kernels.swap_in.reference import swap_in_reference
 from hisparse.kernels.union_reference import (
     SENTINEL,
@@ -103,7 +104,7 @@ def test_the_fused_union_swap_in_matches_the_union_reference(
     tri = clone_tables(ref)
     cap, K = sizes.batch_cap, sizes.top_k
     slots = sizes.hot + 1
-    table = presence_table(cap, 4 * sizes.hot + 8, DEVICE)
+    table = presence_table(cap, ref.positions_per_request, DEVICE)
     first = torch.zeros(cap, dtype=torch.int64, device=DEVICE)
     draft_base = torch.zeros(cap, dtype=torch.int64, device=DEVICE)
     union = DraftUnion(S, K, first, draft_base, lambda: table)
@@ -136,7 +137,7 @@ def test_a_position_repeated_in_every_row_is_one_miss_and_one_slot() -> None:
     start = n - S
     # Position 0 is long evicted in a request of 3 H tokens: a miss in every entry.
     top_k = torch.zeros(1, S, K, dtype=torch.int32, device=DEVICE)
-    table = presence_table(1, n + 8, DEVICE)
+    table = presence_table(1, t.positions_per_request, DEVICE)
     union = DraftUnion(S, K, torch.tensor([start], device=DEVICE),
                        torch.zeros(1, dtype=torch.int64, device=DEVICE), lambda: table)
     before = t.counters[0].clone()
@@ -159,7 +160,7 @@ def test_a_captured_fused_union_replays_with_other_rows_and_real_counts(seed: in
     ref = make_tables(sizes, gen)
     tri = clone_tables(ref)
     cap, K, slots = sizes.batch_cap, sizes.top_k, sizes.hot + 1
-    table = presence_table(cap, 4 * sizes.hot + 8, DEVICE)
+    table = presence_table(cap, ref.positions_per_request, DEVICE)
     inputs = verify_top_k(ref, sizes, S, gen)
     req_slots, top_k, num_real, first = (t.clone() for t in inputs)
     draft_base = req_slots.long() * slots + sizes.hot - S + 1
@@ -190,3 +191,22 @@ def test_a_captured_fused_union_replays_with_other_rows_and_real_counts(seed: in
                      "device_kv"):
             assert torch.equal(getattr(tri, name), getattr(ref, name)), name
         assert bool((table == SENTINEL).all())
+
+
+def test_a_presence_table_narrower_than_the_page_tables_is_refused_before_any_launch() -> None:
+    sizes, S = CASES[0]
+    t = make_tables(sizes, torch.Generator().manual_seed(5))
+    cap, K = sizes.batch_cap, sizes.top_k
+    narrow = presence_table(cap, t.positions_per_request - 1, DEVICE)
+    union = DraftUnion(S, K, torch.zeros(cap, dtype=torch.int64, device=DEVICE),
+                       torch.zeros(cap, dtype=torch.int64, device=DEVICE), lambda: narrow)
+    before = clone_tables(t)
+    out = torch.full((cap, S * K), POISON, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(InvalidInputError, match="presence table"):
+        triton_kernels.swap_in_triton(
+            t, 0, 0, torch.zeros(cap, dtype=torch.int32, device=DEVICE),
+            torch.zeros(cap, S * K, dtype=torch.int32, device=DEVICE),
+            torch.ones(1, dtype=torch.int32, device=DEVICE), out, union=union)
+    assert bool((out == POISON).all()) and bool((narrow == SENTINEL).all())
+    for name in ("resident", "slot_key", "last_use", "lru_clock", "counters"):
+        assert torch.equal(getattr(t, name), getattr(before, name)), name

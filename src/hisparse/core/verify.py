@@ -52,7 +52,9 @@ class VerifyContext:
     zero_copy: bool
     begin_block: DeviceBlock
     end_block: DeviceBlock
-    table_shape: tuple[int, int]  # (Bcap, max_seq_len + D): the presence table's
+    # (Bcap, positions): the presence table's, a column for every position a request's page
+    # table can map (max_seq_len + D, rounded up to whole extents)
+    table_shape: tuple[int, int]
     widths: dict[int, UnionWidth] = field(default_factory=dict)
     _table: torch.Tensor | None = None
 
@@ -78,7 +80,7 @@ class VerifyContext:
         return cls(backend=backend, max_draft_tokens=D, top_k=config.top_k,
                    group_size=config.index_group_size, skip_io=config.skip_io,
                    zero_copy=bool(config.zero_copy_swap_in), begin_block=begin, end_block=end,
-                   table_shape=(cap, c.max_seq_len + D))
+                   table_shape=(cap, max(c.max_seq_len + D, c.tables.positions_per_request)))
 
     def table(self) -> torch.Tensor:
         """The Triton swap-in's presence table (`union_reference.presence_table`), made at

@@ -161,7 +161,7 @@ class DraftUnion:
     """What a swap-in over a verify step's flattened `[B, S * K]` top-k reads to treat it as
     one de-duplicated row per request (a position selected several times is looked up once
     and missed at most once): the step's `[Bcap]` int64 first token positions and draft slot
-    0 device rows, and `table()`, which hands over the cache's `[Bcap, max_seq_len + D]`
+    0 device rows, and `table()`, which hands over the cache's `[Bcap, positions_per_request]`
     int32 presence table (made at the first call that asks; all SENTINEL between calls,
     `kernels.union_reference.presence_table`)."""
 

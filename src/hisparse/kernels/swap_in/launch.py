@@ -188,7 +188,7 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
     first, draft_base, presence, dedup = req_slots, req_slots, req_slots, {"DEDUP": False}
     if union is not None:
         first, draft_base, presence = union.first, union.draft_base, union.table()
-        _check_presence_table(presence, rows, device)
+        _check_presence_table(presence, rows, t.positions_per_request, device)
         dedup = {"DEDUP": True}
     presence_stride = presence.stride(0) if union is not None else 0
     launches = [
@@ -406,13 +406,15 @@ def _check_union(union: DraftUnion, batch_cap: int, width: int, device: torch.de
                        "pass the verify step's persistent begin-block field")
 
 
-def _check_presence_table(table: torch.Tensor, rows: int, device: torch.device) -> None:
-    # Its width (max_seq_len + D: above every position a step may select) is the cache's.
+def _check_presence_table(table: torch.Tensor, rows: int, positions: int,
+                          device: torch.device) -> None:
+    # A column for every position a page table can map: the kernels index it by position.
     if (table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] < rows
-            or table.device != device or table.stride(1) != 1):
-        raise fail(f"union.table() must be an int32 [>= {rows}, positions] presence table "
-                   f"on {device}", f"{table.dtype} {list(table.shape)} on {table.device}",
-                   "make it with union_reference.presence_table")
+            or table.shape[1] < positions or table.device != device or table.stride(1) != 1):
+        raise fail(f"union.table() must be an int32 [>= {rows}, >= {positions}] presence "
+                   f"table on {device}", f"{table.dtype} {list(table.shape)} on {table.device}",
+                   "make it with union_reference.presence_table(rows, "
+                   "tables.positions_per_request)")
 
 
 def _check_shape(tables: CacheTables, top_k: int) -> None:

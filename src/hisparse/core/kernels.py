@@ -52,8 +52,7 @@ class DecodeKernels:
         self.launcher: Any = backend.swap_in_launcher(
             tables, req_slots, num_real, out, plans=plans, skip_io=skip_io,
             newest_rows=newest_rows[0] if folds else None,
-            newest_host_rows=newest_host_rows if folds else None,
-            **({"union": union} if union is not None else {}))
+            newest_host_rows=newest_host_rows if folds else None, union=union)
         self.fuses_union = getattr(self.launcher, "union", None) is not None
         # Whether a swap-in can take the layer's new rows into its own launch (Triton's), and
         # write them to their host rows there too.

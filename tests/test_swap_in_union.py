@@ -17,6 +17,7 @@ import torch
 
 from hisparse.errors import InvalidInputError
 from hisparse.kernels.swap_in.reference import swap_in_reference
+from hisparse.kernels.swap_in.plan import tuning
 from hisparse.kernels.union_reference import (
     SENTINEL,
     presence_table,
@@ -87,18 +88,26 @@ def union_path(t: CacheTables, layer: int, group: int, req_slots: torch.Tensor,
 
 def fused_path(t: CacheTables, layer: int, group: int, req_slots: torch.Tensor,
                top_k: torch.Tensor, num_real: torch.Tensor, union: DraftUnion,
-               plan: MissPlan) -> torch.Tensor:
+               plan: MissPlan, copy: str = "by size") -> torch.Tensor:
+    """The fused swap-in, its copy as the plan picks it by batch size, or forced to walk the
+    top-k entries ("prefetched"), or skipped ("skip_io": the copy kernel completes the union
+    without copying rows)."""
     cap, S, K = top_k.shape
     out = torch.full((cap, S * K), POISON, dtype=torch.int32, device=DEVICE)
-    triton_kernels.swap_in_triton(t, layer, group, req_slots, top_k.view(cap, S * K),
-                                  num_real, out, plan=plan, union=union)
+    overrides = {"prefetch_copy_max_batch": None} if copy == "prefetched" else {}
+    with tuning(**overrides):
+        triton_kernels.swap_in_triton(t, layer, group, req_slots, top_k.view(cap, S * K),
+                                      num_real, out, plan=plan, union=union,
+                                      skip_io=copy == "skip_io")
     return out.view(cap, S, K)
 
 
 @pytest.mark.parametrize(("sizes", "S"), CASES)
 @pytest.mark.parametrize(("residency_map", "key_extents"), VARIANTS)
+@pytest.mark.parametrize("copy", ["by size", "prefetched", "skip_io"])
 def test_the_fused_union_swap_in_matches_the_union_reference(
-        sizes: Sizes, S: int, residency_map: str, key_extents: bool, seed: int) -> None:
+        sizes: Sizes, S: int, residency_map: str, key_extents: bool, copy: str,
+        seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     ref = make_tables(sizes, gen, residency_map, key_extents=key_extents)
     tri = clone_tables(ref)
@@ -117,11 +126,14 @@ def test_the_fused_union_swap_in_matches_the_union_reference(
             plan = MissPlan.empty(cap, S * K, DEVICE)
             want = union_path(ref, layer, group, req_slots, top_k, num_real, first,
                               draft_base)
-            got = fused_path(tri, layer, group, req_slots, top_k, num_real, union, plan)
+            got = fused_path(tri, layer, group, req_slots, top_k, num_real, union, plan, copy)
             assert torch.equal(got, want), (layer, (got != want).nonzero()[:8].tolist())
             for name in ("resident", "slot_key", "last_use", "lru_clock", "counters",
-                         "request_counters", "device_kv"):
+                         "request_counters"):
                 assert torch.equal(getattr(tri, name), getattr(ref, name)), (layer, name)
+            if copy == "skip_io":
+                tri.device_kv.copy_(ref.device_kv)  # skipped: the rows alone differ
+            assert torch.equal(tri.device_kv, ref.device_kv), layer
             assert bool((table == SENTINEL).all()), "the presence table was left dirty"
             # The plan lists each missing position once: the rows the followers replay.
             count = plan.count[:cap].clamp(min=0)
@@ -210,3 +222,40 @@ def test_a_presence_table_narrower_than_the_page_tables_is_refused_before_any_la
     assert bool((out == POISON).all()) and bool((narrow == SENTINEL).all())
     for name in ("resident", "slot_key", "last_use", "lru_clock", "counters"):
         assert torch.equal(getattr(t, name), getattr(before, name)), name
+
+
+@pytest.mark.parametrize("failing", [1, 2], ids=["selection", "copy"])
+def test_a_launch_failing_behind_the_lookup_leaves_the_table_and_counts_clean(
+        failing: int, monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """The selection and the copy empty what the lookup claimed and counted; when either
+    fails to launch, the call resets those itself, so the next call de-duplicates right."""
+    from hisparse.kernels.swap_in import launch as launch_module
+
+    sizes, S = CASES[0]
+    gen = torch.Generator().manual_seed(seed)
+    t = make_tables(sizes, gen)
+    cap, K = sizes.batch_cap, sizes.top_k
+    table = presence_table(cap, t.positions_per_request, DEVICE)
+    req_slots, top_k, num_real, first = verify_top_k(t, sizes, S, gen)
+    union = DraftUnion(S, K, first, req_slots.long() * (sizes.hot + 1) + sizes.hot - S + 1,
+                       lambda: table)
+    bind = launch_module._bind
+
+    def failing_bind(*args: object, **kwargs: object) -> tuple[object, ...]:
+        launches = list(bind(*args, **kwargs))
+
+        def fail(stream: object = None) -> None:
+            raise RuntimeError("launch failed")
+
+        launches[failing] = fail
+        return tuple(launches)
+
+    monkeypatch.setattr(launch_module, "_bind", failing_bind)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        fused_path(t, 0, 0, req_slots, top_k, num_real, union, MissPlan.empty(cap, S * K,
+                                                                               DEVICE))
+    scratch = launch_module.scratch_for(t, cap, S * K)
+    assert bool((table == SENTINEL).all())
+    for counts in (scratch.miss_count, scratch.hit_count, scratch.address_order,
+                   scratch.row_buckets):
+        assert int(counts.abs().sum()) == 0

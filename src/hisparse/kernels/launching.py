@@ -150,6 +150,10 @@ class BoundLaunch:
         self._pointer_slots = {i for i, v in enumerate(values) if isinstance(v, torch.Tensor)}
 
     @property
+    def kernel(self) -> Any:
+        return self._kernel
+
+    @property
     def direct(self) -> bool:
         """Whether calls after the first skip triton's dispatch."""
         return self._compiled is not None

@@ -4,7 +4,9 @@
 order, so a single request's misses spread over the whole GPU instead of one block; the same
 kernel replays a plan into a follower layer (shared-index prefetch). `copy_prefetched_kernel`
 walks the top-k entries instead and fetches host rows while the selection still runs (B=1).
-Rows move as int32 words; a 656-byte row is 41 aligned 16-byte vectors.
+Rows move as int32 words; a 656-byte row is 41 aligned 16-byte vectors. Behind a verify row's
+selection (DEDUP) either kernel also completes the union (`_complete_union`), with the row
+copy compiled away where the call skips IO.
 """
 
 from __future__ import annotations
@@ -12,7 +14,36 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hisparse.kernels.swap_in.lookup import _SENTINEL
 from hisparse.kernels.swap_in.pdl import gdc_wait
+
+
+@triton.jit
+def _claimed_positions(entry, code, top_k_ptr):
+    """Which of `entry` (flattened top-k entries) the lookup claimed in the presence table
+    (served and missing ones), and their positions: read before the copy waits for the
+    selection, as the codes are."""
+    claimed = (code == -3) | (code >= 0) | (code <= -4)
+    return claimed, tl.load(top_k_ptr + entry, mask=claimed, other=0)
+
+
+@triton.jit
+def _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr, presence_stride, K):
+    """A verify row's work left after its selection, done here by many programs instead of
+    the row's one: each repeat (marked `-2 - first entry` in `out` by the selection) takes
+    its position's first entry's row, and each claimed presence-table entry is emptied for
+    the next call (nothing reads the table after the selection). Returns the entries' device
+    rows, where a miss's row goes. A first entry's row is never a mark, so no program reads
+    another's rewrite."""
+    b = entry // K
+    tl.store(presence_ptr + b.to(tl.int64) * presence_stride + pos,
+             tl.full(pos.shape, _SENTINEL, tl.int32), mask=claimed)
+    missed = (code >= 0) | (code <= -4)
+    dst = tl.load(out_ptr + entry, mask=missed, other=0)
+    repeat = missed & (dst <= -2)
+    held = tl.load(out_ptr + b * K + (-2 - dst), mask=repeat, other=-1)
+    tl.store(out_ptr + entry, held, mask=repeat)
+    return tl.where(repeat, held, dst)
 
 
 @triton.jit
@@ -24,11 +55,16 @@ def copy_kernel(
     max_count,  # columns of the plan (K)
     num_host_rows,  # N: rows of host_ptr
     num_device_rows,  # rows of device_ptr
+    # DEDUP only: the call's [Bcap * K] entry codes, top-k and out, the presence table, and
+    # the entries in all and per batch row
+    miss_row_ptr, top_k_ptr, out_ptr, presence_ptr, presence_stride, num_entries, K,
     ROW_WORDS: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
     BLOCK_BATCH: tl.constexpr,
     ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    DEDUP: tl.constexpr,  # behind a verify row's selection: complete its union too
+    UNION_BLOCK: tl.constexpr,  # entries per iteration of that walk
 ):
     if USE_PDL:  # launched early behind the selection kernel: wait for its plan
         gdc_wait()
@@ -58,26 +94,50 @@ def copy_kernel(
         mask = active[:, None] & in_row[None, :]
         data = tl.load(host_ptr + src[:, None] * ROW_WORDS + words[None, :], mask=mask)
         tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
+    if DEDUP:  # the plan holds the first entries' rows; the walk gives the repeats theirs
+        stride = tl.num_programs(0) * UNION_BLOCK
+        for start in range(tl.program_id(0) * UNION_BLOCK, num_entries, stride):
+            entry = start + tl.arange(0, UNION_BLOCK)
+            code = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1)
+            claimed, pos = _claimed_positions(entry, code, top_k_ptr)
+            _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr,
+                            presence_stride, K)
 
 
 @triton.jit
-def _load_miss_rows(miss_row_ptr, host_ptr, entry, num_entries, words, in_row,
-                    ROW_WORDS: tl.constexpr, MISS_ROW_CACHE: tl.constexpr):
-    """Host rows of the misses among `entry` (top-k entries, flattened), -1 source elsewhere."""
-    src = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1,
-                  cache_modifier=MISS_ROW_CACHE)
-    miss = src >= 0
+def _load_miss_rows(miss_row_ptr, host_ptr, top_k_ptr, entry, num_entries, words, in_row,
+                    ROW_WORDS: tl.constexpr, MISS_ROW_CACHE: tl.constexpr,
+                    DEDUP: tl.constexpr, COPY_ROWS: tl.constexpr):
+    """Everything the copy of `entry` (top-k entries, flattened) reads before the selection is
+    done: the codes, the host rows of the misses (a source of -1 elsewhere) and, in a verify
+    row, the claimed positions."""
+    code = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1,
+                   cache_modifier=MISS_ROW_CACHE)
+    miss = code >= 0
     mask = miss[:, None] & in_row[None, :]
-    data = tl.load(host_ptr + src.to(tl.int64)[:, None] * ROW_WORDS + words[None, :], mask=mask)
-    return data, miss, mask
+    data = tl.zeros((1, 1), tl.int32)
+    if COPY_ROWS:
+        data = tl.load(host_ptr + code.to(tl.int64)[:, None] * ROW_WORDS + words[None, :],
+                       mask=mask)
+    claimed, pos = miss, entry
+    if DEDUP:
+        claimed, pos = _claimed_positions(entry, code, top_k_ptr)
+    return code, data, miss, mask, claimed, pos
 
 
 @triton.jit
-def _store_miss_rows(out_ptr, device_ptr, entry, data, miss, mask, words,
-                     ROW_WORDS: tl.constexpr):
-    """Store fetched rows into the slots the plan gave their entries (out = base + victim)."""
-    dst = tl.load(out_ptr + entry, mask=miss, other=0).to(tl.int64)
-    tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
+def _store_miss_rows(out_ptr, device_ptr, entry, code, data, miss, mask, claimed, pos, words,
+                     presence_ptr, presence_stride, K, ROW_WORDS: tl.constexpr,
+                     DEDUP: tl.constexpr, COPY_ROWS: tl.constexpr):
+    """Store fetched rows into the slots the plan gave their entries (out = base + victim),
+    after a verify row's union is complete."""
+    if DEDUP:
+        dst = _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr,
+                              presence_stride, K).to(tl.int64)
+    else:
+        dst = tl.load(out_ptr + entry, mask=miss, other=0).to(tl.int64)
+    if COPY_ROWS:
+        tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
 
 
 @triton.jit
@@ -87,12 +147,16 @@ def copy_prefetched_kernel(
     host_ptr,  # [N, ROW_WORDS] int32 this layer's host rows
     device_ptr,  # [R*S, ROW_WORDS] int32 this layer's device rows
     num_entries,  # Bcap * K
+    # DEDUP only: the call's top-k, the presence table and the entries per row
+    top_k_ptr, presence_ptr, presence_stride, K,
     ROW_WORDS: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
     ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
     MISS_ROW_CACHE: tl.constexpr,  # ".cg" when launched early: read at L2, as the classify
     # grid left it
+    DEDUP: tl.constexpr,  # behind a verify row's selection: complete its union too
+    COPY_ROWS: tl.constexpr,  # False: that alone (a skip-IO call)
 ):
     """The copy by top-k entry instead of by plan: a miss's host row depends on the lookups
     alone, so each program fetches its first rows over the link while the selection still
@@ -101,14 +165,18 @@ def copy_prefetched_kernel(
     words = tl.arange(0, BLOCK_WORDS)
     in_row = words < ROW_WORDS
     first = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    data, miss, mask = _load_miss_rows(miss_row_ptr, host_ptr, first, num_entries, words,
-                                       in_row, ROW_WORDS, MISS_ROW_CACHE)
+    code, data, miss, mask, claimed, pos = _load_miss_rows(
+        miss_row_ptr, host_ptr, top_k_ptr, first, num_entries, words, in_row, ROW_WORDS,
+        MISS_ROW_CACHE, DEDUP, COPY_ROWS)
     if USE_PDL:
         gdc_wait()
-    _store_miss_rows(out_ptr, device_ptr, first, data, miss, mask, words, ROW_WORDS)
+    _store_miss_rows(out_ptr, device_ptr, first, code, data, miss, mask, claimed, pos, words,
+                     presence_ptr, presence_stride, K, ROW_WORDS, DEDUP, COPY_ROWS)
     stride = tl.num_programs(0) * ROWS
     for start in range(tl.program_id(0) * ROWS + stride, num_entries, stride):
         entry = start + tl.arange(0, ROWS)
-        data, miss, mask = _load_miss_rows(miss_row_ptr, host_ptr, entry, num_entries, words,
-                                           in_row, ROW_WORDS, MISS_ROW_CACHE)
-        _store_miss_rows(out_ptr, device_ptr, entry, data, miss, mask, words, ROW_WORDS)
+        code, data, miss, mask, claimed, pos = _load_miss_rows(
+            miss_row_ptr, host_ptr, top_k_ptr, entry, num_entries, words, in_row, ROW_WORDS,
+            MISS_ROW_CACHE, DEDUP, COPY_ROWS)
+        _store_miss_rows(out_ptr, device_ptr, entry, code, data, miss, mask, claimed, pos,
+                         words, presence_ptr, presence_stride, K, ROW_WORDS, DEDUP, COPY_ROWS)

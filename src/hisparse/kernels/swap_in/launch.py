@@ -43,6 +43,7 @@ from hisparse.kernels.swap_in.plan import (
     replay_plan,
 )
 from hisparse.kernels.swap_in.select import select_kernel
+from hisparse.kernels.union_reference import SENTINEL
 from hisparse.layout.tables import (
     CacheTables,
     DraftUnion,
@@ -86,9 +87,8 @@ class Scratch:
         return (self.address_order.numel() - 1) // 2
 
     def reset_counts(self) -> None:
-        """After a launch failed between the lookup (which adds to the counts) and the
-        selection (which resets them): queued behind the lookup, so the next call starts
-        from zero."""
+        """After a launch failed behind the lookup (which adds to the counts the selection
+        resets)."""
         self.miss_count.zero_()
         self.hit_count.zero_()
         self.address_order.zero_()
@@ -215,12 +215,28 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
              "BLOCK_H": plan.block_h, "num_warps": plan.select_warps,
              **({"launch_pdl": True} if plan.pdl else {})}, device=device, direct=direct),
     ]
+    completion = _UnionCompletion(top_k, presence, presence_stride, k) if union else None
     if plan.copy.variant == "prefetched":
         launches.append(_bind_prefetched_copy(t, layer, plan.copy, scratch.miss_row, out,
-                                              rows * k, direct))
+                                              rows * k, direct, completion))
     elif plan.copy.variant == "planned":
-        launches.append(_bind_copy(t, layer, plan.copy, miss_plan, rows, direct))
+        launches.append(_bind_copy(t, layer, plan.copy, miss_plan, rows, direct,
+                                   scratch.miss_row, out, completion))
+    elif completion is not None:  # skip-IO: the copy kernel without its rows
+        launches.append(_bind_prefetched_copy(t, layer, plan.copy, scratch.miss_row, out,
+                                              rows * k, direct, completion, copy_rows=False))
     return tuple(launches)
+
+
+@dataclass(frozen=True)
+class _UnionCompletion:
+    """What a copy behind a verify row's selection reads to complete its union (copy.py,
+    `_complete_union`)."""
+
+    top_k: torch.Tensor  # [rows, S * K] the call's flattened top-k
+    presence: torch.Tensor
+    presence_stride: int
+    row_entries: int  # S * K
 
 
 def _copy_constants(tables: CacheTables, copy: CopyPlan) -> dict[str, object]:
@@ -232,44 +248,67 @@ def _copy_constants(tables: CacheTables, copy: CopyPlan) -> dict[str, object]:
 
 def _bind_prefetched_copy(tables: CacheTables, layer: int, copy: CopyPlan,
                           miss_row: torch.Tensor, out: torch.Tensor, entries: int,
-                          direct: bool) -> BoundLaunch:
+                          direct: bool, completion: _UnionCompletion | None = None,
+                          copy_rows: bool = True) -> BoundLaunch:
     host, device = layer_rows(tables, layer)
     # Only a launch behind a running selection needs the L2 read; after an ordinary kernel
     # boundary a plain load is right on every vendor's backend.
-    constants = {**_copy_constants(tables, copy), "MISS_ROW_CACHE": ".cg" if copy.pdl else ""}
+    constants = {**_copy_constants(tables, copy), "MISS_ROW_CACHE": ".cg" if copy.pdl else "",
+                 "DEDUP": completion is not None, "COPY_ROWS": copy_rows}
+    c = completion or _UnionCompletion(miss_row, miss_row, 0, 1)  # placeholders: never read
     return BoundLaunch(copy_prefetched_kernel, (copy.programs,),
-                       (miss_row, out, host, device, entries), constants,
+                       (miss_row, out, host, device, entries, c.top_k, c.presence,
+                        c.presence_stride, c.row_entries), constants,
                        device=device.device, addresses={2: _host_address(tables, layer)},
                        direct=direct)
 
 
 def _bind_copy(tables: CacheTables, layer: int, copy: CopyPlan, plan: MissPlan, rows: int,
-               direct: bool) -> BoundLaunch:
+               direct: bool, miss_row: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, completion: _UnionCompletion | None = None
+               ) -> BoundLaunch:
     host, device = layer_rows(tables, layer)
+    c = completion or _UnionCompletion(plan.src, plan.src, 0, 1)  # placeholders: never read
     return BoundLaunch(copy_kernel, (copy.programs,), (
         plan.src, plan.dst, plan.count, plan.src.stride(0), host, device, rows,
-        plan.src.shape[1], host.shape[0], device.shape[0]),
-        {**_copy_constants(tables, copy), "BLOCK_BATCH": triton.next_power_of_2(rows)},
+        plan.src.shape[1], host.shape[0], device.shape[0],
+        miss_row if miss_row is not None else plan.src, c.top_k,
+        out if out is not None else plan.src, c.presence, c.presence_stride,
+        rows * c.row_entries, c.row_entries),
+        {**_copy_constants(tables, copy), "BLOCK_BATCH": triton.next_power_of_2(rows),
+         "DEDUP": completion is not None, "UNION_BLOCK": _UNION_BLOCK},
         device=device.device, addresses={4: _host_address(tables, layer)}, direct=direct)
 
 
-def _run(launches: tuple[BoundLaunch, ...], scratch: Scratch) -> None:
+# Entries per iteration of the planned copy's union walk: the walk is a few loads and stores
+# per entry, so wider than the row copy's iterations.
+_UNION_BLOCK = 128
+
+
+def _run(launches: tuple[BoundLaunch, ...], scratch: Scratch,
+         union: DraftUnion | None = None) -> None:
+    """Launch a call's kernels. A launch that fails after the lookup leaves counts (and a
+    verify row's presence table) that the selection or the copy would have reset: reset here
+    instead, queued behind the lookup, so that the next call starts clean."""
     # Read once for the call's two or three launches (None: each reads its own, as triton's
     # own path does before the first call has compiled, and under the interpreter).
     stream = launches[0].current_stream() if launches[0].direct else None
     launches[0](stream)
     try:
-        launches[1](stream)
+        for launch in launches[1:]:
+            launch(stream)
     except BaseException:
         scratch.reset_counts()
+        if union is not None:
+            union.table().fill_(SENTINEL)
         raise
-    for launch in launches[2:]:
-        launch(stream)
 
 
-# Positions of the top-k tensor among the lookup's and the selection's arguments, and of the
-# new rows and the layer's host rows among the lookup's.
+# Positions of the top-k tensor among the lookup's and the selection's arguments (and among
+# the copies' behind a verify row's selection), and of the new rows and the layer's host rows
+# among the lookup's.
 _TOP_K_ARG = 3
+_COPY_TOP_K_ARG = {copy_prefetched_kernel: 5, copy_kernel: 11}
 _NEWEST_KV_ARG = 15
 _HOST_WORDS_ARG = 19
 
@@ -373,10 +412,13 @@ class SwapInLauncher:
                 # Another top-k tensor (the bound launches keep the last one alive).
                 launches[0].rebind(_TOP_K_ARG, top_k)
                 launches[1].rebind(_TOP_K_ARG, top_k)
+                if self.union is not None and len(launches) > 2:
+                    copy = launches[2]
+                    copy.rebind(_COPY_TOP_K_ARG[copy.kernel], top_k)
             if newest_kv is not None and launches[0].address(_NEWEST_KV_ARG) != (
                     newest_kv.data_ptr()):
                 launches[0].rebind(_NEWEST_KV_ARG, newest_kv)
-        _run(launches, self._scratch)
+        _run(launches, self._scratch, self.union)
 
     def replay(self, layer: int, group: int, rows: int) -> None:
         """Copy the rows `group`'s last swap-in recorded into `layer` (a follower)."""
@@ -476,7 +518,7 @@ def swap_in_triton(
                               skip_io=skip_io, key_extents=t.key_host_extent is not None)
     _run(_bind(t, launch_plan, layer, group, req_slots, top_k, num_real, out,
                plan if plan is not None else scratch.plan, scratch, direct=False,
-               newest=newest, union=union), scratch)
+               newest=newest, union=union), scratch, union)
 
 
 def _check_newest(tables: CacheTables, newest: NewestRows, batch_cap: int) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hisparse.kernels.swap_in.lookup import _NO_STAMP, _SENTINEL, _address_bucket, _row_context
+from hisparse.kernels.swap_in.lookup import _NO_STAMP, _address_bucket, _row_context
 from hisparse.kernels.swap_in.pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -38,7 +38,7 @@ def _select_victims(
 ):
     """Give the misses of row b the slots with the oldest stamps below the clock (ties by
     slot id), in slot order, install them, and return how many were installed. A verify
-    row's (DEDUP) are its positions' first entries; the others then read their slots."""
+    row's (DEDUP) are its positions' first entries; the copy gives the others their slots."""
     h = tl.arange(0, BLOCK_H)
     in_h = h < H
     k = tl.arange(0, BLOCK_K)
@@ -48,7 +48,7 @@ def _select_victims(
     keys_by_slot = tl.load(slot_key_ptr + r.to(tl.int64) * H + h, mask=in_h, other=-1)
     row = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1)
     if DEDUP:
-        row = _first_misses(b, k, K, row, top_k_ptr, presence_ptr, presence_stride)
+        row = _first_misses(b, k, K, row, top_k_ptr, presence_ptr, presence_stride, out_ptr)
     # A statement, not a conditional expression: that would load the top-k row either way.
     if POSITION_KEYED:
         key = r * T + tl.load(top_k_ptr + b * K + k, mask=k < K, other=0)
@@ -89,59 +89,24 @@ def _select_victims(
     else:
         tl.store(plan_src_ptr + b * plan_stride + rank, row, mask=miss)
         tl.store(plan_dst_ptr + b * plan_stride + rank, base + slot, mask=miss)
-    if DEDUP:
-        tl.debug_barrier()  # the first entries' rows in `out` are visible to every thread
-        _fill_repeats(b, k, K, miss_row_ptr, top_k_ptr, presence_ptr, presence_stride, out_ptr)
     return installed
 
 
 @triton.jit
-def _missed_positions(b, k, K, code, top_k_ptr, presence_ptr, presence_stride):
-    """A verify row's misses (codes >= 0, and `-4 - row` for the repeats the lookup found)
-    and the first entry of each one's position (the lookup's atomic minimum left it in the
-    table)."""
+def _first_misses(b, k, K, code, top_k_ptr, presence_ptr, presence_stride, out_ptr):
+    """The host row of each missing position's first entry (the lookup's atomic minimum left
+    it in the presence table), -1 elsewhere: the entries that take victims. Every other miss
+    of a position is marked `-2 - first entry` in `out`, which the copy kernel resolves
+    (copy.py, `_complete_union`)."""
+    # Misses are codes >= 0, and `-4 - row` for the repeats the lookup found. The top-k row
+    # is read whole, so that its load flies with the codes' instead of after it.
     missed = (code >= 0) | (code <= -4)
-    pos = tl.load(top_k_ptr + b * K + k, mask=missed, other=0)
+    pos = tl.load(top_k_ptr + b * K + k, mask=k < K, other=0)
     first_entry = tl.load(presence_ptr + b.to(tl.int64) * presence_stride + pos, mask=missed,
                           other=-1)
-    return missed, first_entry
-
-
-@triton.jit
-def _first_misses(b, k, K, code, top_k_ptr, presence_ptr, presence_stride):
-    """The host row of each missing position's first entry, -1 elsewhere: the entries that
-    take victims."""
-    missed, first_entry = _missed_positions(b, k, K, code, top_k_ptr, presence_ptr,
-                                            presence_stride)
     first = missed & (first_entry == k)
+    tl.store(out_ptr + b * K + k, -2 - first_entry, mask=missed & ~first)
     return tl.where(first, tl.where(code >= 0, code, -4 - code), -1)
-
-
-@triton.jit
-def _fill_repeats(b, k, K, miss_row_ptr, top_k_ptr, presence_ptr, presence_stride, out_ptr):
-    """Every other miss of a position reads its first entry's slot. Loaded again rather than
-    kept from `_first_misses`: held across the victim search, at 16384 entries a row, the two
-    vectors spilled (kernels/targets.py's builds)."""
-    code = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1)
-    missed, first_entry = _missed_positions(b, k, K, code, top_k_ptr, presence_ptr,
-                                            presence_stride)
-    repeat = missed & (first_entry != k)
-    held = tl.load(out_ptr + b * K + first_entry, mask=repeat, other=-1)
-    tl.store(out_ptr + b * K + k, held, mask=repeat)
-
-
-@triton.jit
-def _release_positions(b, K, top_k_ptr, miss_row_ptr, presence_ptr, presence_stride,
-                       BLOCK_K: tl.constexpr):
-    """Empty the presence-table entries row b's lookup claimed (every served or missing
-    entry's position), for the next call."""
-    tl.debug_barrier()  # after every thread's reads of them
-    k = tl.arange(0, BLOCK_K)
-    code = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1)
-    claimed = (code == -3) | (code >= 0) | (code <= -4)
-    pos = tl.load(top_k_ptr + b * K + k, mask=claimed, other=0)
-    tl.store(presence_ptr + b.to(tl.int64) * presence_stride + pos,
-             tl.full(pos.shape, _SENTINEL, tl.int32), mask=claimed)
 
 
 @triton.jit
@@ -329,9 +294,6 @@ def select_kernel(
                 KEY_EXTENTS, DEDUP,
             )
         tl.store(lru_clock_ptr + r, clock + 1)
-    if DEDUP:
-        _release_positions(b, K, top_k_ptr, miss_row_ptr, presence_ptr, presence_stride,
-                           BLOCK_K)
     if ADDRESS_ORDER:
         _count_address_ordered_plan(b, K, plan_count_ptr, bucket_count_ptr, bucket_cursor_ptr,
                                     done_ptr, NUM_BUCKETS)

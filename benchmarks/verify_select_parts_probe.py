@@ -1,14 +1,15 @@
-"""Which part of the verify swap-in's selection costs what: one part of the union inside the
-swap-in replaced by a no-op before the kernels compile, then SW-2's cell at B = 1, overlap
-0.9, churn 0.05 for S = 2 and 8 (`verify_step.run_pair`). A probe, not a mode: without the
-part the rows are wrong (the cell's `wrong_rows` says how many), so only the times mean
-anything. One part per process (Triton keys its cache by the sources it compiled):
+"""Which part of the verify swap-in's union work costs what: one part replaced by a no-op
+before the kernels compile, then SW-2's cell at B = 1, overlap 0.9, churn 0.05 for S = 2 and 8
+(`verify_step.run_pair`). A probe, not a mode: without the part the rows are wrong (the cell's
+`wrong_rows` says how many), so only the times mean anything. One part per process (Triton
+keys its cache by the sources it compiled):
 
-    python benchmarks/verify_select_parts_probe.py none|release|fill|first|claim[,...]
+    python benchmarks/verify_select_parts_probe.py none|complete|first|claim[,...]
 
-release: the table entries are never emptied; fill: the repeats never read their first
-entry's slot; first: every miss the lookup counted takes a victim (no table read); claim:
-the lookup takes no table entry (nothing is de-duplicated).
+complete: the copy neither gives the repeats their first entry's slot nor empties the
+presence table (copy.py, `_complete_union`); first: every miss the lookup counted takes a
+victim in the selection (no table read, no repeat marks); claim: the lookup takes no table
+entry (nothing is de-duplicated).
 """
 
 from __future__ import annotations
@@ -20,25 +21,19 @@ from pathlib import Path
 import triton
 import triton.language as tl
 
-from hisparse.kernels.swap_in import lookup, select
+from hisparse.kernels.swap_in import copy, lookup, select
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import verify_step  # beside this file
 
 
 @triton.jit
-def _no_release(b, K, top_k_ptr, miss_row_ptr, presence_ptr, presence_stride,
-                BLOCK_K: tl.constexpr):
-    pass
+def _no_completion(entry, code, claimed, pos, out_ptr, presence_ptr, presence_stride, K):
+    return tl.load(out_ptr + entry, mask=(code >= 0) | (code <= -4), other=0)
 
 
 @triton.jit
-def _no_fill(b, k, K, miss_row_ptr, top_k_ptr, presence_ptr, presence_stride, out_ptr):
-    pass
-
-
-@triton.jit
-def _every_miss_first(b, k, K, code, top_k_ptr, presence_ptr, presence_stride):
+def _every_miss_first(b, k, K, code, top_k_ptr, presence_ptr, presence_stride, out_ptr):
     return tl.where(code >= 0, code, -1)
 
 
@@ -48,8 +43,7 @@ def _no_claim(b, k_offsets, pos, miss, row, code, presence_ptr, presence_stride,
     return code, (code == -3) | miss
 
 
-PARTS = {"release": (select, "_release_positions", _no_release),
-         "fill": (select, "_fill_repeats", _no_fill),
+PARTS = {"complete": (copy, "_complete_union", _no_completion),
          "first": (select, "_first_misses", _every_miss_first),
          "claim": (lookup, "_claim_positions", _no_claim)}
 

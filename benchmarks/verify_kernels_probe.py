@@ -5,7 +5,8 @@ cudaProfilerStart and Stop):
     ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \
         --csv python3 benchmarks/verify_kernels_probe.py 2,1,0.9 8,1,0.9 4,16,0.9
 
-Each argument is S,B,overlap (churn 0.05, the SW-2 shapes of benchmarks/verify_step.py).
+Each argument is S,B,overlap[,churn] (churn 0.05 by default; the SW-2 shapes of
+benchmarks/verify_step.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import verify_step as vs
 K, L, W = 2048, 32768, 656
 
 
-def profile_cell(S: int, B: int, overlap: float, steps: int = 6) -> None:
+def profile_cell(S: int, B: int, overlap: float, churn: float = 0.05, steps: int = 6) -> None:
     hot = max(2, S) * K
     kv = torch.randint(0, 256, (1, L, W), dtype=torch.uint8)
     verify = vs.build("cuda", K, hot, S, B, L, W, 256, kv)
@@ -32,7 +33,7 @@ def profile_cell(S: int, B: int, overlap: float, steps: int = 6) -> None:
     drafts = torch.zeros(B, S, W, dtype=torch.uint8, device="cuda")
     newest = torch.zeros(B, W, dtype=torch.uint8, device="cuda")
     for step in range(steps):
-        rows = vs.query_rows(rng, previous, L, hot, S, 0.05, overlap)
+        rows = vs.query_rows(rng, previous, L, hot, S, churn, overlap)
         previous = rows[:, 0]
         top_k = torch.from_numpy(rows.astype(np.int32)).cuda()
         union = torch.from_numpy(vs.union_rows(rows)).cuda()
@@ -58,5 +59,5 @@ def profile_cell(S: int, B: int, overlap: float, steps: int = 6) -> None:
 
 if __name__ == "__main__":
     for cell in sys.argv[1:]:
-        S, B, overlap = cell.split(",")
-        profile_cell(int(S), int(B), float(overlap))
+        S, B, overlap, *churn = cell.split(",")
+        profile_cell(int(S), int(B), float(overlap), *(float(c) for c in churn))

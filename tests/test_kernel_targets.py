@@ -37,7 +37,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 # Two child processes at once, one per core of the CI box (about 30 s each, cold).
 GROUPS = (("cuda:sm_90", "hip:gfx942", "xpu:pvc"), ("cuda:sm_100", "hip:gfx950"))
 TARGET_NAMES = [t.name for t in TARGETS]
-KERNELS = {"classify", "select", "copy", "copy_prefetched", "backup", "newest", "advance"}
+KERNELS = {"classify", "select", "copy", "copy_prefetched", "complete_union", "backup", "newest",
+           "advance"}
 
 # Builds known not to fit their target (none today). The selection's launch once gave a
 # program 32 warps counted as 32-lane ones (H > 8192): 2048 threads on AMD's 64-lane waves,

@@ -29,8 +29,19 @@ def test_the_shipped_tuning_picks_the_measured_paths(rows: int) -> None:
     assert got.classify_grid == (rows, 2048 // got.classify_chunk)
     assert not got.address_order
     assert plan(rows, extent=1).address_order == (rows >= 64)
-    # The copy's width: 8 programs per SM, 1 from 64 rows on.
-    assert got.copy.programs == min(-(-rows * 2048 // 2), 132 * (1 if rows >= 64 else 8))
+    # The copy's width: 8 programs per SM, 1 from 64 rows on; the prefetching copy up to 32.
+    per_sm = 32 if rows == 1 else 1 if rows >= 64 else 8
+    assert got.copy.programs == min(-(-rows * 2048 // 2), 132 * per_sm)
+    # A verify row's union is completed by the copy, but behind the one-per-SM copy.
+    assert got.union_completion == ("own kernel" if rows >= 64 else "copy")
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8])
+def test_the_prefetching_copy_covers_a_verify_rows_entries_in_one_pass_up_to_s_4(
+        tokens: int) -> None:
+    got = plan_launch(1, 2048 * tokens, 4096 * tokens, 512, False, H200, tune=Tuning())
+    assert got.copy.programs == min(1024 * tokens, 132 * 32)
+    assert (got.copy.programs * got.copy.rows_per_iteration >= 2048 * tokens) == (tokens <= 4)
 
 
 def test_pdl_comes_from_the_device_and_can_only_be_turned_off() -> None:
@@ -41,7 +52,8 @@ def test_pdl_comes_from_the_device_and_can_only_be_turned_off() -> None:
 
 
 def test_skip_io_plans_no_copy_and_the_interpreter_keeps_grids_tiny() -> None:
-    assert plan_launch(4, 2048, 4096, 512, False, H200, skip_io=True).copy.variant == "none"
+    skipping = plan_launch(4, 2048, 4096, 512, False, H200, skip_io=True)
+    assert skipping.copy.variant == "none" and skipping.union_completion == "own kernel"
     interpreted = DeviceTraits(compute_units=1, pdl=False, interpreted=True)
     assert plan(64, device=interpreted).copy.programs == Tuning().interpreter_copy_programs
 

@@ -149,16 +149,23 @@ def test_multi_process_fuzz_with_shared_prefixes_is_byte_exact_and_leaks_nothing
     requests sent to a private copy of a retained tail's extent. Both ranks read every
     token's bytes (their origin's, across the prefix), and once everything is released every
     extent is free again on both."""
-    seed = int(torch.randint(0, 2**31, (1,)))
-    results = run_group(fuzz_rank, ranks_of(pool_name, 2, seed=seed, steps=300,
-                                            overrides=dict(residency_map=residency_map)),
-                        timeout_s=240)
-    assert not describe_failure(results), describe_failure(results)
-    counts = [{k: v for k, v in r.items() if k not in ("rank", "seconds")} for r in results]
-    assert counts[0] == counts[1], (seed, counts)
-    assert counts[0]["mismatches"] == counts[0]["leaked_extents"] == 0, (seed, counts)
-    assert min(counts[0][k] for k in ("retains", "releases", "shared_admits",
-                                      "private_copies")) > 0, (seed, counts)
+    # A private copy needs a retained prefix that ends inside a decoding request's last
+    # extent, which a seed's 300 steps miss now and then: a run that misses a path is
+    # checked like the others and followed by one with a fresh seed, up to three.
+    paths = ("retains", "releases", "shared_admits", "private_copies")
+    for _run in range(3):
+        seed = int(torch.randint(0, 2**31, (1,)))
+        results = run_group(fuzz_rank, ranks_of(pool_name, 2, seed=seed, steps=300,
+                                                overrides=dict(residency_map=residency_map)),
+                            timeout_s=240)
+        assert not describe_failure(results), describe_failure(results)
+        counts = [{k: v for k, v in r.items() if k not in ("rank", "seconds")}
+                  for r in results]
+        assert counts[0] == counts[1], (seed, counts)
+        assert counts[0]["mismatches"] == counts[0]["leaked_extents"] == 0, (seed, counts)
+        if min(counts[0][k] for k in paths) > 0:
+            break
+    assert min(counts[0][k] for k in paths) > 0, (seed, counts)
 
 
 def test_paired_timing_times_a_reader_of_the_shared_pool_against_its_own_private_cache(

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from hisparse.errors import InvalidInputError
-from hisparse.kernels.swap_in.reference import swap_in_reference
 from hisparse.kernels.swap_in.plan import tuning
+from hisparse.kernels.swap_in.reference import swap_in_reference
 from hisparse.kernels.union_reference import (
     SENTINEL,
     presence_table,
@@ -89,12 +89,15 @@ def union_path(t: CacheTables, layer: int, group: int, req_slots: torch.Tensor,
 def fused_path(t: CacheTables, layer: int, group: int, req_slots: torch.Tensor,
                top_k: torch.Tensor, num_real: torch.Tensor, union: DraftUnion,
                plan: MissPlan, copy: str = "by size") -> torch.Tensor:
-    """The fused swap-in, its copy as the plan picks it by batch size, or forced to walk the
-    top-k entries ("prefetched"), or skipped ("skip_io": the copy kernel completes the union
-    without copying rows)."""
+    """The fused swap-in, its copy as the plan picks it by batch size (the planned copy
+    completes the union), or forced to walk the top-k entries ("prefetched", which completes
+    it too), or the large-batch planned copy or none ("skip_io"), behind the union's own
+    kernel."""
     cap, S, K = top_k.shape
     out = torch.full((cap, S * K), POISON, dtype=torch.int32, device=DEVICE)
-    overrides = {"prefetch_copy_max_batch": None} if copy == "prefetched" else {}
+    overrides = {"prefetched": {"prefetch_copy_max_batch": None},
+                 "large-batch copy": {"prefetch_copy_max_batch": 0,
+                                      "large_batch_copy_min_batch": 1}}.get(copy, {})
     with tuning(**overrides):
         triton_kernels.swap_in_triton(t, layer, group, req_slots, top_k.view(cap, S * K),
                                       num_real, out, plan=plan, union=union,
@@ -104,7 +107,7 @@ def fused_path(t: CacheTables, layer: int, group: int, req_slots: torch.Tensor,
 
 @pytest.mark.parametrize(("sizes", "S"), CASES)
 @pytest.mark.parametrize(("residency_map", "key_extents"), VARIANTS)
-@pytest.mark.parametrize("copy", ["by size", "prefetched", "skip_io"])
+@pytest.mark.parametrize("copy", ["by size", "prefetched", "large-batch copy", "skip_io"])
 def test_the_fused_union_swap_in_matches_the_union_reference(
         sizes: Sizes, S: int, residency_map: str, key_extents: bool, copy: str,
         seed: int) -> None:

@@ -99,6 +99,7 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
         "select": (swap_in_launch, "select_kernel"),
         "copy": (swap_in_launch, "copy_kernel"),
         "copy_prefetched": (swap_in_launch, "copy_prefetched_kernel"),
+        "complete_union": (swap_in_launch, "complete_union_kernel"),
         "backup": (backup_triton, "_backup_kernel"),
         "newest": (newest_triton, "_write_newest_kernel"),
         "advance": (advance_triton, "_advance_kernel"),

@@ -5,8 +5,8 @@ order, so a single request's misses spread over the whole GPU instead of one blo
 kernel replays a plan into a follower layer (shared-index prefetch). `copy_prefetched_kernel`
 walks the top-k entries instead and fetches host rows while the selection still runs (B=1).
 Rows move as int32 words; a 656-byte row is 41 aligned 16-byte vectors. Behind a verify row's
-selection (DEDUP) either kernel also completes the union (`_complete_union`), with the row
-copy compiled away where the call skips IO.
+selection (DEDUP) either kernel also completes the union (`_complete_union`), or
+`complete_union_kernel` does, where the plan says so (`LaunchPlan.union_completion`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def copy_kernel(
 @triton.jit
 def _load_miss_rows(miss_row_ptr, host_ptr, top_k_ptr, entry, num_entries, words, in_row,
                     ROW_WORDS: tl.constexpr, MISS_ROW_CACHE: tl.constexpr,
-                    DEDUP: tl.constexpr, COPY_ROWS: tl.constexpr):
+                    DEDUP: tl.constexpr):
     """Everything the copy of `entry` (top-k entries, flattened) reads before the selection is
     done: the codes, the host rows of the misses (a source of -1 elsewhere) and, in a verify
     row, the claimed positions."""
@@ -115,10 +115,7 @@ def _load_miss_rows(miss_row_ptr, host_ptr, top_k_ptr, entry, num_entries, words
                    cache_modifier=MISS_ROW_CACHE)
     miss = code >= 0
     mask = miss[:, None] & in_row[None, :]
-    data = tl.zeros((1, 1), tl.int32)
-    if COPY_ROWS:
-        data = tl.load(host_ptr + code.to(tl.int64)[:, None] * ROW_WORDS + words[None, :],
-                       mask=mask)
+    data = tl.load(host_ptr + code.to(tl.int64)[:, None] * ROW_WORDS + words[None, :], mask=mask)
     claimed, pos = miss, entry
     if DEDUP:
         claimed, pos = _claimed_positions(entry, code, top_k_ptr)
@@ -128,7 +125,7 @@ def _load_miss_rows(miss_row_ptr, host_ptr, top_k_ptr, entry, num_entries, words
 @triton.jit
 def _store_miss_rows(out_ptr, device_ptr, entry, code, data, miss, mask, claimed, pos, words,
                      presence_ptr, presence_stride, K, ROW_WORDS: tl.constexpr,
-                     DEDUP: tl.constexpr, COPY_ROWS: tl.constexpr):
+                     DEDUP: tl.constexpr):
     """Store fetched rows into the slots the plan gave their entries (out = base + victim),
     after a verify row's union is complete."""
     if DEDUP:
@@ -136,8 +133,7 @@ def _store_miss_rows(out_ptr, device_ptr, entry, code, data, miss, mask, claimed
                               presence_stride, K).to(tl.int64)
     else:
         dst = tl.load(out_ptr + entry, mask=miss, other=0).to(tl.int64)
-    if COPY_ROWS:
-        tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
+    tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
 
 
 @triton.jit
@@ -156,7 +152,6 @@ def copy_prefetched_kernel(
     MISS_ROW_CACHE: tl.constexpr,  # ".cg" when launched early: read at L2, as the classify
     # grid left it
     DEDUP: tl.constexpr,  # behind a verify row's selection: complete its union too
-    COPY_ROWS: tl.constexpr,  # False: that alone (a skip-IO call)
 ):
     """The copy by top-k entry instead of by plan: a miss's host row depends on the lookups
     alone, so each program fetches its first rows over the link while the selection still
@@ -167,16 +162,34 @@ def copy_prefetched_kernel(
     first = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     code, data, miss, mask, claimed, pos = _load_miss_rows(
         miss_row_ptr, host_ptr, top_k_ptr, first, num_entries, words, in_row, ROW_WORDS,
-        MISS_ROW_CACHE, DEDUP, COPY_ROWS)
+        MISS_ROW_CACHE, DEDUP)
     if USE_PDL:
         gdc_wait()
     _store_miss_rows(out_ptr, device_ptr, first, code, data, miss, mask, claimed, pos, words,
-                     presence_ptr, presence_stride, K, ROW_WORDS, DEDUP, COPY_ROWS)
+                     presence_ptr, presence_stride, K, ROW_WORDS, DEDUP)
     stride = tl.num_programs(0) * ROWS
     for start in range(tl.program_id(0) * ROWS + stride, num_entries, stride):
         entry = start + tl.arange(0, ROWS)
         code, data, miss, mask, claimed, pos = _load_miss_rows(
             miss_row_ptr, host_ptr, top_k_ptr, entry, num_entries, words, in_row, ROW_WORDS,
-            MISS_ROW_CACHE, DEDUP, COPY_ROWS)
+            MISS_ROW_CACHE, DEDUP)
         _store_miss_rows(out_ptr, device_ptr, entry, code, data, miss, mask, claimed, pos,
-                         words, presence_ptr, presence_stride, K, ROW_WORDS, DEDUP, COPY_ROWS)
+                         words, presence_ptr, presence_stride, K, ROW_WORDS, DEDUP)
+
+
+@triton.jit
+def complete_union_kernel(
+    miss_row_ptr,  # [Bcap * K] int32 each entry's code (classify)
+    top_k_ptr,  # [Bcap * K] int32 the call's flattened top-k
+    out_ptr,  # [Bcap * K] int32 device row of each entry (marks from the selection)
+    presence_ptr, presence_stride,  # [Bcap, presence_stride] int32 the presence table
+    num_entries,  # Bcap * K
+    K,  # entries per batch row (S x the query tokens' K)
+    BLOCK: tl.constexpr,
+):
+    """`_complete_union` alone, one block of entries per program: behind the selection of a
+    call whose copy is skipped or too narrow a grid to walk every entry."""
+    entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    code = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1)
+    claimed, pos = _claimed_positions(entry, code, top_k_ptr)
+    _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr, presence_stride, K)

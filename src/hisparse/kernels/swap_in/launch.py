@@ -31,7 +31,11 @@ from hisparse.kernels.swap_in.checks import (
     fail,
     layer_rows,
 )
-from hisparse.kernels.swap_in.copy import copy_kernel, copy_prefetched_kernel
+from hisparse.kernels.swap_in.copy import (
+    complete_union_kernel,
+    copy_kernel,
+    copy_prefetched_kernel,
+)
 from hisparse.kernels.swap_in.lookup import classify_kernel
 from hisparse.kernels.swap_in.plan import (
     CopyPlan,
@@ -216,15 +220,16 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
              **({"launch_pdl": True} if plan.pdl else {})}, device=device, direct=direct),
     ]
     completion = _UnionCompletion(top_k, presence, presence_stride, k) if union else None
+    if completion is not None and plan.union_completion == "own kernel":
+        launches.append(_bind_completion(completion, scratch.miss_row, out, rows, device,
+                                         direct))
+        completion = None
     if plan.copy.variant == "prefetched":
         launches.append(_bind_prefetched_copy(t, layer, plan.copy, scratch.miss_row, out,
                                               rows * k, direct, completion))
     elif plan.copy.variant == "planned":
         launches.append(_bind_copy(t, layer, plan.copy, miss_plan, rows, direct,
                                    scratch.miss_row, out, completion))
-    elif completion is not None:  # skip-IO: the copy kernel without its rows
-        launches.append(_bind_prefetched_copy(t, layer, plan.copy, scratch.miss_row, out,
-                                              rows * k, direct, completion, copy_rows=False))
     return tuple(launches)
 
 
@@ -248,13 +253,13 @@ def _copy_constants(tables: CacheTables, copy: CopyPlan) -> dict[str, object]:
 
 def _bind_prefetched_copy(tables: CacheTables, layer: int, copy: CopyPlan,
                           miss_row: torch.Tensor, out: torch.Tensor, entries: int,
-                          direct: bool, completion: _UnionCompletion | None = None,
-                          copy_rows: bool = True) -> BoundLaunch:
+                          direct: bool, completion: _UnionCompletion | None = None
+                          ) -> BoundLaunch:
     host, device = layer_rows(tables, layer)
     # Only a launch behind a running selection needs the L2 read; after an ordinary kernel
     # boundary a plain load is right on every vendor's backend.
     constants = {**_copy_constants(tables, copy), "MISS_ROW_CACHE": ".cg" if copy.pdl else "",
-                 "DEDUP": completion is not None, "COPY_ROWS": copy_rows}
+                 "DEDUP": completion is not None}
     c = completion or _UnionCompletion(miss_row, miss_row, 0, 1)  # placeholders: never read
     return BoundLaunch(copy_prefetched_kernel, (copy.programs,),
                        (miss_row, out, host, device, entries, c.top_k, c.presence,
@@ -283,6 +288,17 @@ def _bind_copy(tables: CacheTables, layer: int, copy: CopyPlan, plan: MissPlan, 
 # Entries per iteration of the planned copy's union walk: the walk is a few loads and stores
 # per entry, so wider than the row copy's iterations.
 _UNION_BLOCK = 128
+# Entries per program of the union's own kernel.
+_COMPLETION_BLOCK = 1024
+
+
+def _bind_completion(completion: _UnionCompletion, miss_row: torch.Tensor, out: torch.Tensor,
+                     rows: int, device: torch.device, direct: bool) -> BoundLaunch:
+    entries = rows * completion.row_entries
+    return BoundLaunch(complete_union_kernel, (triton.cdiv(entries, _COMPLETION_BLOCK),), (
+        miss_row, completion.top_k, out, completion.presence, completion.presence_stride,
+        entries, completion.row_entries), {"BLOCK": _COMPLETION_BLOCK, "num_warps": 4},
+        device=device, direct=direct)
 
 
 def _run(launches: tuple[BoundLaunch, ...], scratch: Scratch,
@@ -304,11 +320,9 @@ def _run(launches: tuple[BoundLaunch, ...], scratch: Scratch,
         raise
 
 
-# Positions of the top-k tensor among the lookup's and the selection's arguments (and among
-# the copies' behind a verify row's selection), and of the new rows and the layer's host rows
-# among the lookup's.
+# Positions of the top-k tensor among the lookup's and the selection's arguments, and of the
+# new rows and the layer's host rows among the lookup's.
 _TOP_K_ARG = 3
-_COPY_TOP_K_ARG = {copy_prefetched_kernel: 5, copy_kernel: 11}
 _NEWEST_KV_ARG = 15
 _HOST_WORDS_ARG = 19
 
@@ -412,9 +426,9 @@ class SwapInLauncher:
                 # Another top-k tensor (the bound launches keep the last one alive).
                 launches[0].rebind(_TOP_K_ARG, top_k)
                 launches[1].rebind(_TOP_K_ARG, top_k)
-                if self.union is not None and len(launches) > 2:
-                    copy = launches[2]
-                    copy.rebind(_COPY_TOP_K_ARG[copy.kernel], top_k)
+                if self.union is not None:  # the launch that completes the union reads it
+                    for launch in launches[2:]:
+                        launch.rebind(launch.kernel.arg_names.index("top_k_ptr"), top_k)
             if newest_kv is not None and launches[0].address(_NEWEST_KV_ARG) != (
                     newest_kv.data_ptr()):
                 launches[0].rebind(_NEWEST_KV_ARG, newest_kv)

@@ -94,6 +94,12 @@ class Tuning:
     # H200, B=1: churn 0.05 / 0.2 / 1.0 18.4 / 23.7 / 48.9 -> 15.8 / 16.6 / 38.0 us; at
     # B=16 (16 passes) miss-free +3 us, with misses -2..-3%: B=1 only.
     prefetch_copy_max_batch: int | None = 1
+    # A prefetched copy takes up to this many programs per SM (instead of
+    # copy_programs_per_unit), so that one pass covers a verify row's S x K entries as it
+    # covers a K = 2048 row: a verify row's misses lie all over it, and every pass after the
+    # first fetches its rows only after the selection (benchmarks/NOTES.md, twenty-fifth
+    # pass). 32 programs of 2 warps fill an SM's 64 warps.
+    prefetch_copy_programs_per_unit: int = 32
     # From this batch capacity on (None: never), the selection writes the plan in host-address
     # order (`address_buckets` equal ranges of the layer's host rows, ascending) instead of
     # batch row by batch row, and the copy reads the pool front to back. Misses scattered over
@@ -178,6 +184,10 @@ class LaunchPlan:
     address_order: bool
     address_buckets: int
     copy: CopyPlan
+    # Where a verify row's union is completed (copy.py, `_complete_union`): by the copy, or
+    # (no copy, or the large-batch copy's one program per SM, which walked 2 M entries at
+    # B = 128, S = 8 in 300 us) by a kernel of its own between the selection and the copy.
+    union_completion: Literal["copy", "own kernel"] = "copy"
     # Keyed by host row through key extents (shared prefixes): a miss reads its host row
     # through `key_host_extent`, and the selection its key through the page table.
     key_extents: bool = False
@@ -201,7 +211,8 @@ class LaunchPlan:
             f"  select:   grid {self.rows}, {self.select_warps} warps, {self.select_fast_rounds}"
             f" fast rounds, plan {order}{', PDL behind classify' if self.pdl else ''}\n"
             f"  copy:     {copy.variant}, {copy.programs} programs x {copy.warps} warps, "
-            f"{copy.rows_per_iteration} rows each{', PDL behind select' if copy.pdl else ''}"
+            f"{copy.rows_per_iteration} rows each{', PDL behind select' if copy.pdl else ''}\n"
+            f"  a verify row's union completed by {self.union_completion}"
         )
 
 
@@ -221,12 +232,13 @@ def copy_plan(rows: int, top_k: int, extent_tokens: int, device: DeviceTraits,
               variant: CopyVariant, pdl: bool, tune: Tuning) -> CopyPlan:
     """The copy's grid over `rows` batch rows of a host layout of `extent_tokens`-token
     extents (Tuning's copy fields say why each width)."""
-    threshold = tune.large_batch_copy_min_batch
-    large = threshold is not None and rows >= threshold
+    large = _large_batch(rows, tune)
     if device.interpreted:
         max_programs = tune.interpreter_copy_programs
     else:
         per_unit = tune.large_batch_copy_programs_per_unit if large else tune.copy_programs_per_unit
+        if variant == "prefetched":
+            per_unit = tune.prefetch_copy_programs_per_unit
         if (large and tune.fine_extent_copy_programs_per_unit is not None
                 and extent_tokens <= tune.fine_extent_max_tokens):
             per_unit = tune.fine_extent_copy_programs_per_unit
@@ -269,8 +281,15 @@ def plan_launch(rows: int, top_k: int, hot_slots: int, extent_tokens: int,
         address_order=address_order, address_buckets=tune.address_buckets,
         copy=copy_plan(rows, top_k, extent_tokens, device, variant,
                        pdl and _within(rows, tune.pdl_copy_max_batch), tune),
+        union_completion="own kernel" if variant == "none" or _large_batch(rows, tune) else (
+            "copy"),
         key_extents=key_extents and not position_keyed,
     )
+
+
+def _large_batch(rows: int, tune: Tuning) -> bool:
+    threshold = tune.large_batch_copy_min_batch
+    return threshold is not None and rows >= threshold
 
 
 def replay_plan(rows: int, top_k: int, extent_tokens: int, device: DeviceTraits,

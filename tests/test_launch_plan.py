@@ -36,12 +36,14 @@ def test_the_shipped_tuning_picks_the_measured_paths(rows: int) -> None:
     assert got.union_completion == ("own kernel" if rows >= 64 else "copy")
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 4, 8])
-def test_the_prefetching_copy_covers_a_verify_rows_entries_in_one_pass_up_to_s_4(
-        tokens: int) -> None:
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 16])
+def test_the_prefetching_copy_covers_a_verify_rows_entries_in_one_pass(tokens: int) -> None:
+    """Up to 32 programs per SM of 2 rows each, then more rows per program (a power of two)."""
     got = plan_launch(1, 2048 * tokens, 4096 * tokens, 512, False, H200, tune=Tuning())
-    assert got.copy.programs == min(1024 * tokens, 132 * 32)
-    assert (got.copy.programs * got.copy.rows_per_iteration >= 2048 * tokens) == (tokens <= 4)
+    rows_each = 2 * max(1, tokens // 4)
+    assert got.copy.rows_per_iteration == rows_each
+    assert got.copy.programs == min(2048 * tokens // rows_each, 132 * 32)
+    assert got.copy.programs * got.copy.rows_per_iteration >= 2048 * tokens
 
 
 def test_pdl_comes_from_the_device_and_can_only_be_turned_off() -> None:

@@ -65,7 +65,13 @@ def copy_kernel(
     USE_PDL: tl.constexpr,
     DEDUP: tl.constexpr,  # behind a verify row's selection: complete its union too
     UNION_BLOCK: tl.constexpr,  # entries per iteration of that walk
+    MISS_ROW_CACHE: tl.constexpr,  # as copy_prefetched_kernel's
 ):
+    union_entry = tl.program_id(0) * UNION_BLOCK + tl.arange(0, UNION_BLOCK)
+    if DEDUP:  # the walk's first codes and positions are final once we run (the lookup is)
+        code = tl.load(miss_row_ptr + union_entry, mask=union_entry < num_entries, other=-1,
+                       cache_modifier=MISS_ROW_CACHE)
+        claimed, pos = _claimed_positions(union_entry, code, top_k_ptr)
     if USE_PDL:  # launched early behind the selection kernel: wait for its plan
         gdc_wait()
     batch = tl.arange(0, BLOCK_BATCH)
@@ -95,8 +101,10 @@ def copy_kernel(
         data = tl.load(host_ptr + src[:, None] * ROW_WORDS + words[None, :], mask=mask)
         tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
     if DEDUP:  # the plan holds the first entries' rows; the walk gives the repeats theirs
+        _complete_union(union_entry, code, claimed, pos, out_ptr, presence_ptr,
+                        presence_stride, K)
         stride = tl.num_programs(0) * UNION_BLOCK
-        for start in range(tl.program_id(0) * UNION_BLOCK, num_entries, stride):
+        for start in range(tl.program_id(0) * UNION_BLOCK + stride, num_entries, stride):
             entry = start + tl.arange(0, UNION_BLOCK)
             code = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1)
             claimed, pos = _claimed_positions(entry, code, top_k_ptr)

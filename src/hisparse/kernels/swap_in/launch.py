@@ -251,14 +251,19 @@ def _copy_constants(tables: CacheTables, copy: CopyPlan) -> dict[str, object]:
             **({"launch_pdl": True} if copy.pdl else {})}
 
 
+def _miss_row_cache(copy: CopyPlan) -> str:
+    # Only a launch behind a running selection needs the L2 read (the lookup's codes are
+    # read before the wait); after an ordinary kernel boundary a plain load is right on
+    # every vendor's backend.
+    return ".cg" if copy.pdl else ""
+
+
 def _bind_prefetched_copy(tables: CacheTables, layer: int, copy: CopyPlan,
                           miss_row: torch.Tensor, out: torch.Tensor, entries: int,
                           direct: bool, completion: _UnionCompletion | None = None
                           ) -> BoundLaunch:
     host, device = layer_rows(tables, layer)
-    # Only a launch behind a running selection needs the L2 read; after an ordinary kernel
-    # boundary a plain load is right on every vendor's backend.
-    constants = {**_copy_constants(tables, copy), "MISS_ROW_CACHE": ".cg" if copy.pdl else "",
+    constants = {**_copy_constants(tables, copy), "MISS_ROW_CACHE": _miss_row_cache(copy),
                  "DEDUP": completion is not None}
     c = completion or _UnionCompletion(miss_row, miss_row, 0, 1)  # placeholders: never read
     return BoundLaunch(copy_prefetched_kernel, (copy.programs,),
@@ -281,7 +286,8 @@ def _bind_copy(tables: CacheTables, layer: int, copy: CopyPlan, plan: MissPlan, 
         out if out is not None else plan.src, c.presence, c.presence_stride,
         rows * c.row_entries, c.row_entries),
         {**_copy_constants(tables, copy), "BLOCK_BATCH": triton.next_power_of_2(rows),
-         "DEDUP": completion is not None, "UNION_BLOCK": _UNION_BLOCK},
+         "DEDUP": completion is not None, "UNION_BLOCK": _UNION_BLOCK,
+         "MISS_ROW_CACHE": _miss_row_cache(copy)},
         device=device.device, addresses={4: _host_address(tables, layer)}, direct=direct)
 
 

@@ -245,8 +245,13 @@ def copy_plan(rows: int, top_k: int, extent_tokens: int, device: DeviceTraits,
         max_programs = device.compute_units * per_unit
     warps = tune.large_batch_copy_warps if large and tune.large_batch_copy_warps else (
         tune.copy_warps)
-    programs = max(1, min(_cdiv(rows * top_k, tune.copy_rows), max_programs))
-    return CopyPlan(variant, programs, warps, tune.copy_rows, pdl)
+    rows_each = tune.copy_rows
+    if variant == "prefetched" and not device.interpreted:
+        # Where the widest grid still needs two passes (S = 8), more rows per program instead:
+        # the whole row's host reads then fly before the selection is done.
+        rows_each *= _next_power_of_2(_cdiv(rows * top_k, max_programs * tune.copy_rows))
+    programs = max(1, min(_cdiv(rows * top_k, rows_each), max_programs))
+    return CopyPlan(variant, programs, warps, rows_each, pdl)
 
 
 def plan_launch(rows: int, top_k: int, hot_slots: int, extent_tokens: int,

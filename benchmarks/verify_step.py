@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 import hisparse
+from hisparse.kernels.swap_in.plan import tuning
 from hisparse.tools.benchmarking import StepTimer, run_environment
 
 # A verify swap-in enqueues five launches on the GPU backends since the eighteenth pass (union
@@ -316,6 +317,9 @@ def main() -> None:
     parser.add_argument("--peer-build-dir", default="/tmp/hisparse-sglang-peer")
     parser.add_argument("--tokens", type=int, nargs="+", help="S values (default: the grid's)")
     parser.add_argument("--batches", type=int, nargs="+", help="B values (default: the grid's)")
+    parser.add_argument("--tuning", type=json.loads, default={},
+                        help='launch-plan overrides as JSON, e.g. \'{"verify_first_candidates": '
+                        'true}\' (kernels.swap_in.plan.Tuning; an A/B of a switch)')
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.quick:
@@ -330,7 +334,7 @@ def main() -> None:
         "device": args.device, "machine": platform.processor() or platform.machine(),
         **run_environment(args.device), "grid": args.grid,
         "top_k": args.top_k, "seq_len": args.seq_len, "row_bytes": args.row_bytes,
-        "steps": args.steps, "warmup": args.warmup,
+        "steps": args.steps, "warmup": args.warmup, "tuning": args.tuning,
         "timing": {"device_us": "median of device events queued behind a device-side sleep "
                                 "(kernel time, host launch gaps hidden)",
                    "host_us": "median eager host wall-clock of the call, no sync inside"},
@@ -338,8 +342,9 @@ def main() -> None:
     peer = sglang_peer(args, result) if args.peer == "sglang" else None
     cells = [(overlap, churn) for overlap in overlaps for churn in churns]
     started = time.perf_counter()
-    result["cells"] = [cell for S in tokens for B in batches
-                       for cell in run_pair(args, S, B, cells, peer)]
+    with tuning(**args.tuning):
+        result["cells"] = [cell for S in tokens for B in batches
+                           for cell in run_pair(args, S, B, cells, peer)]
     result["wall_s"] = round(time.perf_counter() - started, 1)
     if args.device == "cpu":
         result["note"] = ("CPU backend: times are the torch reference on a shared CPU, not the "

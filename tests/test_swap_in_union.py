@@ -88,17 +88,18 @@ def union_path(t: CacheTables, layer: int, group: int, req_slots: torch.Tensor,
 
 def fused_path(t: CacheTables, layer: int, group: int, req_slots: torch.Tensor,
                top_k: torch.Tensor, num_real: torch.Tensor, union: DraftUnion,
-               plan: MissPlan, copy: str = "by size") -> torch.Tensor:
+               plan: MissPlan, copy: str = "by size", candidates: bool = False
+               ) -> torch.Tensor:
     """The fused swap-in, its copy as the plan picks it by batch size (the planned copy
     completes the union), or forced to walk the top-k entries ("prefetched", which completes
     it too), or the large-batch planned copy or none ("skip_io"), behind the union's own
-    kernel."""
+    kernel. `candidates`: Tuning.verify_first_candidates."""
     cap, S, K = top_k.shape
     out = torch.full((cap, S * K), POISON, dtype=torch.int32, device=DEVICE)
     overrides = {"prefetched": {"prefetch_copy_max_batch": None},
                  "large-batch copy": {"prefetch_copy_max_batch": 0,
                                       "large_batch_copy_min_batch": 1}}.get(copy, {})
-    with tuning(**overrides):
+    with tuning(**overrides, verify_first_candidates=candidates):
         triton_kernels.swap_in_triton(t, layer, group, req_slots, top_k.view(cap, S * K),
                                       num_real, out, plan=plan, union=union,
                                       skip_io=copy == "skip_io")
@@ -108,9 +109,10 @@ def fused_path(t: CacheTables, layer: int, group: int, req_slots: torch.Tensor,
 @pytest.mark.parametrize(("sizes", "S"), CASES)
 @pytest.mark.parametrize(("residency_map", "key_extents"), VARIANTS)
 @pytest.mark.parametrize("copy", ["by size", "prefetched", "large-batch copy", "skip_io"])
+@pytest.mark.parametrize("candidates", [False, True], ids=["all-misses", "candidates"])
 def test_the_fused_union_swap_in_matches_the_union_reference(
         sizes: Sizes, S: int, residency_map: str, key_extents: bool, copy: str,
-        seed: int) -> None:
+        candidates: bool, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     ref = make_tables(sizes, gen, residency_map, key_extents=key_extents)
     tri = clone_tables(ref)
@@ -129,7 +131,8 @@ def test_the_fused_union_swap_in_matches_the_union_reference(
             plan = MissPlan.empty(cap, S * K, DEVICE)
             want = union_path(ref, layer, group, req_slots, top_k, num_real, first,
                               draft_base)
-            got = fused_path(tri, layer, group, req_slots, top_k, num_real, union, plan, copy)
+            got = fused_path(tri, layer, group, req_slots, top_k, num_real, union, plan, copy,
+                             candidates)
             assert torch.equal(got, want), (layer, (got != want).nonzero()[:8].tolist())
             for name in ("resident", "slot_key", "last_use", "lru_clock", "counters",
                          "request_counters"):
@@ -262,3 +265,50 @@ def test_a_launch_failing_behind_the_lookup_leaves_the_table_and_counts_clean(
     for counts in (scratch.miss_count, scratch.hit_count, scratch.address_order,
                    scratch.row_buckets):
         assert int(counts.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("block", [4, 64])
+def test_the_completion_follows_pointer_chains_to_the_first_entry(block: int, seed: int
+                                                                   ) -> None:
+    """With first candidates the lookup points a later miss at whichever smaller entry it
+    found in the table, itself perhaps pointing further (claims arrive in any order on a
+    GPU; in order under the interpreter, where the chains stay one long). Chains built here
+    by hand, resolved by programs of `block` entries in any order: every miss ends on its
+    position's first entry's row, and every claimed table entry is emptied."""
+    import triton
+
+    from hisparse.kernels.swap_in.copy import complete_union_kernel
+
+    gen = torch.Generator().manual_seed(seed)
+    rows, K, positions = 2, 48, 16
+    pos = torch.randint(0, positions, (rows, K), generator=gen, dtype=torch.int32)
+    code = torch.full((rows, K), -3, dtype=torch.int32)  # served, unless missed below
+    out = torch.full((rows, K), -1, dtype=torch.int32)
+    want = torch.empty_like(out)
+    missed_positions = torch.rand(rows, positions, generator=gen) < 0.6
+    for b in range(rows):
+        for p in range(positions):
+            entries = (pos[b] == p).nonzero().flatten().tolist()
+            if not entries:
+                continue
+            if not missed_positions[b, p]:
+                out[b, entries] = want[b, entries] = 1000 + p  # served rows stay as they are
+                continue
+            first, slot = entries[0], 100 * b + p
+            out[b, first] = want[b, entries] = slot
+            code[b, entries] = -4 - (7 * p)  # a repeat's code, the host row folded in
+            code[b, first] = 7 * p
+            for i, entry in enumerate(entries[1:], 1):  # each at any smaller entry of its own
+                pointer = entries[int(torch.randint(0, i, (1,), generator=gen))]
+                out[b, entry] = -2 - pointer
+    table = presence_table(rows, positions, "cpu")  # the lookup's claims: each first entry
+    for b in range(rows):
+        for p in pos[b].unique().tolist():
+            table[b, p] = int((pos[b] == p).nonzero()[0])
+    args = [code, pos, out, table]
+    code, pos, out, table = (a.to(DEVICE) for a in args)
+    entries = rows * K
+    complete_union_kernel[(triton.cdiv(entries, block),)](
+        code, pos, out, table, table.stride(0), entries, K, BLOCK=block, CANDIDATES=True)
+    assert torch.equal(out.cpu(), want)
+    assert bool((table == SENTINEL).all())

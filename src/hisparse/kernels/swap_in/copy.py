@@ -28,13 +28,16 @@ def _claimed_positions(entry, code, top_k_ptr):
 
 
 @triton.jit
-def _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr, presence_stride, K):
+def _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr, presence_stride, K,
+                    CANDIDATES: tl.constexpr):
     """A verify row's work left after its selection, done here by many programs instead of
     the row's one: each repeat (marked `-2 - first entry` in `out` by the selection) takes
     its position's first entry's row, and each claimed presence-table entry is emptied for
     the next call (nothing reads the table after the selection). Returns the entries' device
     rows, where a miss's row goes. A first entry's row is never a mark, so no program reads
-    another's rewrite."""
+    another's rewrite. With CANDIDATES a mark may point at a smaller entry of the position
+    that is marked itself (lookup.py): the pointers only decrease, so following them ends at
+    the first entry, whether another program has resolved a mark on the way or not."""
     b = entry // K
     tl.store(presence_ptr + b.to(tl.int64) * presence_stride + pos,
              tl.full(pos.shape, _SENTINEL, tl.int32), mask=claimed)
@@ -42,6 +45,12 @@ def _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr, presence_s
     dst = tl.load(out_ptr + entry, mask=missed, other=0)
     repeat = missed & (dst <= -2)
     held = tl.load(out_ptr + b * K + (-2 - dst), mask=repeat, other=-1)
+    if CANDIDATES:
+        pending = repeat & (held <= -2)
+        while tl.max(pending.to(tl.int32), axis=0) > 0:
+            held = tl.where(pending, tl.load(out_ptr + b * K + (-2 - held), mask=pending,
+                                             other=-1), held)
+            pending = pending & (held <= -2)
     tl.store(out_ptr + entry, held, mask=repeat)
     return tl.where(repeat, held, dst)
 
@@ -66,6 +75,7 @@ def copy_kernel(
     DEDUP: tl.constexpr,  # behind a verify row's selection: complete its union too
     UNION_BLOCK: tl.constexpr,  # entries per iteration of that walk
     MISS_ROW_CACHE: tl.constexpr,  # as copy_prefetched_kernel's
+    CANDIDATES: tl.constexpr,  # DEDUP: LaunchPlan.first_candidates
 ):
     union_entry = tl.program_id(0) * UNION_BLOCK + tl.arange(0, UNION_BLOCK)
     if DEDUP:  # the walk's first codes and positions are final once we run (the lookup is)
@@ -102,14 +112,14 @@ def copy_kernel(
         tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
     if DEDUP:  # the plan holds the first entries' rows; the walk gives the repeats theirs
         _complete_union(union_entry, code, claimed, pos, out_ptr, presence_ptr,
-                        presence_stride, K)
+                        presence_stride, K, CANDIDATES)
         stride = tl.num_programs(0) * UNION_BLOCK
         for start in range(tl.program_id(0) * UNION_BLOCK + stride, num_entries, stride):
             entry = start + tl.arange(0, UNION_BLOCK)
             code = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1)
             claimed, pos = _claimed_positions(entry, code, top_k_ptr)
             _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr,
-                            presence_stride, K)
+                            presence_stride, K, CANDIDATES)
 
 
 @triton.jit
@@ -133,12 +143,12 @@ def _load_miss_rows(miss_row_ptr, host_ptr, top_k_ptr, entry, num_entries, words
 @triton.jit
 def _store_miss_rows(out_ptr, device_ptr, entry, code, data, miss, mask, claimed, pos, words,
                      presence_ptr, presence_stride, K, ROW_WORDS: tl.constexpr,
-                     DEDUP: tl.constexpr):
+                     DEDUP: tl.constexpr, CANDIDATES: tl.constexpr):
     """Store fetched rows into the slots the plan gave their entries (out = base + victim),
     after a verify row's union is complete."""
     if DEDUP:
         dst = _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr,
-                              presence_stride, K).to(tl.int64)
+                              presence_stride, K, CANDIDATES).to(tl.int64)
     else:
         dst = tl.load(out_ptr + entry, mask=miss, other=0).to(tl.int64)
     tl.store(device_ptr + dst[:, None] * ROW_WORDS + words[None, :], data, mask=mask)
@@ -160,6 +170,7 @@ def copy_prefetched_kernel(
     MISS_ROW_CACHE: tl.constexpr,  # ".cg" when launched early: read at L2, as the classify
     # grid left it
     DEDUP: tl.constexpr,  # behind a verify row's selection: complete its union too
+    CANDIDATES: tl.constexpr,  # DEDUP: LaunchPlan.first_candidates
 ):
     """The copy by top-k entry instead of by plan: a miss's host row depends on the lookups
     alone, so each program fetches its first rows over the link while the selection still
@@ -174,7 +185,8 @@ def copy_prefetched_kernel(
     if USE_PDL:
         gdc_wait()
     _store_miss_rows(out_ptr, device_ptr, first, code, data, miss, mask, claimed, pos, words,
-                     presence_ptr, presence_stride, K, ROW_WORDS, DEDUP)
+                     presence_ptr, presence_stride, K, ROW_WORDS, DEDUP,
+                     CANDIDATES)
     stride = tl.num_programs(0) * ROWS
     for start in range(tl.program_id(0) * ROWS + stride, num_entries, stride):
         entry = start + tl.arange(0, ROWS)
@@ -182,7 +194,8 @@ def copy_prefetched_kernel(
             miss_row_ptr, host_ptr, top_k_ptr, entry, num_entries, words, in_row, ROW_WORDS,
             MISS_ROW_CACHE, DEDUP)
         _store_miss_rows(out_ptr, device_ptr, entry, code, data, miss, mask, claimed, pos,
-                         words, presence_ptr, presence_stride, K, ROW_WORDS, DEDUP)
+                         words, presence_ptr, presence_stride, K, ROW_WORDS, DEDUP,
+                     CANDIDATES)
 
 
 @triton.jit
@@ -194,10 +207,12 @@ def complete_union_kernel(
     num_entries,  # Bcap * K
     K,  # entries per batch row (S x the query tokens' K)
     BLOCK: tl.constexpr,
+    CANDIDATES: tl.constexpr,  # LaunchPlan.first_candidates
 ):
     """`_complete_union` alone, one block of entries per program: behind the selection of a
     call whose copy is skipped or too narrow a grid to walk every entry."""
     entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     code = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1)
     claimed, pos = _claimed_positions(entry, code, top_k_ptr)
-    _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr, presence_stride, K)
+    _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr, presence_stride, K,
+                    CANDIDATES)

@@ -189,11 +189,12 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
             host_rows, host_words = newest.host_rows, host_layer
             addresses = {_HOST_WORDS_ARG: _host_address(t, layer)}
     # Placeholders again, unless the call de-duplicates a verify row.
-    first, draft_base, presence, dedup = req_slots, req_slots, req_slots, {"DEDUP": False}
+    first, draft_base, presence = req_slots, req_slots, req_slots
+    dedup = {"DEDUP": False, "CANDIDATES": False}
     if union is not None:
         first, draft_base, presence = union.first, union.draft_base, union.table()
         _check_presence_table(presence, rows, t.positions_per_request, device)
-        dedup = {"DEDUP": True}
+        dedup = {"DEDUP": True, "CANDIDATES": plan.first_candidates}
     presence_stride = presence.stride(0) if union is not None else 0
     launches = [
         BoundLaunch(classify_kernel, plan.classify_grid, (
@@ -219,7 +220,8 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
              "BLOCK_H": plan.block_h, "num_warps": plan.select_warps,
              **({"launch_pdl": True} if plan.pdl else {})}, device=device, direct=direct),
     ]
-    completion = _UnionCompletion(top_k, presence, presence_stride, k) if union else None
+    completion = (_UnionCompletion(top_k, presence, presence_stride, k, plan.first_candidates)
+                  if union else None)
     if completion is not None and plan.union_completion == "own kernel":
         launches.append(_bind_completion(completion, scratch.miss_row, out, rows, device,
                                          direct))
@@ -242,6 +244,7 @@ class _UnionCompletion:
     presence: torch.Tensor
     presence_stride: int
     row_entries: int  # S * K
+    candidates: bool = False  # LaunchPlan.first_candidates
 
 
 def _copy_constants(tables: CacheTables, copy: CopyPlan) -> dict[str, object]:
@@ -264,7 +267,8 @@ def _bind_prefetched_copy(tables: CacheTables, layer: int, copy: CopyPlan,
                           ) -> BoundLaunch:
     host, device = layer_rows(tables, layer)
     constants = {**_copy_constants(tables, copy), "MISS_ROW_CACHE": _miss_row_cache(copy),
-                 "DEDUP": completion is not None}
+                 "DEDUP": completion is not None,
+                 "CANDIDATES": completion is not None and completion.candidates}
     c = completion or _UnionCompletion(miss_row, miss_row, 0, 1)  # placeholders: never read
     return BoundLaunch(copy_prefetched_kernel, (copy.programs,),
                        (miss_row, out, host, device, entries, c.top_k, c.presence,
@@ -287,6 +291,7 @@ def _bind_copy(tables: CacheTables, layer: int, copy: CopyPlan, plan: MissPlan, 
         rows * c.row_entries, c.row_entries),
         {**_copy_constants(tables, copy), "BLOCK_BATCH": triton.next_power_of_2(rows),
          "DEDUP": completion is not None, "UNION_BLOCK": _UNION_BLOCK,
+         "CANDIDATES": completion is not None and completion.candidates,
          "MISS_ROW_CACHE": _miss_row_cache(copy)},
         device=device.device, addresses={4: _host_address(tables, layer)}, direct=direct)
 
@@ -303,7 +308,8 @@ def _bind_completion(completion: _UnionCompletion, miss_row: torch.Tensor, out: 
     entries = rows * completion.row_entries
     return BoundLaunch(complete_union_kernel, (triton.cdiv(entries, _COMPLETION_BLOCK),), (
         miss_row, completion.top_k, out, completion.presence, completion.presence_stride,
-        entries, completion.row_entries), {"BLOCK": _COMPLETION_BLOCK, "num_warps": 4},
+        entries, completion.row_entries),
+        {"BLOCK": _COMPLETION_BLOCK, "num_warps": 4, "CANDIDATES": completion.candidates},
         device=device, direct=direct)
 
 

@@ -170,12 +170,13 @@ def _claim_positions(b, k_offsets, pos, miss, row, code, presence_ptr, presence_
     position's presence-table entry and its own index (the selection then knows each
     position's first entry by it, and resets it). The entry that found the table empty is
     the position's one count; the other misses of a position are coded `-4 - row`, so that
-    only one entry per position copies its row (copy.py reads misses as codes >= 0)."""
+    only one entry per position copies its row (copy.py reads misses as codes >= 0). Also
+    returns what each entry found in the table (a smaller entry index: not the first)."""
     tracked = (code == -3) | miss
     entry = presence_ptr + b.to(tl.int64) * presence_stride + pos
     old = tl.atomic_min(entry, k_offsets, mask=tracked, sem=SEM)
     unique = tracked & (old == _SENTINEL)
-    return tl.where(miss & ~unique, -4 - row, code), unique
+    return tl.where(miss & ~unique, -4 - row, code), unique, old
 
 
 @triton.jit
@@ -256,6 +257,7 @@ def classify_kernel(
     BACKUP_NEWEST: tl.constexpr,  # and back it up to its host row (the backup's kernel)
     ROW_WORDS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
     DEDUP: tl.constexpr, TOKEN_K: tl.constexpr,  # top_k: a verify row of S * TOKEN_K entries
+    CANDIDATES: tl.constexpr,  # DEDUP: LaunchPlan.first_candidates
 ):
     if USE_PDL:  # the selection kernel may start now: it waits (gdc_wait) before our output
         gdc_launch_dependents()
@@ -274,8 +276,13 @@ def classify_kernel(
     )
     unique = in_k
     if DEDUP:
-        code, unique = _claim_positions(b, k_offsets, pos, miss, row, code, presence_ptr,
-                                        presence_stride, COUNTER_SEM)
+        code, unique, found = _claim_positions(b, k_offsets, pos, miss, row, code,
+                                               presence_ptr, presence_stride, COUNTER_SEM)
+        if CANDIDATES:
+            # A miss that found a smaller entry cannot be its position's first: it points at
+            # that entry (the copy follows the pointers, copy.py `_complete_union`), and the
+            # selection tests only the others.
+            result = tl.where(miss & (found < k_offsets), -2 - found, result)
     if ADDRESS_ORDER:
         tl.atomic_add(bucket_count_ptr + _address_bucket(row, N, NUM_BUCKETS),
                       tl.full(row.shape, 1, tl.int32), mask=miss & unique, sem=COUNTER_SEM)

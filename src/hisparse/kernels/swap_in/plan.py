@@ -100,6 +100,12 @@ class Tuning:
     # first fetches its rows only after the selection (benchmarks/NOTES.md, twenty-fifth
     # pass). 32 programs of 2 warps fill an SM's 64 warps.
     prefetch_copy_programs_per_unit: int = 32
+    # A verify row's first-entry test reads the presence table only for the misses that were
+    # their position's smallest entry when they claimed it: the lookup points every other miss
+    # at the smaller entry it found, and the copy follows those pointers to the first entry's
+    # slot. Predicted (benchmarks/NOTES.md, twenty-fifth pass): about a third of the table reads
+    # at S = 8 with 90%-overlapping rows, -3..-5 us at B = 1. Off until an H200 run measures it.
+    verify_first_candidates: bool = False
     # From this batch capacity on (None: never), the selection writes the plan in host-address
     # order (`address_buckets` equal ranges of the layer's host rows, ascending) instead of
     # batch row by batch row, and the copy reads the pool front to back. Misses scattered over
@@ -188,6 +194,8 @@ class LaunchPlan:
     # (no copy, or the large-batch copy's one program per SM, which walked 2 M entries at
     # B = 128, S = 8 in 300 us) by a kernel of its own between the selection and the copy.
     union_completion: Literal["copy", "own kernel"] = "copy"
+    # Tuning.verify_first_candidates: the lookup points later misses at earlier entries.
+    first_candidates: bool = False
     # Keyed by host row through key extents (shared prefixes): a miss reads its host row
     # through `key_host_extent`, and the selection its key through the page table.
     key_extents: bool = False
@@ -213,6 +221,7 @@ class LaunchPlan:
             f"  copy:     {copy.variant}, {copy.programs} programs x {copy.warps} warps, "
             f"{copy.rows_per_iteration} rows each{', PDL behind select' if copy.pdl else ''}\n"
             f"  a verify row's union completed by {self.union_completion}"
+            f"{', first entries among candidates' if self.first_candidates else ''}"
         )
 
 
@@ -288,6 +297,7 @@ def plan_launch(rows: int, top_k: int, hot_slots: int, extent_tokens: int,
                        pdl and _within(rows, tune.pdl_copy_max_batch), tune),
         union_completion="own kernel" if variant == "none" or _large_batch(rows, tune) else (
             "copy"),
+        first_candidates=tune.verify_first_candidates,
         key_extents=key_extents and not position_keyed,
     )
 

@@ -35,6 +35,7 @@ def _select_victims(
     POSITION_KEYED: tl.constexpr,
     KEY_EXTENTS: tl.constexpr,
     DEDUP: tl.constexpr,
+    CANDIDATES: tl.constexpr,
 ):
     """Give the misses of row b the slots with the oldest stamps below the clock (ties by
     slot id), in slot order, install them, and return how many were installed. A verify
@@ -48,7 +49,8 @@ def _select_victims(
     keys_by_slot = tl.load(slot_key_ptr + r.to(tl.int64) * H + h, mask=in_h, other=-1)
     row = tl.load(miss_row_ptr + b * K + k, mask=k < K, other=-1)
     if DEDUP:
-        row = _first_misses(b, k, K, row, top_k_ptr, presence_ptr, presence_stride, out_ptr)
+        row = _first_misses(b, k, K, row, top_k_ptr, presence_ptr, presence_stride, out_ptr,
+                            CANDIDATES)
     # A statement, not a conditional expression: that would load the top-k row either way.
     if POSITION_KEYED:
         key = r * T + tl.load(top_k_ptr + b * K + k, mask=k < K, other=0)
@@ -93,15 +95,19 @@ def _select_victims(
 
 
 @triton.jit
-def _first_misses(b, k, K, code, top_k_ptr, presence_ptr, presence_stride, out_ptr):
+def _first_misses(b, k, K, code, top_k_ptr, presence_ptr, presence_stride, out_ptr,
+                  CANDIDATES: tl.constexpr):
     """The host row of each missing position's first entry (the lookup's atomic minimum left
     it in the presence table), -1 elsewhere: the entries that take victims. Every other miss
     of a position is marked `-2 - first entry` in `out`, which the copy kernel resolves
-    (copy.py, `_complete_union`)."""
+    (copy.py, `_complete_union`); with CANDIDATES, the misses the lookup already pointed at a
+    smaller entry keep that mark and need no table read."""
     # Misses are codes >= 0, and `-4 - row` for the repeats the lookup found. The top-k row
     # is read whole, so that its load flies with the codes' instead of after it.
     missed = (code >= 0) | (code <= -4)
     pos = tl.load(top_k_ptr + b * K + k, mask=k < K, other=0)
+    if CANDIDATES:
+        missed = missed & (tl.load(out_ptr + b * K + k, mask=k < K, other=-1) == -1)
     first_entry = tl.load(presence_ptr + b.to(tl.int64) * presence_stride + pos, mask=missed,
                           other=-1)
     first = missed & (first_entry == k)
@@ -260,6 +266,7 @@ def select_kernel(
     NUM_BUCKETS: tl.constexpr,
     REQUEST_COUNTS: tl.constexpr,  # add the row's hits and misses to its request's counters
     DEDUP: tl.constexpr,  # a verify row: misses are de-duplicated (lookup.py, _claim_positions)
+    CANDIDATES: tl.constexpr,  # DEDUP: LaunchPlan.first_candidates
 ):
     """One program per batch row. It owns all LRU state of its request (two rows of a batch
     never share a request slot), so the LRU needs no atomics (the address-ordered plan's
@@ -291,7 +298,7 @@ def select_kernel(
                 plan_stride, bucket_count_ptr, bucket_cursor_ptr, row_buckets_ptr,
                 page_table_ptr, K, H, N, T, NUM_KEYS, E, P, presence_ptr, presence_stride,
                 FAST_ROUNDS, BLOCK_K, BLOCK_H, ADDRESS_ORDER, NUM_BUCKETS, POSITION_KEYED,
-                KEY_EXTENTS, DEDUP,
+                KEY_EXTENTS, DEDUP, CANDIDATES,
             )
         tl.store(lru_clock_ptr + r, clock + 1)
     if ADDRESS_ORDER:

@@ -222,17 +222,28 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
     ]
     completion = (_UnionCompletion(top_k, presence, presence_stride, k, plan.first_candidates)
                   if union else None)
+    return (*launches, *_bind_copies(t, plan, layer, scratch.miss_row, out, miss_plan, direct,
+                                     completion))
+
+
+def _bind_copies(tables: CacheTables, plan: LaunchPlan, layer: int, miss_row: torch.Tensor,
+                 out: torch.Tensor, miss_plan: MissPlan, direct: bool,
+                 completion: _UnionCompletion | None) -> list[BoundLaunch]:
+    """What follows the selection: the copy (none where IO is skipped), and a verify row's
+    union completion, in the copy or as its own launch before it (`plan.union_completion`)."""
+    launches = []
+    rows, k = plan.rows, plan.top_k
     if completion is not None and plan.union_completion == "own kernel":
-        launches.append(_bind_completion(completion, scratch.miss_row, out, rows, device,
-                                         direct))
+        launches.append(_bind_completion(completion, miss_row, out, rows,
+                                         tables.last_use.device, direct))
         completion = None
     if plan.copy.variant == "prefetched":
-        launches.append(_bind_prefetched_copy(t, layer, plan.copy, scratch.miss_row, out,
+        launches.append(_bind_prefetched_copy(tables, layer, plan.copy, miss_row, out,
                                               rows * k, direct, completion))
     elif plan.copy.variant == "planned":
-        launches.append(_bind_copy(t, layer, plan.copy, miss_plan, rows, direct,
-                                   scratch.miss_row, out, completion))
-    return tuple(launches)
+        launches.append(_bind_copy(tables, layer, plan.copy, miss_plan, rows, direct,
+                                   miss_row, out, completion))
+    return launches
 
 
 @dataclass(frozen=True)

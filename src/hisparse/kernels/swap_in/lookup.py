@@ -180,6 +180,23 @@ def _claim_positions(b, k_offsets, pos, miss, row, code, presence_ptr, presence_
 
 
 @triton.jit
+def _deduplicate(b, k_offsets, in_k, pos, miss, row, code, result, presence_ptr,
+                 presence_stride, SEM: tl.constexpr, DEDUP: tl.constexpr,
+                 CANDIDATES: tl.constexpr):
+    """(codes, which entries count, results): in a verify row (DEDUP) `_claim_positions`', and
+    with CANDIDATES a miss that found a smaller entry (so cannot be its position's first)
+    points at it in its result, `-2 - entry` (the copy follows the pointers, copy.py
+    `_complete_union`; the selection tests only the others). Elsewhere every entry counts."""
+    unique = in_k
+    if DEDUP:
+        code, unique, found = _claim_positions(b, k_offsets, pos, miss, row, code,
+                                               presence_ptr, presence_stride, SEM)
+        if CANDIDATES:
+            result = tl.where(miss & (found < k_offsets), -2 - found, result)
+    return code, unique, result
+
+
+@triton.jit
 def _count_codes(code, unique):
     """(hits, misses, invalid) among entry codes; hits count every served entry that is its
     position's first (`unique`: all of them but a verify row's repeats)."""
@@ -274,15 +291,9 @@ def classify_kernel(
         key_host_extent_ptr, K, H, E, P, N, T, NUM_KEYS, first, draft_base, EARLY_LOADS,
         POSITION_KEYED, KEY_EXTENTS, DEDUP, TOKEN_K,
     )
-    unique = in_k
-    if DEDUP:
-        code, unique, found = _claim_positions(b, k_offsets, pos, miss, row, code,
-                                               presence_ptr, presence_stride, COUNTER_SEM)
-        if CANDIDATES:
-            # A miss that found a smaller entry cannot be its position's first: it points at
-            # that entry (the copy follows the pointers, copy.py `_complete_union`), and the
-            # selection tests only the others.
-            result = tl.where(miss & (found < k_offsets), -2 - found, result)
+    code, unique, result = _deduplicate(b, k_offsets, in_k, pos, miss, row, code, result,
+                                        presence_ptr, presence_stride, COUNTER_SEM, DEDUP,
+                                        CANDIDATES)
     if ADDRESS_ORDER:
         tl.atomic_add(bucket_count_ptr + _address_bucket(row, N, NUM_BUCKETS),
                       tl.full(row.shape, 1, tl.int32), mask=miss & unique, sem=COUNTER_SEM)

@@ -168,10 +168,10 @@ def _claim_positions(b, k_offsets, pos, miss, row, code, presence_ptr, presence_
                      SEM: tl.constexpr):
     """A verify row's de-duplication: every served or missing entry takes the minimum of its
     position's presence-table entry and its own index (the selection then knows each
-    position's first entry by it, and resets it). The entry that found the table empty is
+    position's first entry by it; the copy empties the entry). The entry that found it empty is
     the position's one count; the other misses of a position are coded `-4 - row`, so that
     only one entry per position copies its row (copy.py reads misses as codes >= 0). Also
-    returns what each entry found in the table (a smaller entry index: not the first)."""
+    returns what each entry found there (a smaller entry index: this one is not the first)."""
     tracked = (code == -3) | miss
     entry = presence_ptr + b.to(tl.int64) * presence_stride + pos
     old = tl.atomic_min(entry, k_offsets, mask=tracked, sem=SEM)

@@ -226,6 +226,22 @@ def restore_steps(churn: float, top_k: int, hot_slots: int, span: int) -> int:
     return 1 if shift == 0 else max(1, -(-(min(hot_slots, span) - top_k) // shift) + 1)
 
 
+def decode_layer(cache: hisparse.HiSparseCache, layer: int, top_k: torch.Tensor,
+                 kv: torch.Tensor, folded: bool) -> tuple[float | None, float]:
+    """One layer's calls of a step (`top_k [L, B, K]`, `kv [L, B, W]`), in the cell's newest
+    mode: (write_newest's host us, None when folded into the swap-in; swap_in's host us)."""
+    clock = time.perf_counter_ns
+    if folded:
+        b = clock()
+        cache.swap_in(layer, top_k[layer], newest_kv=kv[layer])
+        return None, (clock() - b) / 1e3
+    a = clock()
+    cache.write_newest(layer, kv[layer])
+    b = clock()
+    cache.swap_in(layer, top_k[layer])
+    return (b - a) / 1e3, (clock() - b) / 1e3
+
+
 def run_steps(cache: hisparse.HiSparseCache, cell: Cell, indices: range,
               sync: Callable[[], None], times: dict[str, list[float]] | None) -> None:
     """Decode steps of `cell` at its trace's `indices`, each call's host time (us) added to
@@ -244,20 +260,11 @@ def run_steps(cache: hisparse.HiSparseCache, cell: Cell, indices: range,
         cache.begin_decode_step(ids)
         t1 = clock()
         for layer in range(layers):
-            if folded:
-                b = clock()
-                cache.swap_in(layer, top_k[layer], newest_kv=kv[layer])
-                c = clock()
-            else:
-                a = clock()
-                cache.write_newest(layer, kv[layer])
-                b = clock()
-                cache.swap_in(layer, top_k[layer])
-                c = clock()
-                if keep:
-                    times["write_newest"].append((b - a) / 1e3)
+            write_us, swap_us = decode_layer(cache, layer, top_k, kv, folded)
             if keep:
-                times["swap_in"].append((c - b) / 1e3)
+                if write_us is not None:
+                    times["write_newest"].append(write_us)
+                times["swap_in"].append(swap_us)
         t2 = clock()
         cache.end_decode_step()
         t3 = clock()
@@ -424,28 +431,16 @@ def back_to_back_layer(cache: hisparse.HiSparseCache, cell: Cell, calls: int,
     the first brought in). Separate: each repeat is write_newest then swap_in, each timed."""
     top_k, kv, folded = cell.trace.step(cell.index), cell.kv, cell.newest == "folded"
     cell.index += 1
-    clock, swaps, writes = time.perf_counter_ns, [], []
+    swaps, writes = [], []
     sync()
     cache.begin_decode_step(cell.ids)
     for _ in range(calls):
-        if folded:
-            b = clock()
-            cache.swap_in(0, top_k[0], newest_kv=kv[0])
-            c = clock()
-        else:
-            a = clock()
-            cache.write_newest(0, kv[0])
-            b = clock()
-            cache.swap_in(0, top_k[0])
-            c = clock()
-            writes.append((b - a) / 1e3)
-        swaps.append((c - b) / 1e3)
+        write_us, swap_us = decode_layer(cache, 0, top_k, kv, folded)
+        if write_us is not None:
+            writes.append(write_us)
+        swaps.append(swap_us)
     for layer in range(1, cache.num_layers):  # the rest of the step, untimed
-        if folded:
-            cache.swap_in(layer, top_k[layer], newest_kv=kv[layer])
-        else:
-            cache.write_newest(layer, kv[layer])
-            cache.swap_in(layer, top_k[layer])
+        decode_layer(cache, layer, top_k, kv, folded)
     cache.end_decode_step()
     sync()
     result = {"swap_in_back_to_back": statistics.median(swaps),

@@ -28,19 +28,21 @@ import verify_step  # beside this file
 
 
 @triton.jit
-def _no_completion(entry, code, claimed, pos, out_ptr, presence_ptr, presence_stride, K):
+def _no_completion(entry, code, claimed, pos, out_ptr, presence_ptr, presence_stride, K,
+                   CANDIDATES: tl.constexpr):
     return tl.load(out_ptr + entry, mask=(code >= 0) | (code <= -4), other=0)
 
 
 @triton.jit
-def _every_miss_first(b, k, K, code, top_k_ptr, presence_ptr, presence_stride, out_ptr):
+def _every_miss_first(b, k, K, code, top_k_ptr, presence_ptr, presence_stride, out_ptr,
+                      CANDIDATES: tl.constexpr):
     return tl.where(code >= 0, code, -1)
 
 
 @triton.jit
 def _no_claim(b, k_offsets, pos, miss, row, code, presence_ptr, presence_stride,
               SEM: tl.constexpr):
-    return code, (code == -3) | miss
+    return code, (code == -3) | miss, tl.full(code.shape, 2**31 - 1, tl.int32)
 
 
 PARTS = {"complete": (copy, "_complete_union", _no_completion),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hisparse.kernels.swap_in.lookup import _SENTINEL
+from hisparse.kernels.swap_in.lookup import _SENTINEL, _verify_misses
 from hisparse.kernels.swap_in.pdl import gdc_wait
 
 
@@ -23,7 +23,7 @@ def _claimed_positions(entry, code, top_k_ptr):
     """Which of `entry` (flattened top-k entries) the lookup claimed in the presence table
     (served and missing ones), and their positions: read before the copy waits for the
     selection, as the codes are."""
-    claimed = (code == -3) | (code >= 0) | (code <= -4)
+    claimed = (code == -3) | _verify_misses(code)
     return claimed, tl.load(top_k_ptr + entry, mask=claimed, other=0)
 
 
@@ -41,7 +41,7 @@ def _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr, presence_s
     b = entry // K
     tl.store(presence_ptr + b.to(tl.int64) * presence_stride + pos,
              tl.full(pos.shape, _SENTINEL, tl.int32), mask=claimed)
-    missed = (code >= 0) | (code <= -4)
+    missed = _verify_misses(code)
     dst = tl.load(out_ptr + entry, mask=missed, other=0)
     repeat = missed & (dst <= -2)
     held = tl.load(out_ptr + b * K + (-2 - dst), mask=repeat, other=-1)

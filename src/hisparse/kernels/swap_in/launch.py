@@ -221,7 +221,7 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
              **({"launch_pdl": True} if plan.pdl else {})}, device=device, direct=direct),
     ]
     completion = (_UnionCompletion(top_k, presence, presence_stride, k, plan.first_candidates)
-                  if union else None)
+                  if union is not None else None)
     return (*launches, *_bind_copies(t, plan, layer, scratch.miss_row, out, miss_plan, direct,
                                      completion))
 

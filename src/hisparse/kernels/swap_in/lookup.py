@@ -164,6 +164,13 @@ def _entry_codes(miss, row, served, invalid):
 
 
 @triton.jit
+def _verify_misses(code):
+    """Which entry codes of a verify row are misses: the copying one (`row >= 0`) and the
+    repeats `_claim_positions` coded `-4 - row`."""
+    return (code >= 0) | (code <= -4)
+
+
+@triton.jit
 def _claim_positions(b, k_offsets, pos, miss, row, code, presence_ptr, presence_stride,
                      SEM: tl.constexpr):
     """A verify row's de-duplication: every served or missing entry takes the minimum of its

@@ -14,7 +14,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hisparse.kernels.swap_in.lookup import _NO_STAMP, _address_bucket, _row_context
+from hisparse.kernels.swap_in.lookup import (
+    _NO_STAMP,
+    _address_bucket,
+    _row_context,
+    _verify_misses,
+)
 from hisparse.kernels.swap_in.pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -102,9 +107,8 @@ def _first_misses(b, k, K, code, top_k_ptr, presence_ptr, presence_stride, out_p
     of a position is marked `-2 - first entry` in `out`, which the copy kernel resolves
     (copy.py, `_complete_union`); with CANDIDATES, the misses the lookup already pointed at a
     smaller entry keep that mark and need no table read."""
-    # Misses are codes >= 0, and `-4 - row` for the repeats the lookup found. The top-k row
-    # is read whole, so that its load flies with the codes' instead of after it.
-    missed = (code >= 0) | (code <= -4)
+    # The top-k row is read whole, so that its load flies with the codes' instead of after it.
+    missed = _verify_misses(code)
     pos = tl.load(top_k_ptr + b * K + k, mask=k < K, other=0)
     if CANDIDATES:
         missed = missed & (tl.load(out_ptr + b * K + k, mask=k < K, other=-1) == -1)

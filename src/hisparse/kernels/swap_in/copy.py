@@ -28,6 +28,15 @@ def _claimed_positions(entry, code, top_k_ptr):
 
 
 @triton.jit
+def _union_entries(miss_row_ptr, top_k_ptr, entry, num_entries, MISS_ROW_CACHE: tl.constexpr):
+    """The codes of `entry` and which of them the lookup claimed, at which positions."""
+    code = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1,
+                   cache_modifier=MISS_ROW_CACHE)
+    claimed, pos = _claimed_positions(entry, code, top_k_ptr)
+    return code, claimed, pos
+
+
+@triton.jit
 def _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr, presence_stride, K,
                     CANDIDATES: tl.constexpr):
     """A verify row's work left after its selection, done here by many programs instead of
@@ -79,9 +88,8 @@ def copy_kernel(
 ):
     union_entry = tl.program_id(0) * UNION_BLOCK + tl.arange(0, UNION_BLOCK)
     if DEDUP:  # the walk's first codes and positions are final once we run (the lookup is)
-        code = tl.load(miss_row_ptr + union_entry, mask=union_entry < num_entries, other=-1,
-                       cache_modifier=MISS_ROW_CACHE)
-        claimed, pos = _claimed_positions(union_entry, code, top_k_ptr)
+        code, claimed, pos = _union_entries(miss_row_ptr, top_k_ptr, union_entry, num_entries,
+                                            MISS_ROW_CACHE)
     if USE_PDL:  # launched early behind the selection kernel: wait for its plan
         gdc_wait()
     batch = tl.arange(0, BLOCK_BATCH)
@@ -116,8 +124,8 @@ def copy_kernel(
         stride = tl.num_programs(0) * UNION_BLOCK
         for start in range(tl.program_id(0) * UNION_BLOCK + stride, num_entries, stride):
             entry = start + tl.arange(0, UNION_BLOCK)
-            code = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1)
-            claimed, pos = _claimed_positions(entry, code, top_k_ptr)
+            code, claimed, pos = _union_entries(miss_row_ptr, top_k_ptr, entry, num_entries,
+                                                "")
             _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr,
                             presence_stride, K, CANDIDATES)
 
@@ -212,7 +220,6 @@ def complete_union_kernel(
     """`_complete_union` alone, one block of entries per program: behind the selection of a
     call whose copy is skipped or too narrow a grid to walk every entry."""
     entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    code = tl.load(miss_row_ptr + entry, mask=entry < num_entries, other=-1)
-    claimed, pos = _claimed_positions(entry, code, top_k_ptr)
+    code, claimed, pos = _union_entries(miss_row_ptr, top_k_ptr, entry, num_entries, "")
     _complete_union(entry, code, claimed, pos, out_ptr, presence_ptr, presence_stride, K,
                     CANDIDATES)

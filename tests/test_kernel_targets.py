@@ -53,7 +53,7 @@ KNOWN_PROBLEMS: dict[tuple[str, str, str], str] = {}
 NVIDIA_SPILLS_TODAY = {("select", "B=1 H=16384"), ("select", "B=1 H=32768 int32 residency"),
                        ("select", "B=16 verify S=4, union in the swap-in, by position"),
                        ("select", "B=128 verify S=8, union in the swap-in"),
-                       ("select", "B=1 verify S=8, first entries among candidates")}
+                       ("select", "B=1 verify S=8, first entries by the table alone")}
 
 
 @pytest.fixture(scope="module")

@@ -103,9 +103,9 @@ class Tuning:
     # A verify row's first-entry test reads the presence table only for the misses that were
     # their position's smallest entry when they claimed it: the lookup points every other miss
     # at the smaller entry it found, and the copy follows those pointers to the first entry's
-    # slot. Predicted (benchmarks/NOTES.md, twenty-fifth pass): about a third of the table reads
-    # at S = 8 with 90%-overlapping rows, -3..-5 us at B = 1. Off until an H200 run measures it.
-    verify_first_candidates: bool = False
+    # slot. About a third of the table reads at S = 8 with 90%-overlapping rows; measured
+    # faster or level in every SW-2 cell at B = 1 and 16 (benchmarks/NOTES.md, twenty-sixth pass).
+    verify_first_candidates: bool = True
     # From this batch capacity on (None: never), the selection writes the plan in host-address
     # order (`address_buckets` equal ranges of the layer's host rows, ascending) instead of
     # batch row by batch row, and the copy reads the pool front to back. Misses scattered over

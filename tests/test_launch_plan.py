@@ -19,19 +19,23 @@ def plan(rows: int, extent: int = 512, device: DeviceTraits = H200, **tune: obje
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 17, 63, 64, 128])
 def test_the_shipped_tuning_picks_the_measured_paths(rows: int) -> None:
-    """Tuning's thresholds, as benchmarks/NOTES.md measured them: the prefetching copy at
-    B=1, a PDL copy up to B=16, small classify chunks up to 16 rows, address order from 64
-    rows over token-granular extents only."""
+    """Tuning's thresholds, as benchmarks/NOTES.md measured them: the prefetching copy and
+    a PDL copy up to B=16, small classify chunks up to 16 rows, address order from 64 rows
+    over token-granular extents only."""
     got = plan(rows)
-    assert got.copy.variant == ("prefetched" if rows == 1 else "planned")
+    assert got.copy.variant == ("prefetched" if rows <= 16 else "planned")
     assert got.copy.pdl == (rows <= 16)
     assert got.classify_chunk == (64 if rows <= 16 else 256)
     assert got.classify_grid == (rows, 2048 // got.classify_chunk)
     assert not got.address_order
     assert plan(rows, extent=1).address_order == (rows >= 64)
-    # The copy's width: 8 programs per SM, 1 from 64 rows on; the prefetching copy up to 32.
-    per_sm = 32 if rows == 1 else 1 if rows >= 64 else 8
-    assert got.copy.programs == min(-(-rows * 2048 // 2), 132 * per_sm)
+    # The copy's width: 8 programs per SM, 1 from 64 rows on; the prefetching copy up to 32,
+    # with more rows a program (a power of two) where 32 per SM of 2 rows leave entries over.
+    per_sm = 32 if rows <= 16 else 1 if rows >= 64 else 8
+    rows_each = 2 * (1 << max(0, -(-rows * 2048 // (2 * 132 * per_sm)) - 1).bit_length())
+    assert got.copy.rows_per_iteration == (rows_each if rows <= 16 else 2)
+    assert got.copy.programs == min(-(-rows * 2048 // got.copy.rows_per_iteration), 132 * per_sm)
+    assert got.copy.programs * got.copy.rows_per_iteration >= rows * 2048 or rows > 16
     # A verify row's union is completed by the copy, but behind the one-per-SM copy.
     assert got.union_completion == ("own kernel" if rows >= 64 else "copy")
 

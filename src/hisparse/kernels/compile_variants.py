@@ -81,8 +81,8 @@ def compile_variants(target: Target, quick: bool = False) -> list[Variant]:
     crossed. Shapes: the shipped presets (SW-1 / DeepSeek-V3.2 and GLM-5: K=2048, H=4096,
     656 B FP8 and 1152 B BF16 rows; tiny: K=64, H=128, 64 B rows), plus the hot-buffer sizes
     where the selection changes code (BLOCK_H 16384: its packed scan at its limit and 32
-    warps; H=32768: two scans, int32 residency). Batch capacities 1 (prefetching copy), 16
-    (small-batch classify chunk, PDL copy), 64 and 128 (address-ordered plan, wide batches).
+    warps; H=32768: two scans, int32 residency). Batch capacities 1 and 16 (prefetching copy,
+    small-batch classify chunk, PDL copy), 64 and 128 (address-ordered plan, wide batches).
     Residency by key row (host_row with key extents, the default), by host row without them
     and by position; Tuning's boolean switches flipped (early_loads with each residency
     key, relaxed_counters, pdl), its numbers as shipped; verify rows of S = 2, 4 and 8
@@ -138,6 +138,8 @@ def _swap_in_scenarios() -> list[_Scenario]:
     return [
         _Scenario("B=1 fp8 extents", 1),
         _Scenario("B=16 fp8 extents", 16),
+        _Scenario("B=16 fp8 extents, planned copy behind PDL", 16,
+                  tuning={"prefetch_copy_max_batch": 1}),
         _Scenario("B=64 bf16 token pages", 64, row_bytes=1152, extent=16),
         _Scenario("B=128 fp8 token pages by position", 128, extent=16, residency="position"),
         _Scenario("B=4 no early loads, acq_rel counters", 4,

@@ -29,13 +29,12 @@ def test_the_shipped_tuning_picks_the_measured_paths(rows: int) -> None:
     assert got.classify_grid == (rows, 2048 // got.classify_chunk)
     assert not got.address_order
     assert plan(rows, extent=1).address_order == (rows >= 64)
-    # The copy's width: 8 programs per SM, 1 from 64 rows on; the prefetching copy up to 32,
-    # with more rows a program (a power of two) where 32 per SM of 2 rows leave entries over.
-    per_sm = 32 if rows <= 16 else 1 if rows >= 64 else 8
-    rows_each = 2 * (1 << max(0, -(-rows * 2048 // (2 * 132 * per_sm)) - 1).bit_length())
-    assert got.copy.rows_per_iteration == (rows_each if rows <= 16 else 2)
-    assert got.copy.programs == min(-(-rows * 2048 // got.copy.rows_per_iteration), 132 * per_sm)
-    assert got.copy.programs * got.copy.rows_per_iteration >= rows * 2048 or rows > 16
+    # The copy's width (rows a program, programs): the prefetching copy up to 32 programs per
+    # SM, more rows a program where 2 rows leave entries over (B=16: 8 rows, one pass over
+    # its 32768 entries); the planned copy 8 programs per SM, 1 from 64 rows on.
+    widths = {1: (2, 1024), 2: (2, 2048), 16: (8, 4096), 17: (2, 1056), 63: (2, 1056),
+              64: (2, 132), 128: (2, 132)}
+    assert (got.copy.rows_per_iteration, got.copy.programs) == widths[rows]
     # A verify row's union is completed by the copy, but behind the one-per-SM copy.
     assert got.union_completion == ("own kernel" if rows >= 64 else "copy")
 

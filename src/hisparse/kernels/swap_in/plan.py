@@ -91,10 +91,9 @@ class Tuning:
     # classify kernel is done, so with PDL each copy program fetches its first rows over the
     # link while the selection still chooses victims. One pass over the entries needs
     # Bcap x K <= copy programs x copy_rows; past that the later passes overlap nothing.
-    # H200, B=1: churn 0.05 / 0.2 / 1.0 18.4 / 23.7 / 48.9 -> 15.8 / 16.6 / 38.0 us. At B=16
-    # with 2 rows a program (16 passes) miss-free +3 us, with misses -2..-3%; since programs
-    # take more rows instead of passes, B=16 verify cells -6..-9% (benchmarks/NOTES.md,
-    # twenty-sixth pass).
+    # Measured on the H200 at B=1 (benchmarks/NOTES.md, eighth pass) and, since programs take
+    # more rows instead of passes, at B=16 (twenty-sixth pass): faster wherever a step misses,
+    # at the price of ~2.5 us on a miss-free B=16 step (its 4096 programs find nothing).
     prefetch_copy_max_batch: int | None = 16
     # A prefetched copy takes up to this many programs per SM (instead of
     # copy_programs_per_unit), so that one pass covers a verify row's S x K entries as it

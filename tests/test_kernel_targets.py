@@ -49,7 +49,8 @@ KNOWN_PROBLEMS: dict[tuple[str, str, str], str] = {}
 # leave each 64 registers (ptxas caps them to fit), for H > 8192, and for a verify row of
 # 8192 or 16384 entries (S = 4 or 8 at K = 2048) at 16 or 32 warps: without the union in the
 # swap-in the same builds spill 8 and 114 slots on sm_90, with it (its first-entry test; the
-# copy completes the union) 12 and 146.
+# copy completes the union) 12 and 144, and 146 where the first entries are all read from
+# the presence table (verify_first_candidates off).
 NVIDIA_SPILLS_TODAY = {("select", "B=1 H=16384"), ("select", "B=1 H=32768 int32 residency"),
                        ("select", "B=16 verify S=4, union in the swap-in, by position"),
                        ("select", "B=128 verify S=8, union in the swap-in"),

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fakes.delayed_writer import DelayedBackupBackend
+from fakes.gated_writer import OPEN_ALL, GatedBackupBackend, ReaderPosts, gate_reader, gate_writer
 from hisparse import HiSparseCache, HiSparseConfig
 from hisparse.backends.cpu import CpuBackend
 from hisparse.core.shared_pool import SharedPoolSpec
@@ -21,7 +21,7 @@ from hisparse.errors import SharedPoolError
 from hisparse.tools.shared_pool_run import kv_at, prompt_rows
 
 CONFIG = dict(num_layers=2, top_k=4, hot_slots=8, index_group_size=1, max_requests=2,
-              max_seq_len=256, host_pool_tokens=512, extent_tokens=16)
+              max_seq_len=256, host_pool_tokens=512, extent_tokens=16, max_draft_tokens=2)
 PROMPT = 24  # more tokens than hot slots: the previous token is read from the host
 
 
@@ -37,65 +37,101 @@ def _start(name: str, rank: int, ranks: int, backend: Any, **overrides: Any
 
 
 def _step(cache: HiSparseCache, length: int, request: str = "r", seed: int = 1,
-          picks: list[int] | None = None, origin: int = 1) -> int:
-    """Decode token `length` of `request` (KV seed `seed`), asking for tokens `picks`
-    (default: token `length - 1`, backed up by the step before), whose KV has seed
-    `origin`: returns how many of their rows, over the layers, were not their bytes."""
-    step = cache.begin_decode_step([request])
-    picks = picks or [length - 1]
-    top_k = torch.tensor([picks + [-1] * (cache.top_k - len(picks))], dtype=torch.int32)
+          picks: list[int] | None = None, origin: int = 1, mode: str = "single") -> tuple[int, int]:
+    """Decode from token `length` of `request` (KV seed `seed`): one token (`mode` "single"),
+    one with a de-duplicated top-k ("dedupe", its picks listed twice) or a verify step of two
+    tokens, both accepted ("verify"). Asks for tokens `picks` (default: those the step before
+    wrote, which only the host holds now), whose KV has seed `origin`. Returns how many of
+    their rows, over the layers, were not their bytes, and the new length."""
+    tokens = 2 if mode == "verify" else 1
+    step = cache.begin_decode_step([request], num_tokens=tokens, dedupe=mode == "dedupe")
+    picks = picks or ([length - 2, length - 1] if mode == "verify" else [length - 1])
+    listed = picks * 2 if mode == "dedupe" else picks
+    row = listed + [-1] * (cache.top_k - len(listed))
+    top_k = torch.tensor([[row] * tokens if tokens > 1 else row], dtype=torch.int32)
+    positions = np.arange(length, length + tokens)[None]
     stale = 0
     for layer in range(cache.num_layers):
-        step.write_newest(layer, torch.from_numpy(kv_at(np.array([seed]), np.array([length]),
-                                                        layer, cache.row_bytes)))
-        rows = step.swap_in(layer, top_k)
-        for index, position in enumerate(picks):
-            got = cache.device_kv(layer)[int(rows[0, index])]
-            expected = kv_at(np.array(origin), np.array(position), layer, cache.row_bytes)
-            stale += not np.array_equal(got.numpy(), expected)
-    step.end()
-    return stale
+        kv = torch.from_numpy(kv_at(np.full_like(positions, seed), positions, layer,
+                                    cache.row_bytes))
+        step.write_newest(layer, kv if tokens > 1 else kv[:, 0])
+        rows = step.swap_in(layer, top_k).view(tokens, -1)
+        for index, position in enumerate(listed):
+            for s in range(tokens):
+                got = cache.device_kv(layer)[int(rows[s, index])]
+                expected = kv_at(np.array(origin), np.array(position), layer, cache.row_bytes)
+                stale += not np.array_equal(got.numpy(), expected)
+    after_reads = getattr(cache, "after_reads", None)
+    if after_reads is not None:
+        after_reads()
+    step.end(accepted=[tokens] if tokens > 1 else None)
+    return stale, length + tokens
 
 
-def ordering_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int, delay_s: float,
-                  skip_waits: bool = False, early_publish: bool = False) -> dict[str, Any]:
-    """Rank 0's backups land `delay_s` late; rank 1 counts the stale rows it reads: with the
-    read wait, without it (`skip_waits`), or with a writer that publishes its rows without
-    waiting for its copies to complete (`early_publish`)."""
-    backend = DelayedBackupBackend(delay_s) if rank == 0 else CpuBackend()
+def _gated(name: str, rank: int, ranks: int) -> tuple[Any, ReaderPosts]:
+    """The rank's backend (the writer's backups gated on the readers' posts) and the posts."""
+    posts = ReaderPosts(name, ranks - 1)
+    return (GatedBackupBackend(posts) if rank == 0 else CpuBackend()), posts
+
+
+def _gate(cache: HiSparseCache, posts: ReaderPosts, rank: int, early_publish: bool = False
+          ) -> None:
+    if rank == 0:
+        gate_writer(cache)
+    else:
+        cache.after_reads = gate_reader(cache, posts, rank - 1, post_on_wait=not early_publish)
+
+
+def _ungate(barrier: Any, posts: ReaderPosts, rank: int) -> None:
+    """The end of a gated run: readers read no more, then the writer removes the posts."""
+    if rank:
+        posts.post(rank - 1, OPEN_ALL)
+    barrier.wait()
+    if rank == 0:
+        posts.unlink()
+
+
+def ordering_rank(barrier: Any, name: str, rank: int, ranks: int, steps: int,
+                  mode: str = "single", skip_waits: bool = False,
+                  early_publish: bool = False) -> dict[str, Any]:
+    """Rank 0's backups land only once rank 1 has read past them or waits for them; rank 1
+    counts the stale rows it reads: with the read wait, without it (`skip_waits`), or with
+    a writer that publishes its rows without waiting for its copies (`early_publish`)."""
+    backend, posts = _gated(name, rank, ranks)
     cache, length = _start(name, rank, ranks, backend)
+    _gate(cache, posts, rank, early_publish)
     cache._shared.skip_read_waits = skip_waits
     if early_publish and rank == 0:
         cache._shared.wrote = lambda stream=None: None  # publish at once, copies in flight
     barrier.wait()
     stale = 0
     for _ in range(steps):
-        stale_here = _step(cache, length)
+        stale_here, length = _step(cache, length, mode=mode)
         stale += stale_here if rank else 0  # the writer reads its own late rows: not checked
-        length += 1
-    barrier.wait()
+    _ungate(barrier, posts, rank)
     cache.close()
     return {"rank": rank, "stale": stale}
 
 
-def prefix_ordering_rank(barrier: Any, name: str, rank: int, ranks: int, delay_s: float,
+def prefix_ordering_rank(barrier: Any, name: str, rank: int, ranks: int,
                          skip_waits: bool = False) -> dict[str, Any]:
-    """The copies prefix sharing makes, against a writer whose backups land `delay_s` late
-    (so its copies of the rows they back up wait for them): rank 1 counts the stale rows it
-    reads of an admit's boundary copy, and of a decoding request's private copy of the
-    extent a retained prefix's tail holds, with or without (`skip_waits`) the read wait."""
-    backend = DelayedBackupBackend(delay_s) if rank == 0 else CpuBackend()
+    """The copies prefix sharing makes, against a writer whose backups land only once the
+    reader read past them or waits for them (so the writer's copies of the rows they back up
+    wait for them too): rank 1 counts the stale rows it reads of an admit's boundary copy,
+    and of a decoding request's private copy of the extent a retained prefix's tail holds,
+    with or without (`skip_waits`) the read wait."""
+    backend, posts = _gated(name, rank, ranks)
     cache, length = _start(name, rank, ranks, backend, residency_map="position")
+    _gate(cache, posts, rank)
     cache._shared.skip_read_waits = skip_waits
     E = cache.extent_tokens
-    _step(cache, length)  # token 24's backup lands late on the writer
-    length += 1
+    _, length = _step(cache, length)  # token 24's backup lands late on the writer
     barrier.wait()
     # "s" is the first 25 tokens of "r": 16 shared, rows 16..24 copied by the writer once
     # the late backup landed; seeding "s" reads them (its hot rows) at once.
     cache.admit("s", length, prefix=("r", length))
     cache.commit_prefill("s")
-    boundary = _step(cache, length, "s", 2, picks=[16, 18, 20, 24])
+    boundary, _ = _step(cache, length, "s", 2, picks=[16, 18, 20, 24])
     barrier.wait()
     for request in ("r", "s"):
         cache.finish(request)
@@ -108,10 +144,10 @@ def prefix_ordering_rank(barrier: Any, name: str, rank: int, ranks: int, delay_s
     barrier.wait()
     cache.retain_prefix("p", 47)  # its tail is in p's last extent: p copies before writing
     before = cache._requests.get("p", "x").extents[-1]
-    private = _step(cache, 47, "p", 3, picks=[2 * E, 2 * E + 1, 2 * E + 2, 2 * E + 3],
-                    origin=3)
+    private, _ = _step(cache, 47, "p", 3, picks=[2 * E, 2 * E + 1, 2 * E + 2, 2 * E + 3],
+                       origin=3)
     assert cache._requests.get("p", "x").extents[-1] != before  # the private copy
-    barrier.wait()
+    _ungate(barrier, posts, rank)
     cache.close()
     return {"rank": rank, "boundary": boundary if rank else 0, "private": private if rank else 0}
 
@@ -121,8 +157,7 @@ def killed_rank(barrier: Any, name: str, rank: int, ranks: int, victim: int) -> 
     to go on: what it gets is reported."""
     cache, length = _start(name, rank, ranks, CpuBackend())
     for _ in range(2):
-        _step(cache, length)
-        length += 1
+        _, length = _step(cache, length)
     barrier.wait()
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -130,8 +165,8 @@ def killed_rank(barrier: Any, name: str, rank: int, ranks: int, victim: int) -> 
     outcome, stale = "no error", 0
     try:
         for _ in range(3):
-            stale += _step(cache, length)
-            length += 1
+            stale_here, length = _step(cache, length)
+            stale += stale_here
     except SharedPoolError as exc:
         outcome = str(exc)
     cache.close()

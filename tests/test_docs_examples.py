@@ -1,12 +1,18 @@
-"""Every ```python block of README.md and docs/*.md runs here, on whatever device is present
-(the CPU on a machine without a GPU).
+"""Every ```python block of README.md and docs/*.md runs here as written, on whatever device is
+present (the CPU on a machine without a GPU).
 
-A block runs on its own, in a fresh namespace. The names it uses but does not define are the
-serving framework's (a request, its prompt's KV, an indexer, an attention kernel, a transfer
-engine): `FrameworkStandIns` below defines each of them, small and in plain sight, and the
-attention stand-in checks every row the cache hands it against the KV the example wrote, byte
-for byte. A block that is not a program carries, on the line before its fence,
-`<!-- example: not run: REASON -->`; a block using a name no stand-in defines fails.
+A block runs in a fresh namespace and must define every name it uses: the serving framework's
+side of an example (requests, an indexer, an attention kernel, a transfer engine) is written
+out in the document itself, as small stand-ins a reader can see and replace. The examples
+check their own results (rows byte for byte, attention against attention over the full KV),
+so a block that runs has shown what it claims. A marker on the line before a block's fence
+changes how it runs:
+
+    <!-- example: NAME -->               names the block, for `uses`
+    <!-- example: uses NAME -->          runs the block named NAME (same document) first, in the
+                                         same namespace: shared stand-ins, written out once
+    <!-- example: not run: REASON -->    not run; REASON says why (the hardware it needs; in
+                                         docs/ARCHITECTURE.md also an API listing)
 """
 
 from __future__ import annotations
@@ -17,21 +23,26 @@ import contextlib
 import importlib.util
 import io
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import hisparse
-from hisparse.core.requests import RequestState
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-NOT_RUN = re.compile(r"^<!-- example: not run: (?P<reason>\S.*\S) -->$")
-# Optional packages a block may import, and the extra that installs each.
-OPTIONAL = {"prometheus_client": "metrics", "matplotlib": "tools", "nixl_cu12": "pd"}
+MARKER = re.compile(r"^<!-- example: (?P<body>\S.*\S) -->$")
+# Optional packages a block may use (by the module it imports), what provides each, and the
+# extra that installs it.
+OPTIONAL = {"prometheus_client": ("prometheus_client", "metrics"),
+            "matplotlib": ("matplotlib", "tools"),
+            "hisparse.pd": ("nixl_cu12", "pd"),
+            "hisparse.integrations": ("transformers", "transformers"),
+            "transformers": ("transformers", "transformers")}
+# Words a "not run" reason must contain: a block is left out only for hardware it needs.
+HARDWARE = ("GPU", "CUDA", "ROCm", "XPU", "hardware", "NVIDIA", "AMD", "Intel")
 
 
 @dataclass(frozen=True)
@@ -39,23 +50,41 @@ class Block:
     path: Path
     line: int  # of the opening fence, 1-based
     code: str
-    not_run: str | None  # the marker's reason
+    marker: str | None  # the marker's body: "NAME", "uses NAME" or "not run: REASON"
 
     @property
     def name(self) -> str:
         return f"{self.path.relative_to(ROOT)}:{self.line}"
 
+    @property
+    def not_run(self) -> str | None:
+        if self.marker and self.marker.startswith("not run:"):
+            return self.marker.removeprefix("not run:").strip()
+        return None
+
+    @property
+    def uses(self) -> str | None:
+        if self.marker and self.marker.startswith("uses "):
+            return self.marker.removeprefix("uses ").strip()
+        return None
+
+    @property
+    def label(self) -> str | None:
+        if self.marker and self.not_run is None and self.uses is None:
+            return self.marker
+        return None
+
 
 def python_blocks(path: Path) -> list[Block]:
-    lines = path.read_text().splitlines()
+    lines = path.read_text(encoding="utf-8").splitlines()
     blocks = []
     index = 0
     while index < len(lines):
         if lines[index].strip() == "```python":
             end = next(i for i in range(index + 1, len(lines)) if lines[i].strip() == "```")
-            marker = NOT_RUN.match(lines[index - 1].strip()) if index else None
+            marker = MARKER.match(lines[index - 1].strip()) if index else None
             blocks.append(Block(path, index + 1, "\n".join(lines[index + 1:end]) + "\n",
-                                marker["reason"] if marker else None))
+                                marker["body"] if marker else None))
             index = end
         index += 1
     return blocks
@@ -64,8 +93,20 @@ def python_blocks(path: Path) -> list[Block]:
 BLOCKS = [block for path in DOCUMENTS for block in python_blocks(path)]
 
 
+def chain(block: Block) -> list[Block]:
+    """The blocks to run for `block`, in order: the ones it uses (transitively), then itself."""
+    blocks = [block]
+    while blocks[0].uses is not None:
+        named = [b for b in BLOCKS if b.path == block.path and b.label == blocks[0].uses]
+        assert len(named) == 1, (f"{blocks[0].name} uses {blocks[0].uses!r}: "
+                                 f"{len(named)} blocks of {block.path.name} carry that name")
+        blocks.insert(0, named[0])
+        assert len(blocks) < 8, f"{block.name}: `uses` goes round in a circle"
+    return blocks
+
+
 def free_names(code: str) -> set[str]:
-    """Names the block reads but neither assigns, imports nor defines (builtins aside)."""
+    """Names the code reads but neither assigns, imports nor defines (builtins aside)."""
     bound: set[str] = set()
     loaded: set[str] = set()
     for node in ast.walk(ast.parse(code)):
@@ -84,212 +125,109 @@ def imported_modules(code: str) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
+            found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module.split(".")[0])
+            found.add(node.module)
     return found
 
 
-# --- the framework's side, as small as the examples allow -------------------------------------
-PRESET = "tiny"  # 4 layers in index groups of 2: followers must get their anchor's rows
-PROMPT_TOKENS = 700  # past tiny's 128 hot slots, so a step has misses
-VERIFY_S = 3  # tokens per verify step in the speculative-decoding example
+def missing_optional(code: str) -> str | None:
+    """Why the code cannot run here (an optional package absent), or None."""
+    for module in sorted(imported_modules(code)):
+        for prefix, (needed, extra) in OPTIONAL.items():
+            if (module == prefix or module.startswith(prefix + ".")) \
+                    and importlib.util.find_spec(needed) is None:
+                return f"{needed} is not installed (pip install 'hisparse[{extra}]')"
+    return None
 
 
-@dataclass
-class Request:
-    """A framework's request: an id and its prompt's token ids."""
-
-    id: str
-    prompt: list[int]
-
-
-@dataclass(frozen=True)
-class LayerQuery:
-    """A layer's attention queries; the attention stand-in only needs to know the layer."""
-
-    layer: int
-
-
-@dataclass
-class TransferEngine:
-    """A PD transfer engine: writes a request's prompt KV into the rows the decode side
-    reserved (`res.rows[p]` of every layer's host tensor holds token p), as NIXL would."""
-
-    prompt_kv: torch.Tensor  # [L, T, W]
-    wrote: list[str] = field(default_factory=list)
-
-    def write_into(self, res: Any) -> None:
-        rows = torch.from_numpy(res.rows).long()
-        for layer, host in enumerate(res.host_tensors):
-            host[rows] = self.prompt_kv[layer].cpu()
-        self.wrote.append(res.request_id)
-
-
-class FrameworkStandIns:
-    """Everything the integration examples take from the serving framework, for one block.
-
-    The indexer draws distinct positions of the one request's context; the attention kernel
-    checks that the rows `swap_in` returned hold, in this layer's `device_kv`, the KV of the
-    positions of the top-k in effect (the last one the indexer returned: a follower layer
-    attends over its anchor's top-k)."""
-
-    def __init__(self) -> None:
-        self.config = hisparse.HiSparseConfig.from_preset(PRESET)
-        self.preset = PRESET
-        self.device = hisparse.get_backend().device()
-        config = self.config
-        generator = torch.Generator().manual_seed(26)
-        self.req = Request("req-0", list(range(PROMPT_TOKENS)))
-        self.batch = [self.req]
-        self.num_tokens = PROMPT_TOKENS
-        shape = (config.num_layers, PROMPT_TOKENS, config.row_bytes)
-        self.prompt_kv = torch.randint(0, 256, shape, dtype=torch.uint8,
-                                       generator=generator).to(self.device)
-        self.new_kv = torch.randint(0, 256, (config.num_layers, len(self.batch),
-                                             config.row_bytes), dtype=torch.uint8,
-                                    generator=generator).to(self.device)
-        # A verify step's S tokens per request (speculative decoding): [L, B, S, W].
-        self.draft_kv = torch.randint(0, 256, (config.num_layers, len(self.batch), VERIFY_S,
-                                               config.row_bytes), dtype=torch.uint8,
-                                      generator=generator).to(self.device)
-        self.hidden = None  # the model's hidden states: the stand-in indexer needs none
-        self.q = [LayerQuery(layer) for layer in range(config.num_layers)]
-        self.transfer_engine = TransferEngine(self.prompt_kv)
-        self._generator = generator
-        self._top_k: torch.Tensor | None = None
-        self.indexed_layers: list[int] = []
-        self.attended_layers: list[int] = []
-        self._cache: hisparse.HiSparseCache | None = None
-
-    @property
-    def cache(self) -> hisparse.HiSparseCache:
-        """The framework's cache, for a block that continues the integration example."""
-        if self._cache is None:
-            self._cache = hisparse.HiSparseCache(self.config, device=self.device)
-        return self._cache
-
-    def indexer(self, layer: int, hidden: Any) -> torch.Tensor:
-        positions = torch.randperm(PROMPT_TOKENS + 1, generator=self._generator)
-        self._top_k = positions[:self.config.top_k].to(torch.int32)[None].to(self.device)
-        self.indexed_layers.append(layer)
-        return self._top_k
-
-    def verify_indexer(self, layer: int, hidden: Any, positions: Any) -> torch.Tensor:
-        """`[B, S, K]`: query token s draws from the positions up to its own (the prompt and
-        the drafts before it), rows overlapping as consecutive drafts' do."""
-        S, K = VERIFY_S, self.config.top_k
-        rows = [torch.randperm(PROMPT_TOKENS + s + 1, generator=self._generator)[:K]
-                for s in range(S)]
-        self._top_k = torch.stack(rows).to(torch.int32)[None].to(self.device)
-        self.indexed_layers.append(layer)
-        return self._top_k
-
-    def verify_attention(self, q: LayerQuery, kv: torch.Tensor,
-                         rows: torch.Tensor) -> torch.Tensor:
-        assert self._top_k is not None and self._top_k.dim() == 3, "verify_indexer first"
-        layer = q.layer
-        every_row = torch.cat([self.prompt_kv[layer], self.draft_kv[layer, 0]])
-        if not torch.equal(kv[rows[0].long()], every_row[self._top_k[0].long()]):
-            raise AssertionError(f"layer {layer}: verify rows differ from their KV")
-        self.attended_layers.append(layer)
-        return kv[rows[0].long()]
-
-    def verify_sampler(self, batch: list[Request]) -> list[int]:
-        """How many of each request's S tokens the target model accepted (1..S)."""
-        return [int(torch.randint(1, VERIFY_S + 1, (1,), generator=self._generator))
-                for _ in batch]
-
-    def sparse_mla_attention(self, q: LayerQuery, kv: torch.Tensor,
-                             rows: torch.Tensor) -> torch.Tensor:
-        assert self._top_k is not None, "attention before any indexer call"
-        layer = q.layer
-        every_row = torch.cat([self.prompt_kv[layer], self.new_kv[layer]])  # [T + 1, W]
-        expected = every_row[self._top_k[0].long()]
-        got = kv[rows[0].long()]
-        if not torch.equal(got, expected):
-            raise AssertionError(f"layer {layer}: rows differ from its KV")
-        self.attended_layers.append(layer)
-        return got  # stands for the attention output
-
-    def namespace(self, names: set[str]) -> dict[str, Any]:
-        unknown = sorted(name for name in names if not hasattr(self, name))
-        assert not unknown, f"no stand-in defines {unknown}: define it in this test"
-        return {name: getattr(self, name) for name in names}
-
-    def check_after(self, names: set[str]) -> None:
-        """What a block that used the stand-ins must have done with them."""
-        layers = list(range(self.config.num_layers))
-        if "sparse_mla_attention" in names or "verify_attention" in names:
-            assert self.attended_layers == layers
-            # One indexer per index group, on its anchor layer.
-            assert self.indexed_layers == layers[::self.config.index_group_size]
-        if "transfer_engine" in names:
-            assert self.transfer_engine.wrote == [self.req.id]
-            assert self.cache.request_state(self.req.id) is RequestState.RUNNING
-
-    def close(self) -> None:
-        if self._cache is not None:
-            self._cache.close()
+def run_blocks(blocks: list[Block]) -> dict[str, Any]:
+    """Runs the blocks in one fresh namespace, printing nothing; closes the caches they built."""
+    namespace: dict[str, Any] = {"__name__": "__docs_example__"}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            for block in blocks:
+                exec(compile(block.code, block.name, "exec"), namespace)
+    finally:
+        for value in list(namespace.values()):  # free the caches' memory now
+            if isinstance(value, hisparse.HiSparseCache):
+                value.close()
+    return namespace
 
 
 # --- the tests --------------------------------------------------------------------------------
 def test_every_document_with_python_has_its_blocks_here() -> None:
     names = {block.path.name for block in BLOCKS}
-    assert {"README.md", "integration.md", "metrics.md", "ARCHITECTURE.md"} <= names
+    assert {"README.md", "integration.md", "metrics.md", "pd.md"} <= names
     for block in BLOCKS:
-        if block.not_run is not None:
-            assert len(block.not_run.split()) >= 4, f"{block.name}: say why it does not run"
+        if block.not_run is not None and block.path.name != "ARCHITECTURE.md":
+            assert any(word in block.not_run for word in HARDWARE), (
+                f"{block.name} is marked not run ({block.not_run!r}): only a block that needs "
+                "hardware may be; give any other its stand-ins and let it run")
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[block.name for block in BLOCKS])
+def test_the_block_defines_every_name_it_uses(block: Block) -> None:
+    if block.not_run is not None:
+        pytest.skip(f"marked not run: {block.not_run}")
+    blocks = chain(block)
+    defined: set[str] = set()
+    for each in blocks:
+        tree = ast.parse(each.code)
+        missing = free_names(each.code) - defined
+        assert not missing, (f"{each.name} uses {sorted(missing)} without defining them: "
+                             "write their stand-ins into the document")
+        defined |= {name for node in ast.walk(tree) for name in _bound(node)}
+
+
+def _bound(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+        return {node.id}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    return set()
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.name for block in BLOCKS])
 def test_the_block_runs(block: Block) -> None:
     if block.not_run is not None:
         pytest.skip(f"marked not run: {block.not_run}")
-    for module in imported_modules(block.code) & OPTIONAL.keys():
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed (pip install 'hisparse[{OPTIONAL[module]}]')")
-    names = free_names(block.code)
-    stand_ins = FrameworkStandIns()
-    namespace = {"__name__": "__docs_example__", **stand_ins.namespace(names)}
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            exec(compile(block.code, block.name, "exec"), namespace)
-        stand_ins.check_after(names)
-    finally:
-        for value in namespace.values():  # the caches a block built: free their memory now
-            if isinstance(value, hisparse.HiSparseCache):
-                value.close()
-        stand_ins.close()
+    blocks = chain(block)
+    reason = missing_optional("".join(b.code for b in blocks))
+    if reason is not None:
+        pytest.skip(reason)
+    run_blocks(blocks)
 
 
-def test_the_attention_stand_in_catches_a_follower_with_its_own_top_k() -> None:
-    """The README's old loop gave every layer its own top-k; on `tiny` (groups of 2) layer 1
-    silently got layer 0's rows. The stand-ins catch exactly that."""
-    old_loop = """
-config = hisparse.HiSparseConfig.from_preset(preset, max_requests=64)
+def test_the_integration_check_catches_a_follower_with_its_own_top_k() -> None:
+    """docs/integration.md's attention check is a real one: a loop that gives every layer its
+    own top-k (on `tiny`'s index groups of 2, layer 1 then reads layer 0's rows) fails it, or
+    the cache refuses the follower's tensor first."""
+    stand_ins = next(b for b in BLOCKS if b.path.name == "integration.md"
+                     and b.label == "framework-stand-ins")
+    wrong_loop = Block(stand_ins.path, 0, """
+config = hisparse.HiSparseConfig.from_preset(preset)
 cache = hisparse.HiSparseCache(config, device=device)
 cache.admit(req.id, len(req.prompt))
-for layer in range(config.num_layers):
-    cache.write_prefill(req.id, prompt_kv[layer], layer=layer)
+cache.write_prefill(req.id, prompt_kv)
 cache.commit_prefill(req.id)
 step = cache.begin_decode_step([r.id for r in batch])
 for layer in range(config.num_layers):
-    cache.write_newest(layer, new_kv[layer])
-    top_k = indexer(layer, hidden)
+    step.write_newest(layer, new_kv[layer])
+    top_k = torch.randperm(T + 1, device=device)[:K].to(torch.int32)[None]  # every layer
     rows = cache.swap_in(layer, top_k)
     out = sparse_mla_attention(q[layer], cache.device_kv(layer), rows)
-"""
-    stand_ins = FrameworkStandIns()
-    namespace = {"hisparse": hisparse, **stand_ins.namespace(free_names(old_loop) - {"hisparse"})}
-    try:
-        # Where the engine itself refuses a follower's different top-k (a HisparseError naming
-        # the anchor), it refuses first; else the stand-in's byte check fails.
-        with pytest.raises((AssertionError, hisparse.errors.HisparseError)) as caught:
-            exec(compile(old_loop, "old README loop", "exec"), namespace)
-        if isinstance(caught.value, AssertionError):
-            assert str(caught.value) == "layer 1: rows differ from its KV"
-        else:
-            assert "anchor" in str(caught.value)
-    finally:
-        namespace["cache"].close()
+    assert torch.equal(out, sparse_mla_attention(q[layer], full_kv(layer), top_k))
+""", None)
+    with pytest.raises((AssertionError, hisparse.errors.HisparseError)) as caught:
+        run_blocks([stand_ins, wrong_loop])
+    if isinstance(caught.value, hisparse.errors.HisparseError):
+        assert "anchor" in str(caught.value)
+
+
+def test_a_block_that_uses_an_undefined_name_fails_the_name_check() -> None:
+    """The name check itself: a block leaning on a name no block defines is reported."""
+    orphan = Block(ROOT / "README.md", 0, "rows = step.swap_in(0, top_k)\n", None)
+    assert free_names(orphan.code) == {"step", "top_k"}

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -134,8 +135,18 @@ class BadCall:
 M = "meta"  # a device no cache lives on
 BAD_CALLS: dict[str, BadCall] = {
     # admission
-    "admit an unhashable id": BadCall("idle", UnknownRequestError, r"\['x'\] is not hashable",
+    "admit an unhashable id": BadCall("idle", InvalidInputError, r"\['x'\] is not hashable",
                                       lambda c, w: c.admit(["x"], 3)),
+    "admit a None id": BadCall("idle", InvalidInputError, "request id None",
+                               lambda c, w: c.admit(None, 3)),
+    "admit a tensor id": BadCall("idle", InvalidInputError, "Tensor.*by identity",
+                                 lambda c, w: c.admit(torch.tensor(3), 3)),
+    "admit numpy int64 tokens": BadCall("idle", InvalidInputError, "numpy.int64.*int\\(",
+                                        lambda c, w: c.admit("x", np.int64(3))),
+    "admit a 0-d tensor of tokens": BadCall("idle", InvalidInputError, "Tensor.*int\\(",
+                                            lambda c, w: c.admit("x", torch.tensor(3))),
+    "reserve numpy int32 tokens": BadCall("idle", InvalidInputError, "numpy.int32",
+                                          lambda c, w: c.reserve_host_slots("x", np.int32(3))),
     "admit a live id": BadCall("idle", RequestStateError, "'long'.*already running",
                                lambda c, w: c.admit("long", 3)),
     "admit 0 tokens": BadCall("idle", InvalidInputError, "of 0 tokens",
@@ -208,7 +219,7 @@ BAD_CALLS: dict[str, BadCall] = {
         lambda c, w: c.write_prefill("pre", w.noise(2, 32), layer=0, start=-1)),
     "commit a reserved request": BadCall("idle", RequestStateError, "it is reserved",
                                          lambda c, w: c.commit_prefill("res")),
-    "commit twice": BadCall("idle", RequestStateError, "it is running",
+    "commit twice": BadCall("idle", RequestStateError, "'long': it is running, not prefilling;",
                             lambda c, w: c.commit_prefill("long")),
     "commit with rows never written": BadCall(
         "idle", InvalidInputError, "rows 3..5 of layer 0 of request 'pre'",
@@ -457,3 +468,28 @@ def test_every_message_says_what_to_do(backend: Any, rng: torch.Generator) -> No
         world.cache.close()
     assert not vague, "\n".join(vague)
 
+
+def test_state_errors_read_as_sentences_and_their_advice_works(backend: Any,
+                                                               rng: torch.Generator) -> None:
+    """A second commit_prefill (or write_prefill after the commit) says which state the call
+    needs in plain words; a finished id's error advises re-admitting it, and re-admitting
+    the very same id works (it used to say "under a new id")."""
+    world = build_world(backend, rng)
+    cache = world.cache
+    with pytest.raises(RequestStateError) as caught:
+        cache.commit_prefill("long")
+    assert str(caught.value) == (
+        "cannot commit prefill for request 'long': it is running, not prefilling; a running "
+        "request decodes: call preempt(id) to park it or finish(id) to free it")
+    with pytest.raises(RequestStateError) as caught:
+        cache.write_prefill("long", world.noise(LAYERS, 1, WIDTH))
+    assert "it is running, not prefilling or reserved;" in str(caught.value)
+    for call in (lambda: cache.finish("gone"), lambda: cache.seq_len("gone")):
+        with pytest.raises(RequestStateError) as caught:
+            call()
+        message = str(caught.value)
+        assert "'gone'" in message and "finished" in message and "new id" not in message
+        assert "admit it again" in message
+    world.admit("gone", 3)  # the advice, followed: the same id starts a new request
+    assert cache.seq_len("gone") == 3
+    cache.close()

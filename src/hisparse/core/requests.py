@@ -10,10 +10,16 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
 import numpy as np
+import torch
 
 from hisparse.core.host_pool import token_rows
 from hisparse.core.operations import bookkeeping
-from hisparse.errors import PoolExhaustedError, RequestStateError, UnknownRequestError
+from hisparse.errors import (
+    InvalidInputError,
+    PoolExhaustedError,
+    RequestStateError,
+    UnknownRequestError,
+)
 
 _CHANGES = itertools.count(1)  # (next() on it is atomic under the GIL; `+= 1` is not)
 _SLOT = operator.attrgetter("_slot")  # a record's slot, read without the property's frame
@@ -277,7 +283,7 @@ class RequestTable:
         if ended is not None:
             raise RequestStateError(
                 f"cannot {action} request {request_id!r}: it was already {ended} and its "
-                "memory freed; admit it again under a new id"
+                "memory freed; admit it again (under this id or another) to start a new request"
             )
         raise UnknownRequestError(
             f"cannot {action} request {request_id!r}: no such request is admitted "
@@ -291,8 +297,8 @@ class RequestTable:
         allowed = tuple(allowed)
         if record.state not in allowed:
             raise RequestStateError(
-                f"cannot {action} request {request_id!r}: it is {record.state}, and {action} "
-                f"needs {' or '.join(str(s) for s in allowed)}; {_NEXT_STEP[record.state]}"
+                f"cannot {action} request {request_id!r}: it is {record.state}, not "
+                f"{' or '.join(str(s) for s in allowed)}; {_NEXT_STEP[record.state]}"
             )
         return record
 
@@ -311,10 +317,7 @@ class RequestTable:
         return records
 
     def check_new(self, request_id: Hashable, action: str) -> None:
-        if not _hashable(request_id):
-            raise UnknownRequestError(
-                f"cannot {action}: request id {request_id!r} is not hashable; use an int or str"
-            )
+        check_request_id(request_id, action)
         if request_id in self._live:
             raise RequestStateError(
                 f"cannot {action} request {request_id!r}: it is already "
@@ -338,9 +341,25 @@ class RequestTable:
 _NEXT_STEP = {
     RequestState.RESERVED: "call complete_transfer(id) once the transfer wrote its rows",
     RequestState.PREFILLING: "call commit_prefill(id) once its prompt rows are written",
-    RequestState.RUNNING: "it is decoding: call preempt(id) to park it or finish(id) to free it",
+    RequestState.RUNNING: "a running request decodes: call preempt(id) to park it or "
+                          "finish(id) to free it",
     RequestState.PREEMPTED: "call resume(id) to give it a device slot again",
 }
+
+
+def check_request_id(request_id: object, action: str) -> None:
+    """A new request's id must name it by value: hashable, not None, not a tensor (a tensor
+    hashes by identity, so two equal tensors would be two requests)."""
+    problem = None
+    if request_id is None:
+        problem = "request id None names no request"
+    elif isinstance(request_id, torch.Tensor):
+        problem = (f"request id {request_id!r} is a torch.Tensor, which hashes by identity "
+                   "(an equal tensor would name another request)")
+    elif not _hashable(request_id):
+        problem = f"request id {request_id!r} is not hashable"
+    if problem is not None:
+        raise InvalidInputError(f"cannot {action}: {problem}; use an int or str")
 
 
 def _hashable(value: object) -> bool:

@@ -6,6 +6,7 @@ the `*_against_device` ones read tensors back (a host sync) and run only with `v
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
@@ -206,7 +207,20 @@ def as_batch_ids(request_ids: Sequence[Hashable]) -> list[Hashable]:
 
 
 def check_request_length(num_tokens: object, max_seq_len: int, action: str) -> None:
-    """A request's token count: an int in 1..max_seq_len."""
+    """A request's token count: an int in 1..max_seq_len. An integer of another type (a
+    numpy integer, a 0-d tensor) is refused for its type, which is what to change."""
+    if type(num_tokens) is not int and not isinstance(num_tokens, bool | float | str):
+        try:
+            value = operator.index(num_tokens)  # type: ignore[arg-type]
+        except TypeError:
+            value = None
+        if value is not None:
+            kind = type(num_tokens)
+            raise InvalidInputError(
+                f"cannot {action} a request of {value} tokens given as "
+                f"{kind.__module__}.{kind.__qualname__}: the count must be a Python int; "
+                "pass int(num_tokens)"
+            )
     if not is_count(num_tokens) or not 1 <= num_tokens <= max_seq_len:  # type: ignore[operator]
         raise InvalidInputError(
             f"cannot {action} a request of {num_tokens!r} tokens: it must be an int in "

@@ -1,4 +1,4 @@
-"""Physical limits the swap-in is judged against (DESIGN.md section 8), on one GPU.
+"""Physical limits the swap-in is judged against (bulk copies, a zero-copy row gather), on one GPU.
 
 Measures bulk pinned host-to-device and device-to-host copies, and a plain zero-copy gather of
 random rows from registered host memory (one Triton program per row) for several pool sizes,

@@ -1,7 +1,7 @@
 """SGLang's fused swap-in kernel, built from a user's SGLang install, run on SW-1's tables.
 
-DESIGN.md section 8 asks for hisparse and the best existing kernel "measured side by side in
-one run". SGLang ships that kernel as CUDA source that its JIT layer (tvm-ffi) compiles on
+hisparse is judged against the best existing kernel measured side by side with it, in one
+run. SGLang ships that kernel as CUDA source that its JIT layer (tvm-ffi) compiles on
 first use. This module takes the kernel's device code from the user's copy of that source (a
 pip-installed `sglang` or a path to its `hisparse.cuh`; nothing of it is kept in this
 repository), compiles it with nvcc behind a small C launcher of our own, and drives it through
@@ -188,8 +188,8 @@ def load_library(path: Path) -> ctypes.CDLL:
 
 @dataclass
 class PeerTables:
-    """SGLang's per-request tables for one layer of hisparse's `CacheTables` (its section 1.4
-    in ../shared/research/sglang-hisparse.md): the same tokens in the same slots, the same LRU
+    """SGLang's per-request tables for one layer of hisparse's `CacheTables` (the ones its
+    coordinator keeps per request and layer): the same tokens in the same slots, the same LRU
     order, the same device rows."""
 
     buffer_tokens: torch.Tensor  # [R, H+1] int32: token position in each slot (H: newest)
@@ -203,7 +203,7 @@ def peer_tables(tables: CacheTables, host_rows: np.ndarray, layer: int = 0) -> P
 
     A slot's token is its key's position where the residency map is keyed by position, else
     found by inverting `host_rows` at the slot's host row, so this holds for any layout; the
-    newest slot holds position seq_len - 1 (DESIGN.md 3)."""
+    newest slot holds position seq_len - 1 (docs/ARCHITECTURE.md)."""
     device = tables.last_use.device
     requests, seq_len = host_rows.shape
     slot_keys = tables.slot_key[layer].cpu().numpy().astype(np.int64)  # [R, H], -1 empty

@@ -1,4 +1,4 @@
-"""SW-1, the swap-in kernel workload of DESIGN.md section 8, on one CUDA GPU.
+"""SW-1, the swap-in kernel workload (benchmarks/README.md defines it), on one CUDA GPU.
 
 One layer, 656 B rows, top_k 2048, hot buffer 4096 (+1 newest), every request at seq_len 32768
 fully in the host pool; the tables, layouts and top-k trace are hisparse.tools.benchmarking's (the
@@ -38,14 +38,14 @@ from hisparse.errors import InvalidInputError
 from hisparse.layout.tables import CacheTables, MissPlan
 from hisparse.tools import benchmarking
 
-SIZES = benchmarking.SW1Sizes()  # DESIGN.md 8; extent_tokens: HiSparseConfig's default
+SIZES = benchmarking.SW1Sizes()  # SW-1's sizes; extent_tokens: HiSparseConfig's default
 
 # Variant rounds for --ab ROUND (swap_in_triton.Tuning overrides on top of the shipped
 # defaults, and "residency_map": what the tables' residency map is keyed by, default
 # --residency-map; "chosen" is the defaults, run first and last as a noise control). The rounds of
 # the ordered-list LRU (planning ... fine-extent-copy, benchmarks/NOTES.md passes 2-11) needed
 # its plan kernels, which the stamp LRU replaced; they are in git history before commit
-# "LRU kept as per-slot stamps", their results in benchmarks/results/sw1-cuda-ab-*.json.
+# "LRU kept as per-slot stamps", and so are their results (benchmarks/results/sw1-cuda-ab-*.json).
 AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
     # The victim selection (NOTES.md, thirteenth pass): rounds of oldest stamp values before
     # the bit search, and the width of its programs.
@@ -398,7 +398,7 @@ def run_ab(pool: Pool, batches: list[int], churns: list[float], args, rng: np.ra
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="SW-1 swap-in benchmark (DESIGN.md 8)")
+    parser = argparse.ArgumentParser(description="SW-1 swap-in benchmark (benchmarks/README.md)")
     parser.add_argument("--quick", action="store_true", help="a few cells, few steps (smoke)")
     parser.add_argument("--extent-sweep", action="store_true",
                         help="only the extent-size sweep at B=128, churn 1.0")
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flush", choices=benchmarking.FLUSH_MODES, default="write",
                         help="how the caches are evicted before each step: written over (every "
                         "line dirty, SW-1's default), read over (clean lines) or not at all "
-                        "(DESIGN.md's SW-1 taken literally: tables warm at churn 0)")
+                        "(SW-1's tables then stay warm at churn 0)")
     parser.add_argument("--vs-sglang", nargs="?", const="", metavar="HISPARSE_CUH",
                         help="time SGLang's fused swap-in kernel side by side with hisparse's "
                         "on every cell (benchmarks/sglang_peer.py): from the installed sglang "

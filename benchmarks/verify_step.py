@@ -1,4 +1,4 @@
-"""SW-2, speculative verify steps (DESIGN.md section 8), through the engine.
+"""SW-2, speculative verify steps (benchmarks/README.md defines it), through the engine.
 
 Per cell (S, overlap, churn, B): each request's first query row follows the previous step's
 with churn c (c x K positions replaced by positions outside the hot buffer), and each next
@@ -278,7 +278,7 @@ def sglang_peer(args: argparse.Namespace, record: dict[str, Any]) -> Any:
         def pad(union: np.ndarray) -> torch.Tensor:
             # SGLang's kernel takes exactly U distinct positions: it counts U - hits misses
             # and copies that many (a -1 or a repeat runs it past its misses, reading garbage
-            # host locations: the fault in results/h200-verification-13.txt). Each union row's
+            # host locations: an H200 run faulted that way). Each union row's
             # padding is filled with positions its own hot buffer holds and the row lacks,
             # which it serves as hits: lookups, no copies, the same misses as the union's.
             held = kernel.peer.buffer_tokens[:, : cache.hot_slots].cpu().numpy()

@@ -32,7 +32,7 @@ def lru_model_counts(
 ) -> list[tuple[int, int]]:
     """Hits and misses per step over all layers, from an exact LRU over token positions.
 
-    Independent of the engine: it knows only DESIGN.md section 3 and docs/ARCHITECTURE.md
+    Independent of the engine: it knows only docs/ARCHITECTURE.md
     (seeding, the newest token's own slot, the misses take the least recently used non-hit
     slots, slots used in the same step ordered by slot id). It keeps, per (request, group),
     the tokens in LRU order, each with its slot.

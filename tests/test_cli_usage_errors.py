@@ -118,7 +118,7 @@ def test_targets_are_judged_at_sw1_sizes_on_an_accelerator() -> None:
     {"hot_slots": 8192},  # --hot-slots
 ])
 def test_targets_are_not_judged_for_another_workload(change: dict[str, int]) -> None:
-    # DESIGN.md's targets (and SGLang's times they quote) are for SW-1's sizes; a smaller
+    # The H200 targets (and SGLang's times they quote) are for SW-1's sizes; a smaller
     # top-k or context moves fewer or more local bytes and used to be marked "met".
     sizes = benchmarking.SW1Sizes(**change)
     for cell in TARGET_CELLS:

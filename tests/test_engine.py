@@ -177,7 +177,7 @@ def test_statistics_count_bytes_exactly() -> None:
 def test_decoding_grows_a_request_by_one_adjacent_extent_exactly_when_full() -> None:
     """A request takes its next extent on the step whose token finds its last one full, and
     the one right after it while that is free, even with a lower run free: a context kept in
-    one run is what the copy's read rate depends on (DESIGN.md 7)."""
+    one run is what the copy's read rate depends on (core/host_pool.py)."""
     cache = build_cache("cpu", hot=8, top_k=4, extent=4, group=2, validate=False,
                         pool_extents=32)
     for request_id, length in (("x", 4), ("a", 20)):  # x: extent 0; a: extents 1..5

@@ -1,5 +1,6 @@
-"""The feature matrix: every backend's table matches DESIGN.md section 4, every cell that is not
-"supported" raises at its entry points or warns at init, generated from the tables themselves.
+"""The feature matrix: every backend's table matches the design's feature table, every cell
+that is not "supported" raises at its entry points or warns at init, generated from the tables
+themselves.
 
 Backends are constructed directly: a feature table is data and needs no device.
 """
@@ -31,7 +32,7 @@ from hisparse.config import FEATURE_FLAGS, HiSparseConfig, resolve_features
 from hisparse.errors import FeatureDisabledWarning, UnsupportedFeatureError
 
 S, D, U = Status.SUPPORTED, Status.DISABLED, Status.UNSUPPORTED
-# DESIGN.md section 4, transcribed by hand: the independent reference for the tables.
+# The design's feature table, transcribed by hand: the independent reference for the tables.
 DESIGN_MATRIX = {
     Feature.REGISTER_HOST_MEMORY: {"cuda": S, "rocm": S, "xpu": U, "cpu": U},
     Feature.ZERO_COPY_SWAP_IN: {"cuda": S, "rocm": S, "xpu": S, "cpu": U},
@@ -40,9 +41,9 @@ DESIGN_MATRIX = {
     Feature.ASYNC_BACKUP: {"cuda": S, "rocm": S, "xpu": S, "cpu": U},
     Feature.SHARED_INDEX_PREFETCH: {"cuda": S, "rocm": S, "xpu": D, "cpu": S},
     Feature.SKIP_IO_PROBE: {"cuda": S, "rocm": S, "xpu": U, "cpu": S},
-    # Not in DESIGN.md's table: an internal launch option the backends state (issue 21).
+    # Not in the design's table: an internal launch option the backends state (issue 21).
     Feature.PROGRAMMATIC_DEPENDENT_LAUNCH: {"cuda": S, "rocm": U, "xpu": U, "cpu": U},
-    # Not in DESIGN.md's table either: one host pool per node for the TP ranks (issue 23).
+    # Not in the design's table either: one host pool per node for the TP ranks (issue 23).
     Feature.SHARED_HOST_POOL: {"cuda": S, "rocm": S, "xpu": U, "cpu": S},
 }
 BUILTINS: dict[str, type[Backend]] = {

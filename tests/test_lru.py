@@ -1,7 +1,8 @@
 """The swap-in kernel bound by each backend against the oracle, on hand-built tables.
 
-Covers the LRU rule itself (DESIGN.md 3.2) without the engine: the worked example SGLang's
-kernel test uses, then random states, batches with padding and the recorded miss plan.
+Covers the LRU rule itself (docs/ARCHITECTURE.md, swap_in semantics) without the engine: the
+worked example SGLang's kernel test uses, then random states, batches with padding and the
+recorded miss plan.
 """
 
 from __future__ import annotations

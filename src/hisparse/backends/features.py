@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 
 class Feature(str, enum.Enum):
-    """The rows of DESIGN.md section 4 (host pool allocation is part of every backend)."""
+    """The rows of the feature table (host pool allocation is part of every backend)."""
 
     REGISTER_HOST_MEMORY = "register_host_memory"
     ZERO_COPY_SWAP_IN = "zero_copy_swap_in"

@@ -22,7 +22,7 @@ from hisparse.errors import BackendUnavailableError, HostAllocationError
 
 HIP_LIBRARY_NAMES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")
 
-# DESIGN.md section 4: the same matrix as CUDA, but AMD has no programmatic dependent launch.
+# The same feature table as CUDA, but AMD has no programmatic dependent launch.
 ROCM_FEATURES = FeatureTable({
     **CUDA_FEATURES,
     Feature.PROGRAMMATIC_DEPENDENT_LAUNCH: unsupported(

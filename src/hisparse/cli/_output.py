@@ -52,7 +52,7 @@ def format_bytes(num_bytes: float | None) -> str:
 
 
 def format_rate(bytes_per_s: float | None) -> str:
-    """Bandwidth in decimal GB/s, the unit link speeds and DESIGN.md use."""
+    """Bandwidth in decimal GB/s, the unit link speeds use."""
     if bytes_per_s is None or not math.isfinite(bytes_per_s):
         return "-"
     if bytes_per_s < 1e9:

@@ -16,7 +16,7 @@ from hisparse.tools.planning import (
     PlanSettings,
 )
 
-# The measured bulk pinned host-to-device rate of an H200 (DESIGN.md section 8: 52-55 GB/s).
+# The measured bulk pinned host-to-device rate of an H200 (52-55 GB/s measured).
 H200_BULK_H2D_GBPS = 52.0
 DEFAULT_CONTEXTS = (8192, 32768, 65536, 131072)
 # Options that override a config key, so a rejected value is reported under its option.

@@ -1,4 +1,4 @@
-"""Reusable core of the benchmarks: SW-1 (DESIGN.md section 8) and the copy-limit probes.
+"""Reusable core of the benchmarks: SW-1 (the swap-in workload) and the copy-limit probes.
 
 This module is the one definition of the SW-1 workload, which `hisparse bench` and
 `benchmarks/swap_in.py` both run (`sw1_cell`: graph replays where the backend captures
@@ -50,7 +50,8 @@ SWEEP_LAYOUT = "shuffled-extents"
 
 @dataclass(frozen=True)
 class SW1Sizes:
-    """SW-1 as DESIGN.md section 8 defines it; `quick()` shrinks it for a CPU."""
+    """SW-1: one layer, 656 B rows, top-k 2048, hot buffer 4096+1, every request at 32768 tokens
+    in the host pool, batch x churn x host layout; `quick()` shrinks it for a CPU."""
 
     seq_len: int = 32768
     top_k: int = 2048
@@ -369,7 +370,7 @@ class CacheFlusher:
     256 MiB); nothing to do on a CPU, whose timings are host wall time anyway. "write" (SW-1's
     default) leaves every cached line dirty, so the step's own misses first write back what
     they evict: the worst case. "read" leaves clean lines, as streaming weights and keys do.
-    "none" leaves the caches as the previous step left them: DESIGN.md's SW-1 taken literally
+    "none" leaves the caches as the previous step left them: SW-1 with tables warm at churn 0
     (at churn 0 the same top-k every step, so the step's tables stay in L2)."""
 
     def __init__(self, device: torch.device, mode: str = "write") -> None:

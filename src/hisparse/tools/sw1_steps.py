@@ -116,7 +116,7 @@ class CellSteps:
 def wrong_rows(tables: CacheTables, pool_rows: torch.Tensor, host_rows: torch.Tensor,
                top_k: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Scalar tensor on `pool_rows`' device: top-k entries whose returned device row differs
-    from their token's host row, or that returned none (DESIGN.md 3.1).
+    from their token's host row, or that returned none (docs/ARCHITECTURE.md, swap_in semantics).
 
     `pool_rows` is the host pool or a copy of it on the device (which keeps a per-step check
     on the device); `host_rows` [B, seq_len] and `top_k` are moved to its device."""

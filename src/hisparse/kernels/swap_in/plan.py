@@ -22,7 +22,7 @@ CopyVariant = Literal["prefetched", "planned", "none"]
 @dataclass(frozen=True)
 class Tuning:
     """Launch parameters, as measured on an H200 with SW-1 (benchmarks/NOTES.md; the A/B
-    rounds that chose them are benchmarks/results/sw1-cuda-ab-*.json)."""
+    rounds that chose them are benchmarks/results/swap-in-ab-*.json and git history)."""
 
     # Request slot, top-k row and page table loaded without waiting for num_real and seq_len:
     # two dependent global round trips less per program (-0.5 us at B=1).

@@ -20,6 +20,7 @@ import torch
 
 from hisparse.backends.base import BackupFn
 from hisparse.backends.cpu import CpuBackend
+from hisparse.kernels.swap_in.plan import LauncherCapabilities
 
 
 class _NoopSwapIn:
@@ -27,10 +28,9 @@ class _NoopSwapIn:
     it takes a layer's new rows into its own call (and backs them up there, if given their
     host rows)."""
 
-    writes_newest = True
-
     def __init__(self, backs_up_newest: bool) -> None:
-        self.backs_up_newest = backs_up_newest
+        self.capabilities = LauncherCapabilities(writes_newest=True,
+                                                 backs_up_newest=backs_up_newest)
 
     def swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor,
                 newest_kv: torch.Tensor | None = None) -> None:

@@ -19,6 +19,7 @@ from hisparse.backends.base import Backend
 from hisparse.core.host_pool import HostReservation
 from hisparse.core.operations import bookkeeping as _bookkeeping
 from hisparse.core.operations import operation as _operation
+from hisparse.core.plan import StepPlan, StepPlanner
 from hisparse.core.prefixes import PrefixRegistry
 from hisparse.core.requests import (
     PromptCoverage,
@@ -32,7 +33,7 @@ from hisparse.core.shared_pool import SharedPoolSpec, SharedPoolSync, build_host
 from hisparse.core.sharing import Prefix, PrefixSharing
 from hisparse.core.slot_tables import build_tables, clear_slot, seed_slot
 from hisparse.core.stats import CacheStats, TrafficCounters, occupancy_of, request_stats
-from hisparse.core.step import DecodeContext, DecodeStep
+from hisparse.core.step import DecodeContext, DecodeStep, wait_at_begin
 from hisparse.core.validation import (
     as_batch_ids,
     check_current_device,
@@ -102,8 +103,8 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self.batch_capacity = config.max_batch or config.max_requests
         self.extent_tokens = E = config.extent_tokens
         self.max_seq_len = config.max_seq_len
-        self.index_group_size = config.index_group_size
-        self.num_groups = -(-L // config.index_group_size)
+        self.index_group_size = config.index_group_size  # None: groups of several sizes
+        self.num_groups = config.index_schedule.num_groups
         # Row R*S of every layer is the sink padded batch rows' newest-token writes go to.
         self._padding_row = config.max_requests * (H + D)
 
@@ -134,6 +135,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self._order = self._decode.order
         self._decode.shared = self._order.host_rows.shared = self._shared
         self._verify = VerifyContext.build(self.config, self.backend, self._decode)
+        self._planner = StepPlanner(self._shared, self._decode, self._verify)
         # What attention reads, made once: device_kv(layer) is called every layer of a step.
         self._attention_kv = [self.tables.device_kv[layer, : self._padding_row]
                               for layer in range(self.num_layers)]
@@ -257,20 +259,18 @@ class HiSparseCache(PrefixSharing, RequestQueries):
     # --- decode: the open step's verbs, through the cache --------------------------------
     def begin_decode_step(self, request_ids: Sequence[Hashable], num_tokens: int = 1, *,
                           dedupe: bool = False) -> DecodeStep:
-        """Append `num_tokens` tokens to each request and set the batch buffers the step's
-        kernels read.
+        """Append `num_tokens` tokens to each request and open the step that decodes them.
 
-        `num_tokens=S` in 2..max_draft_tokens opens a verify step (`core.verify.VerifyStep`:
-        kv `[B, S, W]`, top-k `[B, S, K]` swapped in as one union, `end(accepted=...)`);
-        `dedupe=True` with S = 1 takes that path so a position repeated in a row is loaded
-        once. Returns the open step: `step.write_newest`, `step.swap_in`, `step.end()` and
-        `step.cancel()` are the calls below, made on the step itself.
+        `num_tokens=S` in 2..max_draft_tokens opens a verify step (kv `[B, S, W]`, top-k
+        `[B, S, K]` swapped in as one union per request, `end(accepted=...)`); `dedupe=True`
+        with S = 1 takes the union path so that a position repeated in a row is loaded once.
+        `step_plan(B, S, dedupe)` shows the path. Returns the open step (`write_newest`,
+        `swap_in`, `end`, `cancel`; the cache's own verbs below delegate to it).
 
         Raises:
             RequestStateError: a step is open, or a request is not running.
             InvalidInputError: empty, duplicated or over-capacity batch, max_seq_len reached,
-                or num_tokens outside 1..max_draft_tokens; or the calling thread's current
-                device is not the cache's.
+                num_tokens outside 1..max_draft_tokens, or another current device.
             PoolExhaustedError: a request needs a new extent and the pool has too few free.
         """
         check_current_device(self.backend.current_device(), self.device)  # once a step
@@ -289,12 +289,20 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         ids = as_batch_ids(request_ids)
         records = _batch_records(self._requests, ids, self.batch_capacity, self.config.validate)
         self._unshare_writers(records, num_tokens)
-        if num_tokens > 1 or dedupe:
-            self._last_step = VerifyStep.begin_verify(self._decode, self._verify, tuple(ids),
-                                                      records, num_tokens)
-        else:
-            self._last_step = DecodeStep.begin(self._decode, tuple(ids), records)
+        plan = self._planner.plan(len(ids), num_tokens, dedupe)
+        wait_at_begin(plan, self._shared)
+        self._last_step = (
+            VerifyStep.begin_verify(self._decode, self._verify, plan, tuple(ids), records)
+            if plan.union else DecodeStep.begin(self._decode, plan, tuple(ids), records))
         return self._last_step
+
+    def step_plan(self, batch_size: int, num_tokens: int = 1, dedupe: bool = False
+                  ) -> StepPlan:
+        """The path a decode step of `batch_size` requests and `num_tokens` tokens each takes
+        on this cache: a frozen `core.plan.StepPlan`; `print()` it to read every choice."""
+        self._check_open()
+        check_num_tokens(num_tokens, dedupe, self.max_draft_tokens)
+        return self._planner.checked_plan(batch_size, num_tokens, dedupe)
 
     def write_newest(self, layer: int, kv: torch.Tensor) -> None:
         """The open step's `write_newest`: the new token's row of `layer` for every request,
@@ -319,15 +327,8 @@ class HiSparseCache(PrefixSharing, RequestQueries):
 
     @_bookkeeping
     def cancel_decode_step(self) -> None:
-        """Undo the open step's token append, for a forward pass that failed part way.
-
-        Every request of the step is back at its length before `begin_decode_step`, with its
-        KV as it was: the new token's host extent (if it took one) and short-regime slot are
-        released, and the newest slot gets its previous token back from the host. Rows the
-        step's `swap_in` calls brought into hot buffers stay, as do the counters: those are
-        valid copies of older tokens. Nothing is backed up. The batch may then be decoded
-        again, or its requests preempted, finished or aborted.
-        """
+        """Undo the open step's token append, for a forward pass that failed part way
+        (`DecodeStep.cancel`): every request is back at its length and KV before the step."""
         self._open_step("cancel_decode_step").cancel()
 
     def device_kv(self, layer: int) -> torch.Tensor:
@@ -497,7 +498,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
 
 
 # What close() releases: every attribute holding device tensors, streams or events.
-_DEVICE_STATE = ("tables", "_decode", "_order", "_attention_kv")
+_DEVICE_STATE = ("tables", "_decode", "_order", "_attention_kv", "_planner")
 
 
 def _batch_records(requests: RequestTable, ids: list[Hashable], capacity: int,

@@ -17,6 +17,7 @@ import torch
 
 from hisparse.backends.base import Backend, BackupFn
 from hisparse.errors import HisparseError, RequestStateError
+from hisparse.kernels.swap_in.plan import LauncherCapabilities
 from hisparse.layout.tables import CacheTables, DraftUnion, MissPlan, word_rows
 
 
@@ -53,11 +54,11 @@ class DecodeKernels:
             tables, req_slots, num_real, out, plans=plans, skip_io=skip_io,
             newest_rows=newest_rows[0] if folds else None,
             newest_host_rows=newest_host_rows if folds else None, union=union)
-        self.fuses_union = getattr(self.launcher, "union", None) is not None
-        # Whether a swap-in can take the layer's new rows into its own launch (Triton's), and
-        # write them to their host rows there too.
-        self._swap_in_writes_newest = bool(getattr(self.launcher, "writes_newest", False))
-        self._swap_in_backs_up_newest = bool(getattr(self.launcher, "backs_up_newest", False))
+        # What the launcher can do beyond the swap-in (the step plan reads this record).
+        self.capabilities: LauncherCapabilities = self.launcher.capabilities
+        self.fuses_union = self.capabilities.fuses_union
+        self._swap_in_writes_newest = self.capabilities.writes_newest
+        self._swap_in_backs_up_newest = self.capabilities.backs_up_newest
         # The GPU backends bind the fused kernel; `Backend` gives every other the reference.
         self.backup: BackupFn = backend.backup_kernel()
         # `write_newest(layer, rows)`: the new tokens' rows into the batch's newest device rows
@@ -93,6 +94,11 @@ class DecodeKernels:
             self._failed(f"swap_in({layer})", exc)
             raise
         return False
+
+    @property
+    def can_advance(self) -> bool:
+        """Whether a quiet step's batch can move on by `launch_advance`."""
+        return self._advance is not None
 
     def launch_advance(self, rows: int) -> None:
         """Move the first `rows` batch rows and their lengths on by one token, on the device."""

@@ -22,8 +22,9 @@ from hisparse.backends.base import Backend
 from hisparse.core.batch import BatchBuffers, BatchPlan, QuietRun
 from hisparse.core.host_pool import HostPool
 from hisparse.core.kernels import DecodeKernels
-from hisparse.core.ordering import DecodeOrdering, SideStreamReplay
-from hisparse.core.replay import GroupReplay
+from hisparse.core.ordering import DecodeOrdering
+from hisparse.core.plan import StepPlan
+from hisparse.core.replay import GroupReplay, group_replays, miss_plans
 from hisparse.core.requests import RequestRecord
 from hisparse.core.stats import TrafficCounters
 from hisparse.core.validation import (
@@ -35,7 +36,7 @@ from hisparse.core.validation import (
     is_plain_tensor,
 )
 from hisparse.errors import InvalidInputError, RequestStateError
-from hisparse.layout.tables import CacheTables, MissPlan
+from hisparse.layout.tables import CacheTables
 
 if TYPE_CHECKING:
     from hisparse.config import HiSparseConfig
@@ -69,37 +70,31 @@ class DecodeContext:
               tables: CacheTables, pool: HostPool, traffic: TrafficCounters,
               lock: threading.RLock, slots: Any = None) -> DecodeContext:
         """The buffers, kernels, streams, barriers and group replays for `tables`."""
-        L, size = config.num_layers, config.index_group_size
+        L, schedule = config.num_layers, config.index_schedule
         capacity = config.max_batch or config.max_requests
-        num_groups = -(-L // size)
+        num_groups = schedule.num_groups
         padding_row = int(tables.device_kv.shape[1]) - 1
         buffers = BatchBuffers(capacity, config.top_k, num_groups, padding_row,
                                tables.resident.dtype, device, backend)
-        plans = [MissPlan.empty(capacity, config.top_k, device) if size > 1 else None
-                 for _ in range(num_groups)]
+        plans = miss_plans(schedule, capacity, config.top_k, device)
         kernels = DecodeKernels(backend, config.skip_io, config.zero_copy_swap_in, tables,
                                 buffers.req_slots, buffers.num_real, buffers.out, plans,
                                 (buffers.newest_rows, buffers.newest_rows_long),
                                 (buffers.field("batch_slots"), buffers.num_real,
                                  buffers.newest_host_rows, buffers.field("new_seq_lens")),
-                                # Private pools only: on a shared pool the readers read
-                                # wrong rows now and then (benchmarks/NOTES.md, 23rd pass).
+                                # Where this rank writes host rows (a reader does not); a
+                                # shared writer's plan waits for readers at the begin.
                                 newest_host_rows=(buffers.newest_host_rows
-                                                  if pool.segment is None else None))
+                                                  if pool.writes_rows else None))
         backup_stream = backend.backup_stream() if config.async_backup else None
-        prefetch = config.shared_index_prefetch and size > 1
+        prefetch = config.shared_index_prefetch and schedule.shares
         prefetch_stream = backend.prefetch_stream() if prefetch else None
         order = DecodeOrdering(backend, device, backup_stream)
-        replays: list[GroupReplay | None] = [None] * num_groups
-        for group in range(num_groups if size > 1 else 0):
-            followers = range(group * size + 1, min(group * size + size, L))
-            side = (SideStreamReplay(backend, device, prefetch_stream, followers)
-                    if prefetch_stream is not None else None)
-            replays[group] = GroupReplay(group, group * size, followers, plans[group],
-                                         tables, kernels, side)
+        replays = group_replays(schedule, plans, tables, kernels, backend, device,
+                                prefetch_stream)
         return cls(tables=tables, pool=pool, traffic=traffic, buffers=buffers,
                    kernels=kernels, order=order, replays=replays,
-                   layer_group=[layer // size for layer in range(L)],
+                   layer_group=list(schedule.layer_groups),
                    layer_kv=[tables.device_kv[layer] for layer in range(L)], lock=lock,
                    device=device, batch_capacity=capacity, max_seq_len=config.max_seq_len,
                    validate=config.validate, prefetch_stream=prefetch_stream, slots=slots)
@@ -129,9 +124,10 @@ class DecodeStep:
     Once ended or cancelled every verb raises `RequestStateError`.
     """
 
-    def __init__(self, context: DecodeContext, request_ids: tuple[Hashable, ...],
-                 positions: tuple[Any, ...] | np.ndarray, records: list[RequestRecord],
-                 grew: list[RequestRecord]) -> None:
+    def __init__(self, context: DecodeContext, plan: StepPlan,
+                 request_ids: tuple[Hashable, ...], positions: tuple[Any, ...] | np.ndarray,
+                 records: list[RequestRecord], grew: list[RequestRecord]) -> None:
+        self.plan = plan  # every choice of this step's path (core/plan.py)
         self.request_ids = request_ids
         # A quiet step's come as the array it moved on; a tuple is made only if read (an
         # eager step at B = 128 would pay a few us for it, and most callers never read it).
@@ -172,7 +168,7 @@ class DecodeStep:
 
     # --- opening --------------------------------------------------------------------------
     @classmethod
-    def begin(cls, context: DecodeContext, request_ids: tuple[Hashable, ...],
+    def begin(cls, context: DecodeContext, plan: StepPlan, request_ids: tuple[Hashable, ...],
               records: list[RequestRecord]) -> DecodeStep:
         """Append one token to each record and upload the step's batch and table updates.
 
@@ -180,48 +176,46 @@ class DecodeStep:
         upload (a device out of memory) leaves nothing changed and the step retryable.
         """
         c = context
-        if c.shared is not None:
-            c.shared.before_read()  # swap-in reads the writer's rows of every earlier step
         if c.validate:
             c.slots.check(records)
-        run = c.quiet
+        run = c.quiet if plan.quiet_advance else None
         if run is not None and run.holds_for(records, c.buffers.block):
-            return cls._move_on(c, run, request_ids, records)
+            return cls._move_on(c, plan, run, request_ids, records)
         c.quiet = None
-        plan = BatchPlan(records, c.slots, c.tables, c.max_seq_len)
-        if plan.full:
+        batch = BatchPlan(records, c.slots, c.tables, c.max_seq_len)
+        if batch.full:
             raise InvalidInputError(
-                f"requests {plan.full!r} already hold max_seq_len={c.max_seq_len} tokens; "
+                f"requests {batch.full!r} already hold max_seq_len={c.max_seq_len} tokens; "
                 "finish them or raise max_seq_len"
             )
-        c.pool.check_free(len(plan.grow))
+        c.pool.check_free(len(batch.grow))
         new_extents: list[int] = []  # the extent each grown record's new token starts
         try:
-            for record, _ in plan.grow:
+            for record, _ in batch.grow:
                 new_extents += c.pool.allocate(1, after=record.extents[-1])
-            plan.place_new_extents(new_extents)
-            updates = plan.updates()
+            batch.place_new_extents(new_extents)
+            updates = batch.updates()
             # The previous step's backup (maybe still running on its side stream) reads the
             # batch buffers, and seeding may have run on another thread's stream.
             c.order.backup.wait()
             c.order.tables_changed.wait()
-            c.buffers.upload(plan.columns(), updates)
+            c.buffers.upload(batch.columns(), updates)
         except BaseException:
             if new_extents:
                 c.pool.release(new_extents)
             raise
-        grew = [record for record, _ in plan.grow]
+        grew = [record for record, _ in batch.grow]
         for record, extent in zip(grew, new_extents, strict=True):
             record.extents.append(extent)
             c.slots.sync_pages(record)
-        c.slots.lengths[plan.slots] += 1  # every record's num_tokens (they read this array)
+        c.slots.lengths[batch.slots] += 1  # every record's num_tokens (they read this array)
         _install_table_updates(c, len(records), updates)
-        c.quiet = QuietRun.after(plan, records, c.buffers.block)
-        return cls(c, request_ids, plan.positions, records, grew)
+        c.quiet = QuietRun.after(batch, records, c.buffers.block)
+        return cls(c, plan, request_ids, batch.positions, records, grew)
 
     @classmethod
-    def _move_on(cls, c: DecodeContext, run: QuietRun, request_ids: tuple[Hashable, ...],
-                 records: list[RequestRecord]) -> DecodeStep:
+    def _move_on(cls, c: DecodeContext, plan: StepPlan, run: QuietRun,
+                 request_ids: tuple[Hashable, ...], records: list[RequestRecord]) -> DecodeStep:
         """`begin` of a quiet step: the last step's batch buffers moved on on the device."""
         expected = BatchPlan(records, c.slots, c.tables, c.max_seq_len) if c.validate else None
         c.order.backup.wait()  # the last backup reads the host rows this moves on
@@ -231,7 +225,7 @@ class DecodeStep:
         c.slots.lengths[run.slots] += 1
         if expected is not None:
             _check_moved_on(c, expected, len(records))
-        return cls(c, request_ids, positions, records, [])
+        return cls(c, plan, request_ids, positions, records, [])
 
     # --- per layer ------------------------------------------------------------------------
     def write_newest(self, layer: int, kv: torch.Tensor) -> None:
@@ -265,8 +259,8 @@ class DecodeStep:
             layer: the KV layer attention is about to read.
             top_k: `[B, K]` int32 positions on the cache's device, -1 = none; B between the
                 step's request count and `max_batch` (rows past the real count are padding).
-                A follower of an index group may leave it out, or must pass its anchor's
-                very tensor.
+                A follower of an index group may leave it out, or pass its anchor's top-k
+                (that tensor, free; or equal contents, compared at one host sync).
             newest_kv: the layer's new token rows, as `write_newest(layer, newest_kv)` takes
                 them, written in this call instead (on the GPUs inside the swap-in's first
                 launch: one launch fewer per layer).
@@ -319,10 +313,10 @@ class DecodeStep:
                 check: Callable[[DecodeContext, object], object] | None = None
                 ) -> torch.Tensor:
         """A follower's rows: its anchor's, once its layer holds the anchor's copies. Handed a
-        top-k, it must be the anchor's own tensor: a check of its address, free on the hot
-        path; `validate` compares contents too. `check` is the step's own top-k check (the
-        single-token one by default), run on a tensor that is not the anchor's so that a
-        malformed one gets the precise message."""
+        top-k, it must hold the anchor's: its own tensor (an address check, free on the hot
+        path; `validate` compares contents too) or equal contents (`GroupReplay`). `check` is
+        the step's own top-k check (the single-token one by default), run on a tensor that is
+        not the anchor's so that a malformed one gets the precise message."""
         if replay.step is not self:
             raise replay.not_anchored(layer)
         if top_k is not None:
@@ -360,7 +354,7 @@ class DecodeStep:
             shared = self._enter_shared(c, "end")
             self._mark_end(c)
             backup_stream = None  # where this step's host-row writes run (None: compute)
-            if c.pool.writes_rows:  # (a shared pool's reader leaves them to the writer)
+            if self.plan.writes_host_rows:  # (a shared pool's reader leaves them to the writer)
                 if len(self._backed_up) == c.num_layers:
                     c.order.backup.covered()  # every layer's lookup wrote its host row
                 else:
@@ -422,7 +416,7 @@ class DecodeStep:
                      wrote: bool, stream: Any | None = None) -> None:
         if shared is None:
             return
-        if wrote and c.pool.writes_rows:
+        if wrote and self.plan.writes_host_rows:
             shared.wrote(stream)  # published once the host-row writes on `stream` landed
         # The batch's ids were hashed at its begin: its size is enough here.
         shared.end_op(action, self.batch_size)
@@ -524,6 +518,16 @@ class DecodeStep:
             f"cannot {action}: this decode step was {self._state.value} already; begin the "
             "next one with begin_decode_step(request_ids)"
         )
+
+
+def wait_at_begin(plan: StepPlan, shared: Any | None) -> None:
+    """A shared pool's waits before any step's begin: a reader's for the writer's rows of
+    every earlier operation (every path reads them), and, where the writer's lookups back
+    new rows up (before its end would wait), the writer's for readers of recycled rows."""
+    if plan.wait_for_writer:
+        shared.before_read()
+    if plan.wait_for_readers_at_begin:
+        shared.before_write()
 
 
 def _install_table_updates(c: DecodeContext, batch: int, updates: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from hisparse.backends.base import Backend
 from hisparse.core.batch import DeviceBlock
+from hisparse.core.plan import StepPlan
 from hisparse.core.requests import RequestRecord
 from hisparse.core.step import DecodeContext, DecodeStep, StepState, host_row_of, slot_of
 from hisparse.core.union import UnionWidth, build_width
@@ -37,6 +38,7 @@ from hisparse.core.validation import (
 )
 from hisparse.errors import InvalidInputError
 from hisparse.kernels.union_reference import presence_table
+from hisparse.layout.index_schedule import IndexSchedule
 
 
 @dataclass(eq=False)
@@ -47,7 +49,7 @@ class VerifyContext:
     backend: Backend
     max_draft_tokens: int  # D
     top_k: int
-    group_size: int
+    schedule: IndexSchedule
     skip_io: bool
     zero_copy: bool
     begin_block: DeviceBlock
@@ -78,7 +80,7 @@ class VerifyContext:
             ("short_hot_resident", c.tables.resident.dtype, cap * D, 0),
         ], c.device, backend)
         return cls(backend=backend, max_draft_tokens=D, top_k=config.top_k,
-                   group_size=config.index_group_size, skip_io=config.skip_io,
+                   schedule=config.index_schedule, skip_io=config.skip_io,
                    zero_copy=bool(config.zero_copy_swap_in), begin_block=begin, end_block=end,
                    table_shape=(cap, max(c.max_seq_len + D, c.tables.positions_per_request)))
 
@@ -98,7 +100,7 @@ class VerifyContext:
                 c.buffers.num_real, block.field("first"), block.field("draft_base"),
                 (block.field("draft_rows", c.batch_capacity * tokens),
                  block.field("draft_rows_long", c.batch_capacity * tokens)),
-                self.top_k, c.num_layers, self.group_size, self.skip_io, self.zero_copy,
+                self.top_k, self.schedule, self.skip_io, self.zero_copy,
                 c.prefetch_stream, self.table)
         return width
 
@@ -111,13 +113,14 @@ class VerifyStep(DecodeStep):
     request) when S > 1 and `newest_rows` the `[Bcap, S]` int32 device rows of the S tokens.
     """
 
-    def __init__(self, context: DecodeContext, verify: VerifyContext,
+    def __init__(self, context: DecodeContext, verify: VerifyContext, plan: StepPlan,
                  request_ids: tuple[Hashable, ...], records: list[RequestRecord],
-                 first: list[int], extents_before: list[int], tokens: int) -> None:
+                 first: list[int], extents_before: list[int]) -> None:
+        tokens = plan.num_tokens
         positions: tuple[Any, ...] = (
             tuple(map(tuple, (np.asarray(first)[:, None] + np.arange(tokens)).tolist()))
             if tokens > 1 else tuple(first))
-        super().__init__(context, request_ids, positions, records, [])
+        super().__init__(context, plan, request_ids, positions, records, [])
         self.num_tokens = tokens
         self._verify = verify
         self._width = verify.width(context, tokens)
@@ -130,12 +133,13 @@ class VerifyStep(DecodeStep):
 
     # --- opening --------------------------------------------------------------------------
     @classmethod
-    def begin_verify(cls, c: DecodeContext, v: VerifyContext,
-                     request_ids: tuple[Hashable, ...], records: list[RequestRecord],
-                     tokens: int) -> VerifyStep:
-        """Append `tokens` tokens to each record: extents first, then one upload of the batch
-        and table updates; a failure before the records change leaves nothing taken."""
-        E = c.tables.extent_tokens
+    def begin_verify(cls, c: DecodeContext, v: VerifyContext, plan: StepPlan,
+                     request_ids: tuple[Hashable, ...], records: list[RequestRecord]
+                     ) -> VerifyStep:
+        """Append `plan.num_tokens` tokens to each record: extents first, then one upload of
+        the batch and table updates; a failure before the records change leaves nothing
+        taken."""
+        E, tokens = c.tables.extent_tokens, plan.num_tokens
         # Numpy over the batch's slots, as a single-token step's plan (core.batch.BatchPlan):
         # per-request Python only for the requests that take extents.
         slots = c.slots.slots_of(records)
@@ -175,7 +179,7 @@ class VerifyStep(DecodeStep):
         if pages:
             c.page_entries.index_copy_(0, v.begin_block.field("page_index", pages),
                                        v.begin_block.field("page_extent", pages))
-        return cls(c, v, request_ids, records, first.tolist(), before.tolist(), tokens)
+        return cls(c, v, plan, request_ids, records, first.tolist(), before.tolist())
 
     # --- per layer ------------------------------------------------------------------------
     def write_newest(self, layer: int, kv: torch.Tensor) -> None:
@@ -365,7 +369,7 @@ class VerifyStep(DecodeStep):
         """Back the accepted tokens up from their draft slots, then move the rows that must
         live elsewhere: after the backup, since the newest slot H is draft slot 0."""
         block = self._verify.end_block
-        if c.pool.writes_rows:  # (a shared pool's reader leaves the backup to the writer)
+        if self.plan.writes_host_rows:  # (a reader leaves the backup to the writer)
             c.kernels.launch_backup(c.tables, block.field("backup_rows"),
                                     block.field("backup_host"), block.field("backup_count"))
         if commits:

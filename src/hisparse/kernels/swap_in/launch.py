@@ -40,6 +40,7 @@ from hisparse.kernels.swap_in.lookup import classify_kernel
 from hisparse.kernels.swap_in.plan import (
     CopyPlan,
     DeviceTraits,
+    LauncherCapabilities,
     LaunchPlan,
     Tuning,
     current_tuning,
@@ -403,6 +404,12 @@ class SwapInLauncher:
         """Whether a lookup that writes the new rows also writes them to their host rows
         (`newest_host_rows`), so that the step's backup has nothing left to copy."""
         return self.writes_newest and self._newest_host_rows is not None
+
+    @property
+    def capabilities(self) -> LauncherCapabilities:
+        return LauncherCapabilities(writes_newest=self.writes_newest,
+                                    backs_up_newest=self.backs_up_newest,
+                                    fuses_union=self.union is not None)
 
     def _reset(self) -> None:
         tune = current_tuning()

@@ -160,6 +160,16 @@ class DeviceTraits:
 
 
 @dataclass(frozen=True)
+class LauncherCapabilities:
+    """What a bound swap-in launcher can do beyond the swap-in itself (the step plan reads
+    this record, never the launcher's attributes)."""
+
+    writes_newest: bool = False  # `swap_in(..., newest_kv)` writes the new rows in its lookup
+    backs_up_newest: bool = False  # ... and to their host rows too
+    fuses_union: bool = False  # de-duplicates a verify width's flattened rows itself
+
+
+@dataclass(frozen=True)
 class CopyPlan:
     """The copy of one call's misses (or a replay of a plan): which kernel and its grid."""
 

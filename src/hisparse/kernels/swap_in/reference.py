@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from hisparse.kernels.swap_in.plan import LauncherCapabilities
 from hisparse.layout.tables import CacheTables, MissPlan, NewestRows
 
 
@@ -246,6 +247,9 @@ class ReferenceSwapInLauncher:
         self._swap_in = swap_in or swap_in_reference
         self._copy_planned = copy_planned or copy_planned_reference
         self.plans = list(plans) if plans is not None else [None] * out.shape[0]
+
+    # The torch reference writes no new rows and takes no union: the engine does both.
+    capabilities = LauncherCapabilities()
 
     def swap_in(self, layer: int, group: int, rows: int, top_k: torch.Tensor) -> None:
         recorded = self.plans[group]

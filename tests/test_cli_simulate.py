@@ -87,6 +87,7 @@ def test_hits_and_misses_match_an_independent_lru_model(
 
 def test_json_document_schema_and_summary(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     target = tmp_path / "results" / "sim.json"
+    target.parent.mkdir()  # --output makes no folders (tests/test_cli_inputs.py)
     doc = simulate_json(capsys, "--requests", "2", "--steps", "5", "--warmup", "1",
                         "--context", "400", "--seed", str(random.randrange(2**31)),
                         "--output", str(target))

@@ -102,7 +102,6 @@ def emit_json(document: dict[str, Any], stream: TextIO | None = None) -> None:
 
 def write_json(path: str | Path, document: dict[str, Any]) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dumps(document) + "\n")
     return path
 
@@ -127,23 +126,53 @@ def backend_for_device_argument(parser: argparse.ArgumentParser, device: str | N
 
 
 def check_writable(parser: argparse.ArgumentParser, option: str, path: str | Path) -> None:
-    """A usage error now, before a run of minutes, if `path` cannot be written as a file."""
+    """A usage error now, before a run of minutes, if `path` cannot be written as a file.
+    Missing folders are not created: a typo in a path should not make a tree of them."""
     target = Path(path)
+    parent = target.parent
     problem = None
     if target.is_dir():
         problem = "is a directory; name a file"
-    else:
-        parent = target.parent
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent  # write_json creates the missing folders below it
-        if not parent.is_dir():
-            problem = f"{parent} is not a directory"
-        elif not os.access(parent, os.W_OK | os.X_OK):
-            problem = f"{parent} is not writable"
-        elif target.exists() and not os.access(target, os.W_OK):
-            problem = "is not writable"
+    elif not parent.exists():
+        problem = f"the folder {parent} does not exist; create it first"
+    elif not parent.is_dir():
+        problem = f"{parent} is not a directory"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        problem = f"{parent} is not writable"
+    elif target.exists() and not os.access(target, os.W_OK):
+        problem = "is not writable"
     if problem is not None:
         parser.error(f"argument {option}: cannot write {str(path)!r}: {problem}")
+
+
+def check_plot_path(parser: argparse.ArgumentParser, path: str | Path,
+                    option: str = "--plot") -> None:
+    """`check_writable`, and a usage error if matplotlib has no writer for the file's
+    extension (the extension picks the format)."""
+    check_writable(parser, option, path)
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        return  # import_pyplot says how to install it
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    suffix = Path(path).suffix.lower()
+    if suffix[1:] not in formats:
+        known = ", ".join(f".{name}" for name in sorted(formats))
+        what = f"the extension {suffix!r} is" if suffix else "a name without an extension is"
+        parser.error(f"argument {option}: cannot plot to {str(path)!r}: {what} not a format "
+                     f"matplotlib writes; end the name in one of {known}")
+
+
+def check_utf8(parser: argparse.ArgumentParser, option: str, path: str | Path) -> None:
+    """A usage error if the text file `path` is not UTF-8 (an unreadable one is left to the
+    reader, which names the OS's reason)."""
+    try:
+        Path(path).read_bytes().decode("utf-8")
+    except OSError:
+        return
+    except UnicodeDecodeError as exc:
+        parser.error(f"argument {option}: {path} is not UTF-8 text (byte "
+                     f"{exc.object[exc.start]:#04x} at offset {exc.start}); save it as UTF-8")
 
 
 def import_pyplot(option: str = "--plot") -> ModuleType | str:
@@ -316,6 +345,8 @@ def load_config(
     flags = flags or {}
     overrides = {key: value for key, value in overrides.items() if value is not None}
     config_file = getattr(args, "config", None)
+    if config_file:
+        check_utf8(parser, "--config", config_file)
 
     def load(**values: Any) -> Any:
         if config_file:

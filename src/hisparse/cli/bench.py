@@ -147,9 +147,10 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"argument --gather-rows: {max(pick['gather_rows'])} rows do not fit a "
                      f"{pick['gather_pool_mib']} MiB pool ({pool_rows} rows of "
                      f"{sizes.row_bytes} B); gather fewer rows or raise --gather-pool-mib")
-    for option, path in (("--output", args.output), ("--plot", args.plot)):
-        if path:
-            out.check_writable(parser, option, path)
+    if args.output:
+        out.check_writable(parser, "--output", args.output)
+    if args.plot:
+        out.check_plot_path(parser, args.plot)
     _, kernel_name = benchmarking.swap_in_kernel(backend)
 
     cells_total = 0 if args.only == "copy" else (

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         pyplot = out.import_pyplot()
         if isinstance(pyplot, str):
             return out.fail("plan", pyplot)
-        out.check_writable(parser, "--plot", args.plot)
+        out.check_plot_path(parser, args.plot)
     config = load_config(parser, args)
     if args.sharing_requests is not None and not args.shared_prefix:
         parser.error("argument --sharing-requests: needs --shared-prefix TOKENS, the prefix "

@@ -121,9 +121,10 @@ def run(args: argparse.Namespace) -> int:
         pyplot = out.import_pyplot()
         if isinstance(pyplot, str):
             return out.fail("simulate", pyplot)
-    for option, path in (("--output", args.output), ("--plot", args.plot)):
-        if path:
-            out.check_writable(parser, option, path)
+    if args.output:
+        out.check_writable(parser, "--output", args.output)
+    if args.plot:
+        out.check_plot_path(parser, args.plot)
     backend = out.backend_for_device_argument(parser, args.device)
     defaults = CPU_DEFAULTS if backend.torch_device_type == "cpu" else DEVICE_DEFAULTS
     sizes = {key: getattr(args, key) if getattr(args, key) is not None else value

@@ -120,6 +120,7 @@ def test_plan_json_for_the_deepseek_preset(capsys: pytest.CaptureFixture[str]) -
     assert doc["model"] == {
         "preset": "deepseek-v3.2", "config_file": None, "kv_dtype": "fp8", "num_layers": 61,
         "row_bytes": 656, "indexer_key_bytes": 132, "index_group_size": 1, "num_groups": 61,
+        "index_anchors": list(range(61)),
     }
     assert doc["settings"]["available_bytes"] == 50 * GIB
     first, second = doc["contexts"]

@@ -26,16 +26,17 @@ BENCH_COPY = ["--device", "cpu", "--no-progress", "--only", "copy", "--bulk-mib"
 def test_simulate_glm5_on_a_cpu_keeps_whole_index_groups(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # The CPU default caps the preset's layers at 2; GLM-5 shares one top-k per 4 layers, and
-    # the cap used to make a config with index_group_size > num_layers: a ConfigError
-    # traceback instead of a run.
-    code = main(["simulate", "--preset", "glm-5", "--top-k", "64", "--hot-slots", "128",
-                 "--json", *SIM_SMALL])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    config = json.loads(captured.out)["config"]
-    assert config["index_group_size"] == 4
-    assert config["num_layers"] == 4  # one whole group: the anchor and its three followers
+    # The CPU default caps the preset's layers at 2, but never cuts an index group short: with
+    # one top-k per 4 layers it keeps the anchor and its three followers; GLM-5.2's own
+    # schedule (indexers at 0, 1, 2, 6, ...) ends a group after layer 1.
+    for extra, layers, anchors in ((["--index-group-size", "4"], 4, [0]),
+                                   ([], 2, [0, 1])):
+        code = main(["simulate", "--preset", "glm-5.2", "--top-k", "64", "--hot-slots", "128",
+                     "--json", *extra, *SIM_SMALL])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        config = json.loads(captured.out)["config"]
+        assert (config["num_layers"], config["index_anchors"]) == (layers, anchors)
 
 
 @pytest.mark.parametrize("command", ["simulate", "bench"])

@@ -17,7 +17,7 @@ from hisparse.config import HiSparseConfig, preset_dirs, preset_paths
 from hisparse.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = {"default", "deepseek-v3.2", "glm-5", "tiny"}
+SHIPPED = {"default", "deepseek-v3.2", "glm-5", "glm-5.1", "glm-5.2", "glm-5.3", "tiny"}
 
 
 def test_every_shipped_yaml_loads() -> None:
@@ -42,11 +42,21 @@ def test_model_presets() -> None:
     assert (deepseek.num_layers, deepseek.row_bytes, deepseek.top_k) == (61, 656, 2048)
     assert deepseek.num_index_groups == 61 and deepseek.hot_slots == 4096
     assert HiSparseConfig.from_preset("deepseek-v3.2", kv_dtype="bf16").row_bytes == 1152
-    glm = HiSparseConfig.from_preset("glm-5")
-    assert (glm.num_layers, glm.row_bytes, glm.top_k, glm.index_group_size) == (78, 656, 2048, 4)
-    assert glm.num_index_groups == 20
-    assert [glm.group_of_layer(layer) for layer in (0, 3, 4, 77)] == [0, 0, 1, 19]
-    assert glm.anchor_layer(19) == 76
+    for version in ("glm-5", "glm-5.1"):  # an indexer in every layer
+        glm = HiSparseConfig.from_preset(version)
+        assert (glm.num_layers, glm.row_bytes, glm.top_k, glm.num_index_groups) == (
+            78, 656, 2048, 78)
+    # GLM-5.2/5.3: the schedule transformers' GlmMoeDsaConfig derives from index_topk_freq 4
+    # and index_skip_topk_offset 3, written out here independently of the preset file.
+    indexer_types = ["full" if max(i - 2, 0) % 4 == 0 else "shared" for i in range(78)]
+    for version in ("glm-5.2", "glm-5.3"):
+        glm = HiSparseConfig.from_preset(version)
+        assert glm.index_group_size is None  # groups of 1, 1, then 4s: no uniform size
+        assert glm.num_index_groups == indexer_types.count("full") == 21
+        latest_full = 0
+        for layer, kind in enumerate(indexer_types):
+            latest_full = layer if kind == "full" else latest_full
+            assert glm.anchor_layer(glm.group_of_layer(layer)) == latest_full, layer
     tiny = HiSparseConfig.from_preset("tiny")
     assert tiny.host_pool_bytes < 4 << 20  # small enough for CI and the interpreter
 
@@ -135,7 +145,7 @@ def test_bad_values_name_the_key_and_the_fix(change: dict, named: str) -> None:
 
 
 def test_unknown_preset_and_bad_files(tmp_path: Path) -> None:
-    available = "available presets: deepseek-v3.2, default, glm-5, tiny"
+    available = "available presets: deepseek-v3.2, default, glm-5, glm-5.1, glm-5.2, glm-5.3, tiny"
     with pytest.raises(ConfigError, match=rf"unknown preset 'gpt'; {available}"):
         HiSparseConfig.from_preset("gpt")
     with pytest.raises(ConfigError, match="cannot read config file"):

@@ -39,16 +39,16 @@ def test_indexer_keys_are_held_once_per_index_group(seed: int) -> None:
 
 
 def test_glm5_preset_at_128k_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--preset", "glm-5", "--context", "131072", "--json"]) == 0
+    assert main(["plan", "--preset", "glm-5.2", "--context", "131072", "--json"]) == 0
     [p] = json.loads(capsys.readouterr().out)["contexts"]
-    # 78 layers in 20 groups of 4 (the last of 2): 20 indexers x 132 B per token.
-    indexer_keys = 131072 * 20 * 132  # 346,030,080 B
+    # GLM-5.2: 78 layers, indexers at layers 0, 1, 2, 6, ..., 74: 21 indexers x 132 B per token.
+    indexer_keys = 131072 * 21 * 132  # 363,331,584 B
     hot_rows = 4097 * 78 * 656  # 209,635,296 B
     # The resident map twice over: host rows, and as many alias key rows (shared prefixes).
-    tables = (20 * (2 * 4096 + 1) * 4 + (131072 // 512 + 1) * 4
-              + 2 * 20 * 131072 * 2)  # 11,142,228 B
+    tables = (21 * (2 * 4096 + 1) * 4 + (131072 // 512 + 1) * 4
+              + 2 * 21 * 131072 * 2)  # 11,699,288 B
     assert p["hisparse_footprint"]["indexer_keys"] == indexer_keys
-    assert p["hisparse_request_bytes"] == indexer_keys + hot_rows + tables == 566_807_604
-    assert p["hisparse_max_requests"] == 50 * GIB // 566_807_604 == 94
-    assert p["baseline_request_bytes"] == 131072 * (78 * 656 + 20 * 132) == 7_052_722_176
+    assert p["hisparse_request_bytes"] == indexer_keys + hot_rows + tables == 584_666_168
+    assert p["hisparse_max_requests"] == 50 * GIB // 584_666_168 == 91
+    assert p["baseline_request_bytes"] == 131072 * (78 * 656 + 21 * 132) == 7_070_023_680
     assert p["baseline_max_requests"] == 7

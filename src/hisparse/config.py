@@ -18,6 +18,7 @@ import yaml
 
 from hisparse.backends.features import RAISE_WHEN_REQUESTED, Feature
 from hisparse.errors import ConfigError, FeatureDisabledWarning
+from hisparse.layout.index_schedule import IndexSchedule
 from hisparse.layout.widths import RESIDENCY_MAPS
 
 if TYPE_CHECKING:
@@ -44,8 +45,10 @@ class HiSparseConfig:
     Defaults describe DeepSeek-V3.2 (configs/default.yaml lists them). Fields left as None
     are derived: `row_bytes` from `row_bytes_by_dtype[kv_dtype]`, `hot_slots` as
     `2 * top_k`, `max_batch` as `max_requests`, `residency_map` as `"host_row"`,
-    `alias_extents` as the pool's extent count (0 under `position`); `replace()` derives them
-    again.
+    `alias_extents` as the pool's extent count (0 under `position`), `index_anchors` from
+    `index_group_size` (1: every layer) and `index_group_size` from `index_anchors` (None when
+    the groups differ in size); `replace()` derives them again. `index_schedule` maps layers
+    to index groups (`layout.index_schedule.IndexSchedule`).
     """
 
     model: str = "default"
@@ -57,7 +60,10 @@ class HiSparseConfig:
     )
     top_k: int = 2048
     hot_slots: int | None = None  # H, the hot buffer's LRU slots; None: 2 * top_k
-    index_group_size: int = 1
+    # Which layers run an indexer: either a uniform group size (layers 0, n, 2n, ... run it)
+    # or the anchor layers themselves (GLM-5.2: 0, 1, 2, 6, 10, ...); set one, or both alike.
+    index_group_size: int | None = None
+    index_anchors: tuple[int, ...] | None = None
     max_requests: int = 64
     max_batch: int | None = None
     max_seq_len: int = 131072
@@ -84,6 +90,9 @@ class HiSparseConfig:
     _derived: frozenset[str] = dataclasses.field(
         default=frozenset(), init=False, repr=False, compare=False
     )
+    _schedule: IndexSchedule | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -102,11 +111,14 @@ class HiSparseConfig:
         bad = set()  # fields already reported: nothing is derived or checked from them
         for name in positive:
             value = getattr(self, name)
+            if value is None and name == "index_group_size":
+                continue  # derived below
             if not _is_int(value) or value <= 0:
                 bad.add(name)
                 # A missing row_bytes was reported above, with what would have derived it.
                 if value is not None or name != "row_bytes":
                     problems.append(f"{name}: expected a positive int, got {value!r}")
+        self._derive_schedule(problems, derived, bad)
 
         if self.hot_slots is None and not {"top_k", "max_draft_tokens"} & bad:
             # A verify step of D tokens may select D * top_k distinct positions, all of which
@@ -148,6 +160,47 @@ class HiSparseConfig:
         if problems:
             raise ConfigError(problems)
         set_field(self, "_derived", frozenset(derived))
+
+    def _derive_schedule(self, problems: list[str], derived: set[str], bad: set[str]) -> None:
+        """`index_anchors` and `index_group_size` from each other, and the `IndexSchedule`."""
+        set_field = object.__setattr__
+        size, anchors, layers = self.index_group_size, self.index_anchors, self.num_layers
+        if {"num_layers", "index_group_size"} & bad:
+            bad.add("index_anchors")
+            return
+        if anchors is not None:
+            if isinstance(anchors, list):
+                anchors = tuple(anchors)
+                set_field(self, "index_anchors", anchors)
+            wrong = IndexSchedule.problems(layers, anchors)
+            if wrong:
+                problems.extend(wrong)
+                bad.add("index_anchors")
+                return
+            schedule = IndexSchedule(layers, anchors)
+            if size is None:
+                set_field(self, "index_group_size", schedule.uniform_size)
+                derived.add("index_group_size")
+            elif schedule.uniform_size != size or schedule.anchors != tuple(range(0, layers, size)):
+                problems.append(
+                    f"index_group_size: got {size}, but index_anchors {list(anchors)!r:.200} "
+                    "are not groups of that size; set only one of them")
+                bad.add("index_anchors")
+                return
+        else:
+            if size is None:
+                size = 1
+                set_field(self, "index_group_size", 1)
+                derived.add("index_group_size")
+            try:
+                schedule = IndexSchedule.uniform(layers, size)
+            except ValueError as exc:
+                problems.append(str(exc))
+                bad.add("index_anchors")
+                return
+            set_field(self, "index_anchors", schedule.anchors)
+            derived.add("index_anchors")
+        set_field(self, "_schedule", schedule)
 
     def _derive_alias_extents(self, problems: list[str], derived: set[str],
                               bad: set[str]) -> None:
@@ -206,11 +259,6 @@ class HiSparseConfig:
             )
         if self.hot_slots >= INT32_LIMIT:
             problems.append(f"hot_slots: got {self.hot_slots}, must be < 2**31")
-        if self.index_group_size > self.num_layers:
-            problems.append(
-                f"index_group_size: got {self.index_group_size}, larger than num_layers "
-                f"({self.num_layers})"
-            )
         if self.max_batch > self.max_requests:
             problems.append(
                 f"max_batch: got {self.max_batch}, larger than max_requests ({self.max_requests}); "
@@ -257,16 +305,22 @@ class HiSparseConfig:
         return self.max_batch
 
     @property
+    def index_schedule(self) -> IndexSchedule:
+        """Which layers run an indexer, and the index group of every layer."""
+        assert self._schedule is not None  # set by __post_init__ of every valid config
+        return self._schedule
+
+    @property
     def num_index_groups(self) -> int:
         """G: groups of layers that share one indexer's top-k (and one residency table)."""
-        return math.ceil(self.num_layers / self.index_group_size)
+        return self.index_schedule.num_groups
 
     def group_of_layer(self, layer: int) -> int:
-        return layer // self.index_group_size
+        return self.index_schedule.group_of(layer)
 
     def anchor_layer(self, group: int) -> int:
         """The first layer of `group`: it plans the misses the rest of the group replays."""
-        return group * self.index_group_size
+        return self.index_schedule.anchors[group]
 
     @property
     def num_extents(self) -> int:
@@ -339,8 +393,9 @@ class HiSparseConfig:
         ] if set(overrides) - known else []
         if isinstance(loaded, Mapping):
             loaded = _renamed_keys(loaded, str(path))
-        values = {"model": path.stem, **loaded,
-                  **{k: v for k, v in overrides.items() if k in known}}
+        overrides = {k: v for k, v in overrides.items() if k in known}
+        values = {"model": path.stem, **_without_replaced_schedule(loaded, overrides),
+                  **overrides}
         try:
             config = cls.from_dict(values, source=str(path))
         except ConfigError as exc:
@@ -369,9 +424,18 @@ class HiSparseConfig:
             )
         return cls.from_yaml(presets[name], **overrides)
 
+    def with_num_layers(self, num_layers: int) -> HiSparseConfig:
+        """The first `num_layers` layers of this model: a uniform schedule is kept, listed
+        anchors past the new last layer are dropped."""
+        if "index_anchors" in self._derived:
+            return self.replace(num_layers=num_layers)
+        anchors = [a for a in self.index_schedule.anchors if a < num_layers]
+        return self.replace(num_layers=num_layers, index_anchors=anchors)
+
     def replace(self, **changes: Any) -> HiSparseConfig:
         """A validated copy with `changes`; derived fields are derived again."""
         values = {k: v for k, v in self.to_dict().items() if k not in self._derived}
+        values = _without_replaced_schedule(values, changes)
         values.update(changes)
         return type(self).from_dict(values)
 
@@ -379,7 +443,21 @@ class HiSparseConfig:
         values = {name: getattr(self, name) for name in self.field_names()}
         if values["row_bytes_by_dtype"] is not None:
             values["row_bytes_by_dtype"] = dict(values["row_bytes_by_dtype"])
+        if values["index_anchors"] is not None:
+            values["index_anchors"] = list(values["index_anchors"])
         return values
+
+
+SCHEDULE_KEYS = ("index_group_size", "index_anchors")
+
+
+def _without_replaced_schedule(values: Mapping[str, Any],
+                               changes: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` less its index schedule where `changes` set one: an override of either key
+    replaces the schedule (a preset's anchors give way to `index_group_size`, and back)."""
+    if not any(key in changes for key in SCHEDULE_KEYS):
+        return dict(values)
+    return {k: v for k, v in values.items() if k not in SCHEDULE_KEYS}
 
 
 def _is_int(value: Any) -> bool:

@@ -133,10 +133,10 @@ class HiSparseCollector(Collector):
     def _grouped(self, layers: Sequence[LayerStats], field: str) -> list[tuple[int | None, int]]:
         if not self._by_group:
             return [(None, sum(getattr(layer, field) for layer in layers))]
-        size = self._cache.config.index_group_size
+        schedule = self._cache.config.index_schedule
         totals: dict[int, int] = {}
         for layer in layers:
-            group = layer.layer // size
+            group = schedule.group_of(layer.layer)
             totals[group] = totals.get(group, 0) + getattr(layer, field)
         return sorted(totals.items())
 

@@ -122,6 +122,7 @@ def model_shape(config: Any, args: argparse.Namespace) -> ModelShape:
         row_bytes=config.row_bytes,
         indexer_key_bytes=int(indexer),
         index_group_size=config.index_group_size,
+        index_anchors=config.index_anchors,
     )
 
 
@@ -212,6 +213,7 @@ def to_document(
             "row_bytes": shape.row_bytes,
             "indexer_key_bytes": shape.indexer_key_bytes,
             "index_group_size": shape.index_group_size,
+            "index_anchors": list(shape.schedule.anchors),
             "num_groups": shape.num_groups,
         },
         "settings": {

@@ -113,7 +113,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hisparse.errors import HisparseError
+    from hisparse.errors import ConfigError, HisparseError
     from hisparse.tools.simulation import TraceModel, Workload, simulate
 
     parser: argparse.ArgumentParser = args.parser
@@ -130,15 +130,21 @@ def run(args: argparse.Namespace) -> int:
     sizes = {key: getattr(args, key) if getattr(args, key) is not None else value
              for key, value in defaults.items()}
     config = out.load_config(
-        parser, args, CONFIG_FLAGS, kv_dtype=args.kv_dtype, num_layers=args.layers,
+        parser, args, CONFIG_FLAGS, kv_dtype=args.kv_dtype,
         top_k=args.top_k, hot_slots=args.hot_slots,
         index_group_size=args.index_group_size,
     )
-    # The default caps the preset's layers, but never below one whole index group (GLM-5
-    # shares a top-k over 4 layers): a group cut short is no longer the preset's model.
-    cap = max(sizes["layers"], config.index_group_size)
-    if args.layers is None and config.num_layers > cap:
-        config = config.replace(num_layers=cap)
+    # --layers takes the model's first layers (its index schedule with them); the default
+    # caps them, but ends on a whole index group (GLM-5.2 shares a top-k over 4 layers): a
+    # group cut short is no longer the preset's model.
+    cap = config.index_schedule.whole_groups(sizes["layers"])
+    if args.layers is not None:
+        try:
+            config = config.with_num_layers(args.layers)
+        except ConfigError as exc:
+            parser.error(f"argument --layers: {'; '.join(exc.problems)}")
+    elif config.num_layers > cap:
+        config = config.with_num_layers(cap)
     if args.heavy_hitters is not None and args.heavy_hitters > config.top_k:
         parser.error(f"argument --heavy-hitters: {args.heavy_hitters} is more than top-k "
                      f"{config.top_k}; use at most top-k")

@@ -1,21 +1,47 @@
 """Index-group replay: an anchor layer plans a group's misses, its followers copy them.
 
-Layers of one index group (`index_group_size > 1`) share one indexer top-k and one residency
-table. The anchor's `swap_in` runs the full swap-in (LRU, tables, its own copies) and records
-its misses in a `MissPlan`; a follower replays only the plan's copies on its own layer and
-returns the anchor's rows.
+Layers of one index group (an anchor layer that runs the model's indexer and the followers up
+to the next one: `IndexSchedule`) share one indexer top-k and one residency table. The
+anchor's `swap_in` runs the full swap-in (LRU, tables, its own copies) and records its misses
+in a `MissPlan`; a follower replays only the plan's copies on its own layer and returns the
+anchor's rows.
 """
 
 from __future__ import annotations
 
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 
 from hisparse.core.kernels import DecodeKernels
 from hisparse.core.ordering import SideStreamReplay
 from hisparse.errors import InvalidInputError, RequestStateError
+from hisparse.layout.index_schedule import IndexSchedule
 from hisparse.layout.tables import CacheTables, MissPlan
+
+
+def miss_plans(schedule: IndexSchedule, capacity: int, width: int,
+               device: torch.device) -> list[MissPlan | None]:
+    """One miss plan per index group with followers; a group of one layer replays nothing."""
+    return [MissPlan.empty(capacity, width, device) if schedule.followers_of(group) else None
+            for group in range(schedule.num_groups)]
+
+
+def group_replays(schedule: IndexSchedule, plans: list[MissPlan | None], tables: CacheTables,
+                  kernels: Any, backend: Any, device: torch.device,
+                  prefetch_stream: Any | None) -> list[GroupReplay | None]:
+    """Per group, its `GroupReplay` (None for a group of one layer); followers replay on
+    `prefetch_stream` where one is given, else inline."""
+    replays: list[GroupReplay | None] = [None] * schedule.num_groups
+    for group, plan in enumerate(plans):
+        if plan is None:
+            continue
+        followers = schedule.followers_of(group)
+        side = (SideStreamReplay(backend, device, prefetch_stream, followers)
+                if prefetch_stream is not None else None)
+        replays[group] = GroupReplay(group, followers.start - 1, followers, plan, tables,
+                                     kernels, side)
+    return replays
 
 
 class GroupReplay:
@@ -23,9 +49,10 @@ class GroupReplay:
 
     Persistent (graph capture holds its addresses): the plan's storage. Per anchor call:
     `step` (the step it planned in), `rows`, `out` and the signature of the top-k tensor it
-    got, which a follower must pass again. A follower looks up the same top-k in the same
-    tables, so its hits, misses and invalid entries are its anchor's: one copy of the
-    anchor's counters after each of its calls keeps every follower's (not an add per replay).
+    got, which a follower passes again (that tensor, equal contents, or None). A follower
+    looks up the same top-k in the same tables, so its hits, misses and invalid entries are
+    its anchor's: one copy of the anchor's counters after each of its calls keeps every
+    follower's (not an add per replay).
 
     Inline (no prefetch stream) a follower replays at its own `swap_in`; followers the caller
     skipped are `owed` and replay before the anchor plans again or the step ends. On the
@@ -80,10 +107,18 @@ class GroupReplay:
 
     # --- a follower -----------------------------------------------------------------------
     def is_anchor_top_k(self, top_k: object) -> TypeGuard[torch.Tensor]:
-        """`top_k` views the anchor's own top-k (same address, shape and strides): free to
-        check, where comparing contents would read the device."""
-        return (isinstance(top_k, torch.Tensor)
-                and (top_k.data_ptr(), top_k.shape, top_k.stride()) == self._top_k)
+        """`top_k` holds what the anchor swapped in: its own tensor (same address, shape and
+        strides: free to check), or a tensor of equal contents, compared on the device (one
+        host sync: a framework that makes a new tensor per layer pays it per follower; passing
+        the anchor's tensor or None skips it)."""
+        if not isinstance(top_k, torch.Tensor):
+            return False
+        if (top_k.data_ptr(), top_k.shape, top_k.stride()) == self._top_k:
+            return True
+        anchor = self.top_k
+        return (anchor is not None and top_k.shape == anchor.shape
+                and top_k.dtype == anchor.dtype and top_k.device == anchor.device
+                and torch.equal(top_k, anchor))
 
     def ready_rows(self, layer: int) -> torch.Tensor:
         """The anchor's rows, once `layer` holds the plan's copies."""
@@ -105,17 +140,18 @@ class GroupReplay:
     def other_top_k(self, layer: int, top_k: torch.Tensor) -> InvalidInputError:
         """The error for a follower handed a tensor that is not its anchor's."""
         layers = f"layers {self.anchor}..{self.followers[-1]} share one indexer"
-        instead = (f"pass the anchor's top-k tensor itself, or call swap_in({layer}) without "
-                   "one to get the anchor's rows")
+        instead = (f"pass the anchor's top-k (that tensor or equal contents), or call "
+                   f"swap_in({layer}) without one to get the anchor's rows")
         if top_k.shape[0] != self.rows:
             return InvalidInputError(
                 f"layer {layer}'s top_k has {top_k.shape[0]} rows, its anchor layer "
                 f"{self.anchor} swapped in {self.rows}; {layers}, so {instead}"
             )
         return InvalidInputError(
-            f"layer {layer} got a top-k tensor that differs from its anchor layer "
-            f"{self.anchor}'s (another address, shape or stride); {layers} and return the "
-            f"anchor's rows, so {instead} (or set index_group_size=1)"
+            f"layer {layer} got a top-k that differs from what its anchor layer "
+            f"{self.anchor} swapped in; {layers} and return the anchor's rows, so {instead}. "
+            "If the model runs an indexer at this layer, the cache's index schedule is not the "
+            "model's: set index_anchors to the layers that run one"
         )
 
     def changed_top_k(self, layer: int) -> InvalidInputError:
@@ -124,7 +160,8 @@ class GroupReplay:
             f"layer {layer} got its anchor layer {self.anchor}'s top-k tensor, but its "
             f"contents differ from what layer {self.anchor} swapped in; layers "
             f"{self.anchor}..{self.followers[-1]} share one indexer, so leave the tensor "
-            "unchanged until the group's last layer (or set index_group_size=1)"
+            "unchanged until the group's last layer (or set index_anchors to the model's "
+            "indexer layers)"
         )
 
     # --- the step's end -------------------------------------------------------------------

@@ -30,10 +30,10 @@ import torch
 
 from hisparse.backends.base import Backend
 from hisparse.core.kernels import DecodeKernels
-from hisparse.core.ordering import SideStreamReplay
-from hisparse.core.replay import GroupReplay
+from hisparse.core.replay import GroupReplay, group_replays, miss_plans
 from hisparse.kernels.union_reference import Union, build_union
-from hisparse.layout.tables import CacheTables, DraftUnion, MissPlan
+from hisparse.layout.index_schedule import IndexSchedule
+from hisparse.layout.tables import CacheTables, DraftUnion
 
 __all__ = ["Union", "UnionWidth", "build_union", "build_width"]
 
@@ -98,7 +98,7 @@ class UnionWidth:
 def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: CacheTables,
                 req_slots: torch.Tensor, num_real: torch.Tensor, first: torch.Tensor,
                 draft_base: torch.Tensor, draft_rows: tuple[torch.Tensor, torch.Tensor],
-                top_k: int, num_layers: int, group_size: int,
+                top_k: int, schedule: IndexSchedule,
                 skip_io: bool, zero_copy: bool, prefetch_stream: Any | None,
                 table: Callable[[], torch.Tensor]) -> UnionWidth:
     """The launchers, buffers, miss plans and group replays for verify steps of `tokens`;
@@ -108,24 +108,15 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
     that needs it."""
     capacity = int(req_slots.shape[0])
     device = tables.seq_lens.device
-    num_groups = -(-num_layers // group_size)
+    num_groups = schedule.num_groups
     width = tokens * top_k
     i32 = {"dtype": torch.int32, "device": device}
     union_out = torch.full((num_groups, capacity, width), -1, **i32)
-    plans = [MissPlan.empty(capacity, width, device) if group_size > 1 else None
-             for _ in range(num_groups)]
+    plans = miss_plans(schedule, capacity, width, device)
     kernels = _UnionKernels(main, backend, skip_io, zero_copy, tables, req_slots, num_real,
                             union_out, plans, draft_rows, swap_in_writes_newest=False,
                             union=DraftUnion(tokens, top_k, first, draft_base, table))
-    replays: list[GroupReplay | None] = [None] * num_groups
-    for group in range(num_groups if group_size > 1 else 0):
-        anchor = group * group_size
-        followers = range(anchor + 1, min(anchor + group_size, num_layers))
-        side = (SideStreamReplay(backend, device, prefetch_stream, followers)
-                if prefetch_stream is not None else None)
-        plan = plans[group]
-        assert plan is not None
-        replays[group] = GroupReplay(group, anchor, followers, plan, tables, kernels, side)
+    replays = group_replays(schedule, plans, tables, kernels, backend, device, prefetch_stream)
     if kernels.fuses_union:  # its swap-in reads the [B, S * K] rows and writes the result
         union_top_k = torch.empty((capacity, 0), **i32)
         rows = union_out.view(num_groups, capacity, tokens, top_k)
@@ -133,7 +124,8 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
     else:
         union_top_k = torch.full((capacity, width), -1, **i32)
         rows = torch.full((num_groups, capacity, tokens, top_k), -1, **i32)
-        kernels.union = backend.union_launcher(tokens, top_k, first, draft_base, num_real,
-                                               union_top_k, union_out, rows, tables.counters)
+        kernels.union = backend.union_launcher(
+            tokens, top_k, first, draft_base, num_real, union_top_k, union_out, rows,
+            tables.counters, request_counts=(tables.request_counters, req_slots))
     return UnionWidth(tokens=tokens, union_top_k=union_top_k, union_out=union_out, rows=rows,
                       kernels=kernels, replays=replays)

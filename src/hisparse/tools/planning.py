@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from hisparse.errors import InvalidInputError
+from hisparse.layout.index_schedule import IndexSchedule
 from hisparse.layout.widths import resident_entry_bytes
 
 GIB = 1 << 30
@@ -58,11 +59,20 @@ class ModelShape:
     num_layers: int
     row_bytes: int  # one token, one layer, in the KV dtype
     indexer_key_bytes: int = DSA_INDEXER_KEY_BYTES  # per token, for each group's indexer
-    index_group_size: int = 1  # layers sharing one indexer top-k share one residency table
+    index_group_size: int | None = 1  # layers sharing one indexer top-k share one residency table
+    index_anchors: tuple[int, ...] | None = None  # the layers that run an indexer, if given
+
+    @property
+    def schedule(self) -> IndexSchedule:
+        """Which layers run an indexer: `index_anchors`, else every `index_group_size`-th."""
+        if self.index_anchors is not None:
+            return IndexSchedule(self.num_layers, tuple(self.index_anchors))
+        return IndexSchedule.uniform(self.num_layers,
+                                     min(self.index_group_size or 1, self.num_layers))
 
     @property
     def num_groups(self) -> int:
-        return math.ceil(self.num_layers / self.index_group_size)
+        return self.schedule.num_groups
 
 
 @dataclass(frozen=True)
@@ -186,8 +196,11 @@ def validate(shape: ModelShape, settings: PlanSettings, contexts: Sequence[int])
     """Raise InvalidInputError listing every value that makes the plan meaningless."""
     problems = []
     for name in ("num_layers", "row_bytes", "index_group_size"):
-        if getattr(shape, name) < 1:
-            problems.append(f"{name} must be >= 1, got {getattr(shape, name)}")
+        value = getattr(shape, name)
+        if value is not None and value < 1:
+            problems.append(f"{name} must be >= 1, got {value}")
+    if shape.index_anchors is not None:
+        problems.extend(IndexSchedule.problems(shape.num_layers, shape.index_anchors))
     if shape.indexer_key_bytes < 0:
         problems.append(f"indexer_key_bytes must be >= 0, got {shape.indexer_key_bytes}")
     if settings.top_k < 1:

@@ -259,7 +259,7 @@ def run_pass(
 
     backend = cache.backend
     groups = cache.num_groups
-    group_size = cache.index_group_size
+    group_of = cache.config.index_schedule.group_of
     top_k = cache.top_k
     traces = make_traces(workload.trace, workload.requests, groups, workload.seed)
     generator = torch.Generator().manual_seed(workload.seed)
@@ -286,7 +286,7 @@ def run_pass(
         backend.synchronize()
         start = time.perf_counter()
         for layer in range(cache.num_layers):
-            cache.swap_in(layer, group_top_k[layer // group_size])
+            cache.swap_in(layer, group_top_k[group_of(layer)])
         backend.synchronize()
         elapsed = time.perf_counter() - start
         cache.end_decode_step()

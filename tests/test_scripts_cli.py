@@ -289,22 +289,56 @@ def quickstart_in(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     script = tmp_path / "scripts" / "quickstart"
     script.write_text((SCRIPTS / "quickstart").read_text())
     script.chmod(0o755)
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())  # its extras
     stub = tmp_path / "python-stub"
     stub.write_text(STUB_PYTHON)
     stub.chmod(0o755)
     return script, {**ENV, "PYTHON": str(stub), "LOG": str(tmp_path / "log")}
 
 
-def test_quickstart_installs_what_scripts_test_needs(tmp_path: Path) -> None:
+def pyproject_extras() -> set[str]:
+    import tomllib
+
+    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"])
+
+
+def editable_install(log: str) -> set[str]:
+    """The extras of the last `pip install -e .[...]` the stub logged."""
+    installs = [line for line in log.splitlines()
+                if line.startswith("pip install") and "-e" in line]
+    assert installs, log
+    return set(installs[-1].split("[", 1)[1].split("]", 1)[0].split(","))
+
+
+def test_quickstart_installs_what_ci_installs_in_an_isolated_venv(tmp_path: Path) -> None:
+    """Every extra of pyproject.toml, as .ci/run installs them (so the docs' examples and the
+    suite run after it as in CI), into a venv that does not see the system site-packages."""
     script, env = quickstart_in(tmp_path)
     result = subprocess.run([str(script)], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    installs = [line for line in (tmp_path / "log").read_text().splitlines()
-                if line.startswith("pip install") and "-e" in line]
-    assert installs and "dev" in installs[-1], installs
-    # The CLI's --plot (matplotlib) and progress bars (tqdm) work after the quick start.
-    extras = installs[-1].split("[", 1)[1].split("]", 1)[0].split(",")
-    assert {"dev", "tools", "triton"} <= set(extras), installs
+    log = (tmp_path / "log").read_text()
+    assert editable_install(log) == pyproject_extras(), log
+    (venv,) = [line for line in log.splitlines() if line.startswith("python -m venv")]
+    assert "--system-site-packages" not in venv and venv.endswith(" .venv"), venv
+
+
+def test_quickstart_uses_the_system_torch_only_when_asked_and_the_venv_it_is_given(
+        tmp_path: Path) -> None:
+    script, env = quickstart_in(tmp_path)
+    env = {**env, "HISPARSE_TORCH": "system", "HISPARSE_VENV": str(tmp_path / "qs-venv")}
+    result = subprocess.run([str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (tmp_path / "log").read_text()
+    (venv,) = [line for line in log.splitlines() if line.startswith("python -m venv")]
+    assert venv == f"python -m venv --system-site-packages {tmp_path / 'qs-venv'}", venv
+    assert "hisparse probe" in log and not (tmp_path / ".venv").exists()
+    # A value it does not know is refused before anything is made.
+    bad = subprocess.run([str(script)], capture_output=True, text=True, timeout=60,
+                         env={**env, "HISPARSE_TORCH": "cuda",
+                              "HISPARSE_VENV": str(tmp_path / "x")})
+    assert bad.returncode == 2 and "HISPARSE_TORCH=cuda" in bad.stderr, bad.stderr
+    assert not (tmp_path / "x").exists()
 
 
 def test_ci_installs_every_extra_the_suite_tests() -> None:
@@ -335,21 +369,67 @@ def test_quickstart_repairs_a_venv_left_without_pip(tmp_path: Path) -> None:
 
 # --- GPU-only entry points without a GPU ----------------------------------------------------
 @NO_CUDA
-@pytest.mark.parametrize("script", ["gpu-check", "gpu-kernel-check", "gpu-issue-runs"])
-def test_gpu_scripts_refuse_at_once_without_cuda(tmp_path: Path, script: str) -> None:
-    # Before, gpu-check ran its stages anyway (a 200 s CPU fuzz among them) and failed after.
+def test_the_gpu_runner_refuses_at_once_without_cuda(tmp_path: Path) -> None:
+    # Before, the GPU runner ran its stages anyway (a 200 s CPU fuzz among them) and failed after.
     process = subprocess.Popen(
-        [str(SCRIPTS / script), str(tmp_path / "out")], cwd=tmp_path, text=True,
+        [str(SCRIPTS / "gpu-run"), "default"], cwd=tmp_path, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        env={**ENV, "PYTHON": sys.executable})
+        env={**ENV, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")})
     try:
         out, err = process.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
-        pytest.fail(f"{script} kept running without CUDA")
+        pytest.fail("gpu-run kept running without CUDA")
     assert process.returncode == 2, out + err
     assert "CUDA" in err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+GPU_STUBS = {
+    # A python that "sees" a GPU and logs what it is asked to run; the tools beside it too.
+    "python": '#!/bin/sh\necho "python $*" >> "$LOG"\nexit 0\n',
+    "nvidia-smi": '#!/bin/sh\necho "NVIDIA H200, 580"\n',
+    "compute-sanitizer": '#!/bin/sh\necho "compute-sanitizer $*" >> "$LOG"\nexit 0\n',
+}
+
+
+def gpu_run_with_stubs(tmp_path: Path, *stages: str) -> tuple[subprocess.CompletedProcess[str],
+                                                                str]:
+    for name, text in GPU_STUBS.items():
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    env = {**ENV, "PYTHON": str(tmp_path / "python"), "LOG": str(tmp_path / "log"),
+           "OUT": str(tmp_path / "out"), "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run([str(SCRIPTS / "gpu-run"), *stages], capture_output=True,
+                            text=True, env=env, timeout=60)
+    return result, (tmp_path / "log").read_text() if (tmp_path / "log").exists() else ""
+
+
+def test_the_gpu_runner_runs_the_stages_named_each_once_and_sums_them_up(
+        tmp_path: Path) -> None:
+    result, log = gpu_run_with_stubs(tmp_path, "probe", "memcheck", "sw2", "probe", "kernels")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = result.stdout.split("== gpu-run summary", 1)[1]
+    ran = [line.split(":")[0] for line in summary.splitlines() if ": exit " in line]
+    # The group `kernels` adds kernel-tests, racecheck and sw1; memcheck and probe run once.
+    assert ran == ["probe", "memcheck", "sw2", "kernel-tests", "racecheck", "sw1"], summary
+    assert log.count("hisparse.cli.main probe --json") == 1, log
+    # The sanitizer runs the swap-in's variants, then the decode path's kernels.
+    memchecks = [line for line in log.splitlines()
+                 if line.startswith("compute-sanitizer --tool memcheck")]
+    assert len(memchecks) == 2 and "test_swap_in_union.py" in memchecks[1], memchecks
+    assert any("benchmarks/verify_step.py --device cuda --grid full" in line
+               for line in log.splitlines()), log
+    assert (tmp_path / "out" / "results.tar.gz").exists()
+
+
+def test_the_gpu_runner_refuses_a_stage_it_does_not_know(tmp_path: Path) -> None:
+    result, log = gpu_run_with_stubs(tmp_path, "probe", "sw3")
+    assert result.returncode == 2 and "'sw3'" in result.stderr, result.stderr
+    assert log == ""  # nothing ran
+    listed = run([str(SCRIPTS / "gpu-run"), "--list"])
+    assert listed.returncode == 0 and "sw2" in listed.stdout and "group default" in listed.stdout
 
 
 @NO_CUDA

@@ -68,3 +68,44 @@ def test_each_running_request_reports_its_own_hits_and_misses() -> None:
     cache.preempt("b")
     assert "b" not in {r.request_id for r in cache.stats().requests}
     cache.close()
+
+
+def _verify_trace(cache: hisparse.HiSparseCache, rng: random.Random, steps: int) -> None:
+    """Random verify and de-duplicated steps over three requests, some top-k entries on the
+    steps' own draft tokens and repeated."""
+    L, W, K = cache.num_layers, cache.row_bytes, cache.top_k
+    lengths = {"a": 20, "b": 9, "c": 14}
+    for request_id, length in lengths.items():
+        cache.admit(request_id, length)
+        cache.write_prefill(request_id, torch.randint(0, 256, (L, length, W), dtype=torch.uint8))
+        cache.commit_prefill(request_id)
+    ids = list(lengths)
+    for _ in range(steps):
+        tokens = rng.choice([1, 2, 3])
+        step = cache.begin_decode_step(ids, num_tokens=tokens, dedupe=tokens == 1)
+        rows = [[[rng.randrange(lengths[r] + s + 1) for _ in range(K)] for s in range(tokens)]
+                for r in ids]
+        top_k = torch.tensor(rows, dtype=torch.int32)
+        if tokens == 1:
+            top_k = top_k[:, 0]
+        for layer in range(L):
+            shape = (len(ids), tokens, W) if tokens > 1 else (len(ids), W)
+            step.write_newest(layer, torch.randint(0, 256, shape, dtype=torch.uint8))
+            step.swap_in(layer, top_k)
+        accepted = [rng.randint(1, tokens) for _ in ids]
+        step.end(accepted if tokens > 1 else None)
+        for request_id, kept in zip(ids, accepted, strict=True):
+            lengths[request_id] += kept
+
+
+def test_request_hits_and_misses_add_up_to_the_layers_in_verify_and_dedupe_steps() -> None:
+    """Each distinct position counts once in both (its draft tokens' included): the requests'
+    hits and misses sum to the layers' (stats().layers counts every layer of a group)."""
+    rng = random.Random(int(torch.randint(0, 2**31, ()).item()))
+    cache = hisparse.HiSparseCache(_config(max_draft_tokens=3, hot_slots=12, index_group_size=1),
+                                   device="cpu")
+    _verify_trace(cache, rng, steps=6)
+    stats = cache.stats()
+    assert sum(r.hits for r in stats.requests) == sum(layer.hits for layer in stats.layers)
+    assert sum(r.misses for r in stats.requests) == sum(layer.misses for layer in stats.layers)
+    assert sum(r.hits for r in stats.requests) > 0

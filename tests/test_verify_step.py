@@ -440,7 +440,7 @@ def test_bad_shapes_and_accept_counts_are_refused_and_the_step_stays_open(
     cache.swap_in(0, top_k)
     before = snapshot(cache)
     for accepted in ([0, 1], [1, 4], [1], [1, 1, 1], [1.0, 2], torch.tensor([1.0, 2.0]), "12",
-                     [True, 2], [[1], [2]]):
+                     [True, 2], [[1], [2]], 2, {1: 1, 2: 2}, object()):
         with pytest.raises(InvalidInputError, match="accepted"):
             cache.end_decode_step(accepted=accepted)
         assert_unchanged(before, cache)

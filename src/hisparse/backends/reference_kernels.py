@@ -46,13 +46,17 @@ class ReferenceKernelBindings:
     def union_launcher(self, tokens: int, top_k: int, first: torch.Tensor,
                        draft_base: torch.Tensor, num_real: torch.Tensor,
                        union_top_k: torch.Tensor, union_out: torch.Tensor, rows: torch.Tensor,
-                       counters: torch.Tensor) -> Any:
+                       counters: torch.Tensor,
+                       request_counts: tuple[torch.Tensor | None, torch.Tensor] | None = None
+                       ) -> Any:
         """A verify width's union plan and scatter (`kernels.union_reference`), for a
-        swap-in launcher that does not de-duplicate the rows itself (the Triton one does)."""
+        swap-in launcher that does not de-duplicate the rows itself (the Triton one does).
+        `request_counts`: the tables' per-request counters and the batch's request slots,
+        which the scatter's draft hits are added to as well."""
         from hisparse.kernels.union_reference import ReferenceUnionLauncher
 
         return ReferenceUnionLauncher(tokens, top_k, first, draft_base, num_real, union_top_k,
-                                      union_out, rows, counters)
+                                      union_out, rows, counters, request_counts)
 
     def backup_kernel(self) -> BackupFn:
         """The copy of every layer's newest rows back to the host at the end of a step."""

@@ -315,7 +315,7 @@ class VerifyStep(DecodeStep):
                     f"accepted must be a 1-D integer tensor or a list of ints, got a "
                     f"{accepted.dtype} tensor of shape {tuple(accepted.shape)}")
             accepted = accepted.tolist()
-        values = list(accepted)
+        values = list(accepted) if isinstance(accepted, list | tuple) else [accepted]
         # Python ints (not bools, floats or numpy scalars) in 1..S, checked at C speed.
         if (len(values) != B or set(map(type, values)) != {int}
                 or min(values) < 1 or max(values) > S):

@@ -108,10 +108,14 @@ def union_scatter_reference(
     draft_base: torch.Tensor,  # [>= R] int64 device row of each request's draft slot 0
     out: torch.Tensor,  # [R, S, K] int32 out: the device row of every entry, -1 = none
     counters: torch.Tensor,  # [3] int64 the layer's (hits, misses, invalid) counters
+    request_counters: torch.Tensor | None = None,  # [R, 2] int64 hits and misses per slot
+    req_slots: torch.Tensor | None = None,  # [>= rows] int32 request slot per batch row
+    num_real: torch.Tensor | None = None,  # [1] int32: rows >= num_real are padding
 ) -> None:
     """Write `out` from the union's rows and the draft slots; count each distinct draft
-    position a request selected as one hit (as the newest token is in a single-token step)
-    and every invalid entry as one invalid entry."""
+    position a request selected as one hit (as the newest token is in a single-token step),
+    in the layer's counters and its request's, and every invalid entry as one invalid
+    entry."""
     rows, S, K = out.shape
     U = S * K
     code = inverse[:rows].long()
@@ -123,8 +127,12 @@ def union_scatter_reference(
     out.copy_(torch.where(draft, drafts, padded.gather(1, column)).view(rows, S, K))
     used = torch.zeros(rows, S + 1, dtype=torch.bool, device=out.device)
     used.scatter_(1, token, True)
-    counters[0] += used[:, :S].sum()
+    draft_hits = used[:, :S].sum(1)
+    counters[0] += draft_hits.sum()
     counters[2] += (code == U + 1).sum()
+    if request_counters is not None:
+        real = torch.arange(rows, device=out.device) < num_real.long()
+        request_counters[:, 0].index_add_(0, req_slots[:rows][real].long(), draft_hits[real])
 
 
 class ReferenceUnionLauncher:
@@ -133,8 +141,11 @@ class ReferenceUnionLauncher:
 
     def __init__(self, tokens: int, top_k: int, first: torch.Tensor, draft_base: torch.Tensor,
                  num_real: torch.Tensor, union_top_k: torch.Tensor, union_out: torch.Tensor,
-                 rows: torch.Tensor, counters: torch.Tensor) -> None:
+                 rows: torch.Tensor, counters: torch.Tensor,
+                 request_counts: tuple[torch.Tensor | None, torch.Tensor] | None = None
+                 ) -> None:
         self.tokens, self.top_k = tokens, top_k
+        self._request_counters, self._req_slots = request_counts or (None, None)
         self._first, self._draft_base, self._num_real = first, draft_base, num_real
         self._union_top_k, self._union_out, self._rows = union_top_k, union_out, rows
         self._counters = counters
@@ -148,4 +159,5 @@ class ReferenceUnionLauncher:
     def scatter(self, layer: int, group: int, rows: int) -> None:
         """`rows[group][:rows]` from the union's rows of `group`; `layer`'s counters."""
         union_scatter_reference(self.inverse, self._union_out[group][:rows], self._draft_base,
-                                self._rows[group][:rows], self._counters[layer])
+                                self._rows[group][:rows], self._counters[layer],
+                                self._request_counters, self._req_slots, self._num_real)

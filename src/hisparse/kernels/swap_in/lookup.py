@@ -227,10 +227,9 @@ def _add_counters(counters_ptr, n_hit, n_miss, n_invalid, SEM: tl.constexpr):
 
 
 @triton.jit
-def _add_request_hits(hit_count_ptr, n_hit, code, unique, pos, first, DEDUP: tl.constexpr,
-                      SEM: tl.constexpr):
-    if DEDUP:  # a request's hits are its older positions' (as through the union)
-        n_hit = tl.sum(((code == -3) & unique & (pos < first)).to(tl.int32), axis=0)
+def _add_request_hits(hit_count_ptr, n_hit, SEM: tl.constexpr):
+    """A request's hits are the layer's: each distinct position once, its draft tokens'
+    included (as the union's scatter counts them)."""
     tl.atomic_add(hit_count_ptr, n_hit, mask=n_hit > 0, sem=SEM)
 
 
@@ -314,8 +313,7 @@ def classify_kernel(
     _add_counters(counters_ptr, n_hit, n_miss, n_invalid, COUNTER_SEM)
     tl.atomic_add(miss_count_ptr + b, n_miss, mask=n_miss > 0, sem=COUNTER_SEM)
     if REQUEST_COUNTS:
-        _add_request_hits(hit_count_ptr + b, n_hit, code, unique, pos, first, DEDUP,
-                          COUNTER_SEM)
+        _add_request_hits(hit_count_ptr + b, n_hit, COUNTER_SEM)
     if WRITE_NEWEST:  # noqa: SIM102 (a constexpr test alone: the branch compiles away)
         # The newest slot is never a victim, so this row is written by nothing else in the
         # call; attention reads it only after the call, like every row the call returns.

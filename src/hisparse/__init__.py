@@ -47,6 +47,9 @@ _LAZY: dict[str, str] = {
     "HiSparseCache": "hisparse.core.engine",
     "SharedPoolSpec": "hisparse.core.shared_pool",
     "probe": "hisparse.tools.probe",
+    "pad_top_k": "hisparse.attention",
+    "gather_rows": "hisparse.attention",
+    "device_bytes": "hisparse.footprint",
 }
 
 __all__ = [
@@ -68,6 +71,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # the names __getattr__ provides, for type checkers and IDEs
+    from hisparse.attention import gather_rows as gather_rows
+    from hisparse.attention import pad_top_k as pad_top_k
     from hisparse.backends.base import Backend as Backend
     from hisparse.backends.features import Feature as Feature
     from hisparse.backends.registry import available_backends as available_backends
@@ -77,6 +82,7 @@ if TYPE_CHECKING:  # the names __getattr__ provides, for type checkers and IDEs
     from hisparse.config import resolve_features as resolve_features
     from hisparse.core.engine import HiSparseCache as HiSparseCache
     from hisparse.core.shared_pool import SharedPoolSpec as SharedPoolSpec
+    from hisparse.footprint import device_bytes as device_bytes
     from hisparse.tools.probe import probe as probe
 
 

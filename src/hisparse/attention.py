@@ -1,8 +1,12 @@
-"""Reference sparse MLA decode attention over KV rows, in torch with fp32 accumulation.
+"""What attention needs around `swap_in`, for any framework: a top-k narrower than the
+cache's padded with -1 (`pad_top_k`), a gather of the returned rows that reads nothing for
+-1 entries (`gather_rows`), and a reference sparse MLA decode attention over KV rows, in torch
+with fp32 accumulation (`sparse_mla_decode_reference`).
 
-It is the check that the cache is transparent: attention over `cache.device_kv(layer)` at the
-rows `swap_in` returned equals attention over the full KV at the original positions, bit for
-bit, because both read the same bytes in the same order. Not a fast kernel.
+The reference is the check that the cache is transparent: attention over
+`cache.device_kv(layer)` at the rows `swap_in` returned equals attention over the full KV at
+the original positions, bit for bit, because both read the same bytes in the same order. Not
+a fast kernel.
 """
 
 from __future__ import annotations
@@ -14,6 +18,62 @@ from hisparse.errors import InvalidInputError
 
 LATENT_DIM = 512  # DeepSeek-V3.2 / GLM-5 MLA: the value is the latent part of the key
 ROPE_DIM = 64
+
+
+def pad_top_k(top_k: torch.Tensor, width: int) -> torch.Tensor:
+    """`top_k [..., K']` as int32 `[..., width]`, the columns past K' -1 (none).
+
+    An indexer returns `min(index_topk, T)` columns while the context is shorter than its
+    top-k; `swap_in` takes the cache's `top_k` columns. Returns `top_k` itself when it is
+    already int32, contiguous and `width` wide.
+
+    Raises:
+        InvalidInputError: `top_k` is not an integer tensor, or is wider than `width`.
+    """
+    if not isinstance(top_k, torch.Tensor) or top_k.dtype.is_floating_point or top_k.ndim < 1:
+        raise InvalidInputError(
+            f"top_k must be an integer tensor [..., K], got {_describe(top_k)}; pass the "
+            "indexer's top-k positions")
+    columns = top_k.shape[-1]
+    if columns > width:
+        raise InvalidInputError(
+            f"top_k has {columns} columns, more than the cache's top_k={width}; build the "
+            f"cache with top_k >= the indexer's index_topk ({columns})")
+    if columns == width and top_k.dtype == torch.int32 and top_k.is_contiguous():
+        return top_k
+    padded = torch.full((*top_k.shape[:-1], width), -1, dtype=torch.int32, device=top_k.device)
+    padded[..., :columns] = top_k
+    return padded
+
+
+def gather_rows(kv_rows: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kv_rows[rows]` where `rows` is what `swap_in` returned, -1 entries read as zeros.
+
+    In torch a -1 index reads the last row, whose bytes may be anything (a NaN in a float
+    view): here a -1 entry gathers row 0 as a stand-in and its bytes are zeroed.
+
+    Args:
+        kv_rows: `[N, W]` rows (`cache.device_kv(layer)`, or a view of it in any dtype).
+        rows: `[..., K]` integer rows of `kv_rows`, -1 = none.
+
+    Returns:
+        `(values [..., K, W], valid [..., K] bool)`: masked attention must still mask the
+        invalid entries (a zero key scores 0, not -inf).
+    """
+    check_tensor("kv_rows", kv_rows, ndim=2, contiguous=False)
+    if not isinstance(rows, torch.Tensor) or rows.dtype.is_floating_point:
+        raise InvalidInputError(
+            f"rows must be an integer tensor, got {_describe(rows)}; pass the rows swap_in "
+            "returned")
+    valid = rows >= 0
+    values = kv_rows[torch.where(valid, rows, 0).long()]
+    return values.masked_fill(~valid[..., None], 0), valid
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__}"
 
 
 def sparse_mla_decode_reference(

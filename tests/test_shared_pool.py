@@ -140,7 +140,7 @@ def test_bad_specs_are_refused_before_anything_is_made(pool_name: str) -> None:
 def test_bad_handles_give_clear_errors_and_leave_the_group_working(
         pool_name: str, rng: torch.Generator) -> None:
     config = HiSparseConfig.from_preset("tiny", **CONFIG)
-    with pytest.raises(SharedPoolError, match=r"no shared host pool .* was ready within"):
+    with pytest.raises(SharedPoolError, match=r"no shared host pool .* was ready to join within"):
         HiSparseCache(config, "cpu", shared_pool=SharedPoolSpec(pool_name, 1, 2,
                                                                 attach_timeout_s=0.05))
     assert not os.path.exists(shared_segment.segment_path(pool_name))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import shared_pool_workers as workers
+from fakes.gated_writer import ReaderPosts
 from hisparse.core.shared_segment import segment_path
 from hisparse.tools.shared_pool_run import (
     FUZZ_CONFIG,
@@ -35,6 +36,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
 def pool_name(request: pytest.FixtureRequest) -> str:
     name = f"proc-{os.getpid()}-{request.node.name}"[:120].replace("[", "-").replace("]", "")
     yield name
+    ReaderPosts(name, 1).unlink()  # a gated run whose ranks failed leaves its posts behind
     leaked = os.path.exists(segment_path(name))
     if leaked:
         os.unlink(segment_path(name))
@@ -103,6 +105,59 @@ def test_a_group_killed_whole_is_reclaimed_by_the_next_writer(pool_name: str) ->
     config = HiSparseConfig.from_preset("tiny", **workers.CONFIG)
     HiSparseCache(config, "cpu", shared_pool=SharedPoolSpec(pool_name, 0, 2)).close()
     assert not os.path.exists(segment_path(pool_name))
+
+
+def test_a_group_killed_whole_comes_back_whichever_rank_starts_first(
+        pool_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the whole group is killed, a reader that starts before the new writer does not
+    join the dead pool (the writer could then not reclaim the name): it waits, and joins the
+    writer's new pool; both then decode and the reader reads the writer's rows."""
+    import threading
+
+    from hisparse import HiSparseCache, HiSparseConfig
+    from hisparse.core import shared_segment
+    from hisparse.core.shared_pool import SharedPoolSpec
+
+    results = run_group(workers.all_killed_rank, ranks_of(pool_name, 2), timeout_s=120)
+    assert results == [{"exitcode": -9}] * 2 and os.path.exists(segment_path(pool_name))
+    passed_over = threading.Event()
+    not_joinable = shared_segment._not_joinable
+
+    def noting(fd: int, path: str) -> str | None:
+        reason = not_joinable(fd, path)
+        if reason is not None:
+            passed_over.set()
+        return reason
+
+    monkeypatch.setattr(shared_segment, "_not_joinable", noting)
+    config = HiSparseConfig.from_preset("tiny", **workers.CONFIG)
+    caches: dict[int, object] = {}
+
+    def start_reader() -> None:
+        try:
+            caches[1] = HiSparseCache(config, "cpu", shared_pool=SharedPoolSpec(
+                pool_name, 1, 2, attach_timeout_s=30))
+        except BaseException as exc:  # reported below
+            caches[1] = exc
+
+    reader = threading.Thread(target=start_reader)
+    reader.start()
+    while not passed_over.is_set() and reader.is_alive():
+        passed_over.wait(0.01)
+    assert passed_over.is_set(), f"the reader joined the dead pool: {caches.get(1)!r}"
+    writer = HiSparseCache(config, "cpu", shared_pool=SharedPoolSpec(pool_name, 0, 2))
+    reader.join()
+    assert isinstance(caches[1], HiSparseCache), caches[1]
+    group = [writer, caches[1]]
+    rows = workers.prompt_rows(1, 0, workers.PROMPT, writer.num_layers, writer.row_bytes)
+    for cache in group:  # the same calls on both ranks, in turn (one thread: no waits block)
+        cache.admit("r", workers.PROMPT)
+        cache.write_prefill("r", rows)
+        cache.commit_prefill("r")
+    stale = [workers._step(cache, workers.PROMPT)[0] for cache in group]
+    assert stale == [0, 0]
+    for cache in reversed(group):
+        cache.close()
 
 
 def check_memory(name: str | None, ranks: int, device: str, pool_tokens: int = 1 << 17

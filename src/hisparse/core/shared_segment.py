@@ -151,31 +151,40 @@ class SharedSegment:
     def attach(cls, name: str, layout: SegmentLayout, rank: int,
                timeout_s: float) -> SharedSegment:
         """Open the segment another rank created (waiting up to `timeout_s` for it to appear
-        and be ready), check its layout against ours, and take `rank`'s slot."""
+        and be ready), check its layout against ours, and take `rank`'s slot. A segment left
+        by a group whose writer is gone (killed, or closed) or that failed is not joined: the
+        new writer reclaims its name, so a restarted group comes up whichever rank starts
+        first."""
         path = segment_path(name)
         deadline = time.monotonic() + timeout_s
+        passed_over = ""  # why the segment there was not joined, for the timeout's message
         while True:
             fd = _open_ready(path, layout)
             if fd is not None:
-                break
+                segment = None
+                try:
+                    with _flocked(fd):  # the writer's reclaim holds the same lock
+                        passed_over = _not_joinable(fd, path) or ""
+                        if not passed_over:
+                            _check_layout(fd, path, layout)
+                            segment = cls(path, fd, layout, rank)
+                            segment._take_slot()
+                            return segment
+                except BaseException:
+                    if segment is not None:
+                        segment._unmap()
+                    os.close(fd)
+                    raise
+                os.close(fd)
             if time.monotonic() > deadline:
+                found = (f"; the pool there {passed_over}: start its writer (rank "
+                         f"{layout.writer_rank}), which reclaims the name" if passed_over else
+                         f"; create it on the writer rank (rank {layout.writer_rank}) with the "
+                         "same name first, or raise attach_timeout_s")
                 raise SharedPoolError(
-                    f"no shared host pool {name!r} ({path}) was ready within {timeout_s:g} s; "
-                    f"create it on the writer rank (rank {layout.writer_rank}) with the same "
-                    "name first, or raise attach_timeout_s")
+                    f"no shared host pool {name!r} ({path}) was ready to join within "
+                    f"{timeout_s:g} s{found}")
             time.sleep(0.01)
-        segment = None
-        try:
-            _check_layout(fd, path, layout)
-            segment = cls(path, fd, layout, rank)
-            with segment.locked():
-                segment._take_slot()
-        except BaseException:
-            if segment is not None:
-                segment._unmap()
-            os.close(fd)
-            raise
-        return segment
 
     def _take_slot(self) -> None:
         slot = self.slot(self.rank)
@@ -363,6 +372,23 @@ def _stale_segment(fd: int) -> bool | str:
     live = [int(s[S_PID]) for s in slots
             if s[S_STATE] == ATTACHED and process_alive(int(s[S_PID]), int(s[S_START]))]
     return True if not live else f"is attached by live processes {live}"
+
+
+def _not_joinable(fd: int, path: str) -> str | None:
+    """None when the ready segment open as `fd` is still the one `path` names, has not
+    failed and its writer runs; else why a rank must not join it (a new writer will reclaim
+    the name once no live rank holds it)."""
+    if not _same_file(fd, path):
+        return "was replaced while it was opened"
+    with mmap.mmap(fd, SLOTS_AT + MAX_RANKS * SLOT_FIELDS * 8, flags=mmap.MAP_SHARED) as view:
+        header = np.frombuffer(view, dtype=np.int64).copy()
+    if header[F_FAILED]:
+        return "failed"
+    writer = int(header[F_WRITER])
+    slot = header[SLOTS_AT // 8 + writer * SLOT_FIELDS:][:SLOT_FIELDS]
+    if slot[S_STATE] != ATTACHED or not process_alive(int(slot[S_PID]), int(slot[S_START])):
+        return f"has no live writer (rank {writer} exited)"
+    return None
 
 
 def _reserve(fd: int, path: str, layout: SegmentLayout) -> None:

@@ -311,3 +311,92 @@ def test_one_rank_plans_no_node_columns(capsys: pytest.CaptureFixture[str]) -> N
     assert context["host_node_bytes_shared"] == context["host_pool_bytes"]
     assert main(["plan", "--context", "32768"]) == 0
     assert "host/node" not in capsys.readouterr().out
+
+
+# --- issue 39: what a deployment's config and an absurd value do to the plan -----------------
+def test_a_shared_prefix_longer_than_the_default_contexts_names_context(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The defaults include 8192-token contexts: a 16384-token prefix used to fail without
+    naming --context, the option that fixes it."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--shared-prefix", "16384"])
+    error = usage_error_line(capsys.readouterr().err, "plan")
+    assert error.startswith("hisparse plan: error: argument --shared-prefix: 16384 tokens")
+    assert "--context" in error and "8192" in error
+
+
+@pytest.mark.parametrize(("argv", "option"), [
+    (["--gpu-mem-gib", "1e30"], "--gpu-mem-gib"),
+    (["--weights-gib", "1e30"], "--weights-gib"),
+    (["--host-mem-gib", "1e30"], "--host-mem-gib"),
+    (["--link-gbps", "1e30"], "--link-gbps"),
+    (["--context", str(2**40)], "--context"),
+    (["--top-k", "100000", "--context", "8192", "32768"], "--top-k"),
+    (["--tp", "100000"], "--tp"),
+])
+def test_absurd_values_are_refused_naming_the_option(
+    capsys: pytest.CaptureFixture[str], argv: list[str], option: str,
+) -> None:
+    """`--gpu-mem-gib 1e30` printed 31-digit request counts; `--top-k 100000` against
+    8192-token contexts planned "gain 0.0x"."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *argv])
+    assert exit_info.value.code == 2
+    error = usage_error_line(capsys.readouterr().err, "plan")
+    assert error.startswith(f"hisparse plan: error: argument {option}: "), error
+    assert argv[1] in error or str(float(argv[1])) in error or "100000" in error, error
+
+
+def test_a_config_files_request_limits_cap_the_plan(
+    capsys: pytest.CaptureFixture[str], tmp_path,
+) -> None:
+    """max_requests and host_pool_tokens of a --config file are what the cache will admit:
+    the HiSparse column is capped by them, and says which one capped it."""
+    config = tmp_path / "deploy.yaml"
+    config.write_text("model: deploy\nnum_layers: 61\nrow_bytes: 656\ntop_k: 2048\n"
+                      "max_requests: 16\nhost_pool_tokens: 65536\nmax_seq_len: 32768\n")
+    doc = run_json(capsys, "--config", str(config), "--context", "8192", "32768")
+    short, long = doc["contexts"]
+    assert short["hisparse_max_requests"] == 8 and short["limited_by"] == "host_pool_tokens"
+    assert long["hisparse_max_requests"] == 2 and long["limited_by"] == "host_pool_tokens"
+    assert short["host_pool_tokens"] == 65536 and long["host_pool_tokens"] == 65536
+    config.write_text(config.read_text().replace("65536", "16777216"))
+    doc = run_json(capsys, "--config", str(config), "--context", "8192")
+    [short] = doc["contexts"]
+    assert short["hisparse_max_requests"] == 16 and short["limited_by"] == "max_requests"
+    assert short["host_pool_tokens"] == 16 * 8192
+    assert main(["plan", "--config", str(config), "--context", "8192"]) == 0
+    text = capsys.readouterr().out
+    assert "max_requests 16" in text and "host_pool_tokens 16777216" in text
+
+
+def test_requests_asks_whether_they_fit_and_what_to_set(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--requests 128 --context 131072`: do 128 requests of 128k tokens fit, and which
+    host_pool_tokens, max_requests and max_seq_len would a cache for them need?"""
+    doc = run_json(capsys, "--requests", "128", "--context", "131072", "8192")
+    long, short = doc["requests"]
+    assert long["requests"] == 128 and long["context_tokens"] == 131072
+    assert long["host_pool_tokens"] == 128 * 131072
+    per_request = doc["contexts"][0]["hisparse_request_bytes"]
+    assert long["device_bytes"] == 128 * per_request
+    assert long["fits"] == (128 * per_request <= doc["settings"]["available_bytes"]) is False
+    assert short["fits"] is True and short["host_pool_tokens"] == 128 * 8192
+    assert main(["plan", "--requests", "128", "--context", "8192"]) == 0
+    text = capsys.readouterr().out
+    assert "128 requests of 8192 tokens: fit" in text
+    assert "host_pool_tokens: 1048576" in text and "max_requests: 128" in text
+
+
+def test_a_context_past_the_configs_max_seq_len_is_warned_about(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plan", "--context", "262144", "8192", "--json"]) == 0
+    captured = capsys.readouterr()
+    doc, err = json.loads(captured.out), captured.err
+    assert "warning" in err and "--context 262144" in err and "max_seq_len 131072" in err
+    assert any("262144" in warning for warning in doc["warnings"])
+    assert main(["plan", "--context", "131072"]) == 0
+    assert capsys.readouterr().err == ""

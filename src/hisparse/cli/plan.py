@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hisparse.cli import _output as out
@@ -90,6 +92,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cache.add_argument("--context", type=out.positive_int, nargs="+", default=None,
                        metavar="TOKENS", help="context lengths to plan for (default: "
                        f"{' '.join(map(str, DEFAULT_CONTEXTS))})")
+    cache.add_argument("--requests", type=out.positive_int, default=None, metavar="N",
+                       help="also ask: do N requests of each --context fit this GPU (and a "
+                       "--config file's max_requests and host_pool_tokens)? prints the "
+                       "max_requests, max_seq_len and host_pool_tokens a cache for them sets")
     cache.add_argument("--top-k", type=out.positive_int, default=None,
                        help="top-k entries per step (default: the config's)")
     cache.add_argument("--hot-slots", "--hot-buffer", dest="hot_slots",
@@ -137,17 +143,16 @@ def run(args: argparse.Namespace) -> int:
             return out.fail("plan", pyplot)
         out.check_plot_path(parser, args.plot)
     config = load_config(parser, args)
-    if args.sharing_requests is not None and not args.shared_prefix:
-        parser.error("argument --sharing-requests: needs --shared-prefix TOKENS, the prefix "
-                     "the requests share")
+    contexts = args.context or list(DEFAULT_CONTEXTS)
+    check_values(parser, args, contexts)
     shape = model_shape(config, args)
-    hot_slots = config.hot_slots
+    limits = config_limits(args, config)
     settings = PlanSettings(
         gpu_mem_bytes=round(args.gpu_mem_gib * GIB),
         weights_bytes=round(args.weights_gib * GIB),
         reserve_bytes=round(args.reserve_gib * GIB),
         top_k=config.top_k,
-        hot_slots=hot_slots,
+        hot_slots=config.hot_slots,
         extent_tokens=config.extent_tokens,
         miss_rate=args.miss_rate,
         link_bytes_per_s=args.link_gbps * 1e9,
@@ -158,28 +163,99 @@ def run(args: argparse.Namespace) -> int:
         tp_ranks=args.tp,
         resident_entries_per_token=(1 + config.alias_extents / config.num_extents
                                     if config.residency_map == "host_row" else 1.0),
+        **limits,
     )
-    if settings.available_bytes <= 0:
-        parser.error(
-            f"argument --weights-gib/--reserve-gib: weights {args.weights_gib:g} GiB + reserve "
-            f"{args.reserve_gib:g} GiB leave nothing of --gpu-mem-gib {args.gpu_mem_gib:g}; "
-            "lower them or raise --gpu-mem-gib"
-        )
-    contexts = args.context or list(DEFAULT_CONTEXTS)
     try:
         plans = planning.plan(shape, settings, contexts)
     except InvalidInputError as exc:
         parser.error(str(exc))
+    fits = [planning.requests_fit(shape, settings, c, args.requests)
+            for c in (contexts if args.requests else [])]
+    warnings = [f"--context {c} is longer than max_seq_len {config.max_seq_len} of "
+                f"{out.config_source(args)}; a cache for it needs max_seq_len >= {c}"
+                for c in contexts if c > config.max_seq_len]
+    for warning in warnings:
+        print(f"hisparse plan: warning: {warning}", file=sys.stderr)
 
     document = to_document(shape, config, settings, args, plans)
+    document.update(requests=[fit.to_dict() for fit in fits], warnings=warnings)
     if args.json:
         out.emit_json(document)
     else:
-        print(render(shape, config, settings, plans))
+        print(render(shape, config, settings, plans, limits_line(args, limits), fits))
     if args.plot:
         path = plot(pyplot, shape, plans, args.plot)
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+# Upper bounds past which a value plans nothing real: (limit, what it is).
+UPPER_BOUNDS = {
+    "gpu_mem_gib": (16384.0, "16 TiB, more than any one GPU"),
+    "host_mem_gib": (1048576.0, "1 PiB, more than any one host"),
+    "link_gbps": (10000.0, "10 TB/s, more than any host-to-device link"),
+    "tp": (1024, "1024 ranks, more than any one node"),
+}
+MAX_CONTEXT = 2**31 - 1  # token positions are int32
+
+
+def check_values(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 contexts: list[int]) -> None:
+    """Usage errors for values no deployment has, naming the option the user typed."""
+    for name, (limit, what) in UPPER_BOUNDS.items():
+        value = getattr(args, name)
+        if value is not None and value > limit:
+            parser.error(f"argument --{name.replace('_', '-')}: {value:g} is beyond {what}; "
+                         f"use at most {limit:g}")
+    for name in ("weights_gib", "reserve_gib"):
+        if getattr(args, name) > args.gpu_mem_gib:
+            parser.error(f"argument --{name.replace('_', '-')}: {getattr(args, name):g} GiB is "
+                         f"more than --gpu-mem-gib {args.gpu_mem_gib:g}; use at most that")
+    if args.weights_gib + args.reserve_gib >= args.gpu_mem_gib:
+        parser.error(
+            f"argument --weights-gib/--reserve-gib: weights {args.weights_gib:g} GiB + reserve "
+            f"{args.reserve_gib:g} GiB leave nothing of --gpu-mem-gib {args.gpu_mem_gib:g}; "
+            "lower them or raise --gpu-mem-gib")
+    given = "--context" if args.context else (
+        f"the default --context ({' '.join(map(str, DEFAULT_CONTEXTS))})")
+    if max(contexts) > MAX_CONTEXT:
+        parser.error(f"argument --context: {max(contexts)} tokens is more than the "
+                     f"{MAX_CONTEXT} a request can hold (int32 positions); use shorter contexts")
+    if args.top_k is not None and args.top_k > min(contexts):
+        parser.error(f"argument --top-k: {args.top_k} entries is more than the "
+                     f"{min(contexts)} tokens of {given} they are picked from; use at most "
+                     f"{min(contexts)}, or longer contexts")
+    shorter = [c for c in contexts if c < args.shared_prefix]
+    if shorter:
+        parser.error(f"argument --shared-prefix: {args.shared_prefix} tokens is longer than "
+                     f"context {shorter} of {given}; a request holds at least its prefix: "
+                     f"pass --context lengths of at least {args.shared_prefix} tokens or a "
+                     "shorter --shared-prefix")
+    if args.sharing_requests is not None and not args.shared_prefix:
+        parser.error("argument --sharing-requests: needs --shared-prefix TOKENS, the prefix "
+                     "the requests share")
+
+
+# The keys of a --config file that limit the requests a cache admits (presets leave them at
+# the library's defaults, which say nothing about a deployment: the plan says what to set).
+LIMIT_KEYS = ("max_requests", "host_pool_tokens")
+
+
+def config_limits(args: argparse.Namespace, config: Any) -> dict[str, int]:
+    """The LIMIT_KEYS a --config file sets, with the values the config took."""
+    if not args.config:
+        return {}
+    import yaml
+
+    loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+    return {key: getattr(config, key) for key in LIMIT_KEYS if key in loaded}
+
+
+def limits_line(args: argparse.Namespace, limits: dict[str, int]) -> str:
+    if not limits:
+        return ""
+    given = " and ".join(f"{key} {value}" for key, value in limits.items())
+    return f"config file {args.config}: {given} cap the HiSparse column"
 
 
 def load_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
@@ -236,7 +312,8 @@ def to_document(
 
 
 def render(
-    shape: ModelShape, config: Any, settings: PlanSettings, plans: list[ContextPlan]
+    shape: ModelShape, config: Any, settings: PlanSettings, plans: list[ContextPlan],
+    limits: str = "", fits: Sequence[Any] = (),
 ) -> str:
     # Layers that share a top-k have no indexer, so no indexer keys: one per index group.
     indexers = "layer" if shape.num_groups == shape.num_layers else (
@@ -255,6 +332,8 @@ def render(
         header += (f"\nshared prefix: {settings.shared_prefix_tokens} tokens, held once by "
                    f"{who} (whole {settings.extent_tokens}-token extents shared, the boundary "
                    "extent copied)")
+    if limits:
+        header += f"\n{limits}"
     tp = settings.tp_ranks
     if tp > 1:
         header += (f"\ntensor parallel: {tp} ranks per node hold the same requests; host/node "
@@ -263,7 +342,8 @@ def render(
     rows = []
     for p in plans:
         gain = "-" if p.gain is None else f"{p.gain:.1f}x"
-        hisparse = str(p.hisparse_max_requests) + (" (host)" if p.limited_by == "host" else "")
+        hisparse = str(p.hisparse_max_requests) + (
+            "" if p.limited_by == "device" else f" ({p.limited_by})")
         rows.append((
             p.context_tokens,
             p.baseline_max_requests,
@@ -272,6 +352,7 @@ def render(
             out.format_bytes(p.baseline_request_bytes),
             out.format_bytes(p.hisparse_request_bytes),
             out.format_bytes(p.host_pool_bytes),
+            p.host_pool_tokens,
             *([out.format_bytes(p.host_bytes_saved)] if sharing else []),
             *([out.format_bytes(p.host_node_bytes_private),
                out.format_bytes(p.host_node_bytes_shared)] if tp > 1 else []),
@@ -280,12 +361,26 @@ def render(
         ))
     table = out.render_table(
         ("context", "requests", "HiSparse", "gain", "device/req", "HiSparse/req",
-         "host pool", *(["host saved"] if sharing else []),
+         "host pool", "host_pool_tokens", *(["host saved"] if sharing else []),
          *([f"host/node x{tp}", "host/node shared"] if tp > 1 else []),
          "H2D/step", "H2D time/step"),
         rows,
     )
-    return f"{header}\n\n{table}"
+    return "\n".join([header, "", table, *render_fits(fits)])
+
+
+def render_fits(fits: Sequence[Any]) -> list[str]:
+    """`--requests N`: per context, whether N requests fit and what a cache for them sets."""
+    lines = [""] if fits else []
+    for fit in fits:
+        verdict = "fit" if fit.fits else "do NOT fit: over " + " and ".join(fit.problems)
+        lines.append(
+            f"{fit.requests} requests of {fit.context_tokens} tokens: {verdict}; device "
+            f"{out.format_bytes(fit.device_bytes)} of {out.format_bytes(fit.available_bytes)}, "
+            f"host pool {out.format_bytes(fit.host_pool_bytes)}\n  a cache for them sets "
+            f"max_requests: {fit.requests}, max_seq_len: {fit.context_tokens} (plus the "
+            f"tokens they decode), host_pool_tokens: {fit.host_pool_tokens}")
+    return lines
 
 
 def plot(pyplot: Any, shape: ModelShape, plans: list[ContextPlan], path: str) -> str:

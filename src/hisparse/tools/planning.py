@@ -39,7 +39,10 @@ C = context tokens, C_E = C rounded up to whole extents, K = top-k, m = miss rat
                                                                 H > 32767; a = 1 + the
                                                                 alias key extents over the
                                                                 pool's under host_row, else 1)
-  concurrent requests      = floor(available / per-request bytes)   [then capped by --host-mem-gib]
+  concurrent requests      = floor(available / per-request bytes)   [then capped by --host-mem-gib,
+                                                                and by a --config file's
+                                                                max_requests and
+                                                                host_pool_tokens]
   host pool                = requests * C_E * L * W
                            - (N - 1) * P_E * L * W             (N of the requests share a
                                                                 P-token prefix: its whole
@@ -99,6 +102,10 @@ class PlanSettings:
     # host_row with alias key extents (shared prefixes) adds alias_extents / the pool's
     # extents more (the default, as many aliases as extents: 2).
     resident_entries_per_token: float = 1.0
+    # What a cache's config admits at most (None: not fixed, the plan says what to set):
+    # its request slots, and its host pool's tokens per layer (rounded up to whole extents).
+    max_requests: int | None = None
+    host_pool_tokens: int | None = None
 
     @property
     def available_bytes(self) -> int:
@@ -144,6 +151,7 @@ class ContextPlan:
     tp_ranks: int = 1
     host_node_bytes_private: int = 0  # tp_ranks pools, one per rank (no shared pool)
     host_node_bytes_shared: int = 0  # one pool the ranks share, plus its metadata header
+    host_pool_tokens: int = 0  # the pool's tokens per layer: what to set host_pool_tokens to
 
     @property
     def gain(self) -> float | None:
@@ -252,6 +260,7 @@ def plan_context(shape: ModelShape, settings: PlanSettings, context_tokens: int)
         requests = _most_requests_in(shape, settings, context_tokens, settings.host_mem_bytes,
                                      requests)
         limited_by = "host"
+    requests, limited_by = _config_caps(shape, settings, context_tokens, requests, limited_by)
     pool_bytes = host_pool(shape, settings, context_tokens, requests)
 
     # A request no longer than its hot buffer is served from it without copies.
@@ -276,7 +285,64 @@ def plan_context(shape: ModelShape, settings: PlanSettings, context_tokens: int)
         tp_ranks=settings.tp_ranks,
         host_node_bytes_private=settings.tp_ranks * pool_bytes,
         host_node_bytes_shared=pool_bytes + shared_pool_metadata_bytes(settings.tp_ranks),
+        host_pool_tokens=host_pool_rows(settings, context_tokens, requests),
     )
+
+
+def _config_caps(shape: ModelShape, settings: PlanSettings, context_tokens: int,
+                 requests: int, limited_by: str) -> tuple[int, str]:
+    """`requests` capped by what the config admits: its max_requests, then the requests
+    whose extents its host_pool_tokens holds; and which limit capped them."""
+    if settings.max_requests is not None and requests > settings.max_requests:
+        requests, limited_by = settings.max_requests, "max_requests"
+    if settings.host_pool_tokens is not None:
+        rows = round_up(settings.host_pool_tokens, settings.extent_tokens)
+        if host_pool_rows(settings, context_tokens, requests) > rows:
+            pool_bytes = rows * shape.num_layers * shape.row_bytes
+            requests = _most_requests_in(shape, settings, context_tokens, pool_bytes, requests)
+            limited_by = "host_pool_tokens"
+    return requests, limited_by
+
+
+@dataclass(frozen=True)
+class RequestsFit:
+    """Whether `requests` requests of `context_tokens` fit, and what a cache for them sets."""
+
+    requests: int
+    context_tokens: int
+    device_bytes: int  # the requests' HiSparse device bytes
+    available_bytes: int
+    host_pool_bytes: int
+    host_pool_tokens: int  # what to set host_pool_tokens to (whole extents)
+    problems: tuple[str, ...]  # why they do not fit (empty: they fit)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "problems": list(self.problems), "fits": self.fits}
+
+
+def requests_fit(shape: ModelShape, settings: PlanSettings, context_tokens: int,
+                 requests: int) -> RequestsFit:
+    """Do `requests` requests of `context_tokens` fit the device, the host cap and the
+    config's limits (`settings.max_requests`, `settings.host_pool_tokens`)?"""
+    device = requests * hisparse_footprint(shape, settings, context_tokens).total
+    pool = host_pool(shape, settings, context_tokens, requests)
+    rows = host_pool_rows(settings, context_tokens, requests)
+    problems = []  # each names the limit they exceed
+    if device > settings.available_bytes:
+        problems.append("the device budget")
+    if settings.host_mem_bytes is not None and pool > settings.host_mem_bytes:
+        problems.append(f"the host memory cap of {settings.host_mem_bytes} B")
+    if settings.max_requests is not None and requests > settings.max_requests:
+        problems.append(f"the config's max_requests {settings.max_requests}")
+    if settings.host_pool_tokens is not None and (
+            rows > round_up(settings.host_pool_tokens, settings.extent_tokens)):
+        problems.append(f"the config's host_pool_tokens {settings.host_pool_tokens}")
+    return RequestsFit(requests, context_tokens, device, settings.available_bytes, pool, rows,
+                       tuple(problems))
 
 
 def shared_pool_metadata_bytes(tp_ranks: int) -> int:
@@ -297,16 +363,21 @@ def _sharing(settings: PlanSettings, requests: int) -> int:
     return requests if wanted is None else min(wanted, requests)
 
 
-def host_pool(shape: ModelShape, settings: PlanSettings, context_tokens: int,
-              requests: int) -> int:
-    """Host pool bytes for `requests` requests of `context_tokens`: whole extents each, less
-    the whole extents of the shared prefix that all but one of its sharers hold by reference
-    (core/prefixes.py: the boundary extent is each request's own copy)."""
+def host_pool_rows(settings: PlanSettings, context_tokens: int, requests: int) -> int:
+    """Host pool rows per layer for `requests` requests of `context_tokens`: whole extents
+    each, less the whole extents of the shared prefix that all but one of its sharers hold by
+    reference (core/prefixes.py: the boundary extent is each request's own copy)."""
     whole_prefix = settings.shared_prefix_tokens // settings.extent_tokens * settings.extent_tokens
     sharers = _sharing(settings, requests)
     rows = requests * round_up(context_tokens, settings.extent_tokens)
-    rows -= max(0, sharers - 1) * whole_prefix
-    return rows * shape.num_layers * shape.row_bytes
+    return rows - max(0, sharers - 1) * whole_prefix
+
+
+def host_pool(shape: ModelShape, settings: PlanSettings, context_tokens: int,
+              requests: int) -> int:
+    """Host pool bytes for `requests` requests of `context_tokens`: `host_pool_rows` of
+    every layer."""
+    return host_pool_rows(settings, context_tokens, requests) * shape.num_layers * shape.row_bytes
 
 
 def _most_requests_in(shape: ModelShape, settings: PlanSettings, context_tokens: int,

@@ -1,0 +1,181 @@
+"""The newest peers' harness (benchmarks/peers.py, peers_sw2.py, sglang_ops.py, vllm_peer.py)
+on a CPU: argument checks, the peers' state built from hisparse's tables, the byte check. The
+peers' kernels themselves run only where CUDA and the user's peer sources are present
+(scripts/peers-gpu)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hisparse.backends.registry import get_backend
+from hisparse.errors import InvalidInputError
+from hisparse.tools import benchmarking
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import peers  # benchmark modules, not part of the package
+import peers_sw2
+import sglang_ops
+import vllm_peer
+
+BINDINGS = """
+STABLE_TORCH_LIBRARY_FRAGMENT(_C_cache_ops, ops) {
+  ops.def(
+      "other_op(Tensor x) -> ()");
+  ops.def(
+      "hisparse_resolve_residency(Tensor host_cache,"
+      "                 Tensor! hot_cache,"
+      "                 int max_union_rows,"
+      "                 Tensor? num_valid_rows=None) -> ()");
+  ops.def(
+      "hisparse_gather_compact(Tensor host_cache,"
+      "                        Tensor miss_counts) -> ()");
+}
+"""
+
+
+def test_op_schemas_are_read_from_the_bindings_and_registered_under_our_namespace() -> None:
+    schemas = vllm_peer.op_schemas(BINDINGS)
+    assert schemas["hisparse_resolve_residency"] == (
+        "hisparse_resolve_residency(Tensor host_cache, Tensor! hot_cache, int max_union_rows, "
+        "Tensor? num_valid_rows=None) -> ()")
+    assert set(schemas) == set(vllm_peer.OPS)
+    unit = vllm_peer.registration_source(schemas)
+    assert f"STABLE_TORCH_LIBRARY({vllm_peer.NAMESPACE}, m)" in unit
+    assert unit.count("TORCH_BOX(&hisparse_") == 2 and "other_op" not in unit
+    with pytest.raises(InvalidInputError, match="hisparse_gather_compact"):
+        vllm_peer.op_schemas(BINDINGS.replace("hisparse_gather_compact", "renamed"))
+
+
+def test_vllm_source_is_found_or_refused_with_the_way_to_get_it(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError, match="lacks csrc/hisparse_kernels.cu"):
+        vllm_peer.find_source(str(tmp_path))
+    for name in vllm_peer.SOURCE_FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(BINDINGS)
+    (tmp_path / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.34.0\n")
+    assert vllm_peer.find_source(str(tmp_path)) == tmp_path
+    assert vllm_peer.describe(tmp_path)["kernel"] == "vllm-0.34.0"
+
+
+def test_host_pages_follow_the_rows_and_refuse_a_scattered_pool() -> None:
+    rng = np.random.default_rng()
+    pages = rng.permutation(12)[:8].reshape(2, 4)  # pool pages of 64 rows, random order
+    host_rows = (pages[:, :, None] * 64 + np.arange(64)).reshape(2, 256)
+    got = vllm_peer.host_pages(host_rows, 64)
+    assert (got == pages + 1).all()  # page 0 is vLLM's null page
+    one = vllm_peer.host_pages(host_rows, 1)
+    assert (one == host_rows + vllm_peer.NULL_PAGE_ROWS).all()
+    with pytest.raises(InvalidInputError, match="64-token pages"):
+        vllm_peer.host_pages(rng.permutation(512).reshape(2, 256), 64)
+
+
+@pytest.mark.parametrize("layout", benchmarking.LAYOUTS)
+def test_vllm_state_holds_hisparses_tokens_rows_and_lru(layout: str) -> None:
+    """After hisparse's own kernel has moved some slots, each vLLM hot slot names (by vLLM host
+    row) the token hisparse's slot holds, and holds that token's bytes."""
+    rng = np.random.default_rng()
+    sizes = benchmarking.SW1Sizes(seq_len=2048, top_k=64, hot_slots=128, extent_tokens=64)
+    backend = get_backend("cpu")
+    pool = backend.alloc_host(2 * sizes.seq_len * 656).view(-1, 656)
+    benchmarking.fill_pool(pool)
+    tables, host_rows = benchmarking.build_tables(backend, pool, layout, 2, sizes, rng,
+                                                  mirror=pool.clone())
+    kernel, _ = benchmarking.swap_in_kernel(backend)
+    trace = benchmarking.ChurnTrace(2, sizes, 0.5, rng)
+    out = torch.full((2, sizes.top_k), -1, dtype=torch.int32)
+    for _ in range(2):
+        kernel(tables, 0, 0, torch.arange(2, dtype=torch.int32),
+               torch.from_numpy(trace.step()), torch.tensor([2], dtype=torch.int32), out)
+    keys = tables.slot_key[0].clone()
+    block = 1 if layout == "scattered" else 64
+    state = vllm_peer.vllm_tables(tables, host_rows, block)
+    hot = sizes.hot_slots
+    assert (state.device_global_indices.long() - vllm_peer.NULL_PAGE_ROWS == keys.long()).all()
+    rows = state.hot_cache.reshape(-1, 656)
+    assert torch.equal(rows, pool[keys.reshape(-1).long()])
+    assert state.hot_block_table.shape == (2, hot // 64)
+    assert (state.source_block_table.numpy() == vllm_peer.host_pages(host_rows, block)).all()
+    stamps = tables.last_use[0].tolist()
+    for b in range(2):
+        assert state.lru_slots[b].tolist() == sorted(range(hot), key=lambda s: (stamps[b][s], s))
+
+
+def test_spec_state_is_sized_and_reset_as_sglangs_manager_does() -> None:
+    ops = types.SimpleNamespace(HiSparseSpecState=types.SimpleNamespace)
+    hot, S, K, R = 4096, 3, 2048, 3
+    state = sglang_ops.spec_state(ops, R, hot, S, K, torch.device("cpu"))
+    assert state.cache_index.shape == (R, 2, 8192)
+    assert state.scratch_locs.shape == (R, max(1024, S * K - hot))
+    assert state.scratch_state.shape == (R + 1, 5 * S * K)
+    assert (state.scratch_state[0] == 0).all() and (state.scratch_state[1:] == -1).all()
+    state.cache_policy.fill_(7)
+    state.scratch_state[0].fill_(5)
+    sglang_ops.reset_request(state, 1, hot)
+    tokens = torch.arange(hot)
+    bank = state.cache_index[1, 0]
+    where = (tokens * 2654435761) % 8192
+    # Every seeded entry that no later token overwrote packs (slot t, token t).
+    last = {int(w): int(t) for t, w in zip(tokens, where, strict=True)}
+    for w, t in last.items():
+        assert int(bank[w]) == (t << 32) | t
+    assert int((bank != -1).sum()) == len(last) and (state.cache_index[1, 1] == -1).all()
+    assert (state.cache_index[0] == -1).all()  # other requests untouched
+    assert int(state.cache_policy[0, 1]) == 0 and (state.cache_policy[2] == 0).all()
+    assert int(state.cache_policy[0, 0]) == 7 and (state.cache_policy[1] == 7).all()
+    assert state.scratch_state[0, 1::R][:4].tolist() == [0, 0, 0, 0]
+    assert state.scratch_state[0, 0] == 5
+
+
+def test_peer_byte_check_counts_wrong_and_missing_rows() -> None:
+    rng = np.random.default_rng()
+    truth = torch.randint(0, 256, (300, 16), dtype=torch.uint8)
+    positions = torch.from_numpy(rng.integers(0, 300, (2, 3, 40)).astype(np.int32))
+    positions[0, 0, :5] = -1
+    rows = torch.zeros(2 * 3 * 40, 16, dtype=torch.uint8)
+    out = torch.randperm(rows.shape[0]).to(torch.int32).view(2, 3, 40)
+    rows[out.reshape(-1).long()] = truth[positions.reshape(-1).clamp(min=0).long()]
+    assert peers_sw2.peer_wrong(rows, out, positions, truth) == 0
+    rows[int(out[1, 2, 7])] ^= 1
+    out[0, 1, 3] = -1
+    assert peers_sw2.peer_wrong(rows, out, positions, truth) == 2
+    out[0, 0, 0] = -1  # an unselected position's output is not checked
+    assert peers_sw2.peer_wrong(rows, out, positions, truth) == 2
+
+
+def test_arguments_are_checked_before_anything_runs() -> None:
+    args = peers.parse_args(["--table", "sw2", "--peers", "vllm", "--tokens", "2", "4"])
+    assert args.peers == ("vllm",) and args.tokens == [2, 4] and args.table == "sw2"
+    assert peers.parse_args(["--build-only", "--peers", ""]).peers == ()
+    for bad in (["--table", "sw1", "--peers", "trtllm"], ["--peers", "vllm"],
+                ["--table", "sw1", "--layouts", "striped"], ["--table", "sw1", "--steps", "0"]):
+        with pytest.raises(SystemExit):
+            peers.parse_args(bad)
+
+
+def test_cell_correctness_covers_every_kernel_of_both_tables() -> None:
+    assert peers.cell_correct({"hisparse": {"correct": True}, "vllm": {"error": "refused"}})
+    assert not peers.cell_correct({"hisparse": {"correct": True}, "sglang": {"correct": False}})
+    assert peers.cell_correct({"wrong_rows": {"hisparse": 0, "sglang": 0}})
+    assert not peers.cell_correct({"wrong_rows": {"hisparse": 0, "vllm": 3}})
+
+
+def test_sglang_root_is_checked_and_its_dependencies_named(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError, match="lacks sglang/kernels/ops/kvcache"):
+        sglang_ops.find_root(str(tmp_path))
+    for name in sglang_ops.REQUIRED:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    info = tmp_path / "sglang-0.5.23.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Name: sglang\nVersion: 0.5.23\n")
+    assert sglang_ops.find_root(str(tmp_path)) == tmp_path
+    assert sglang_ops.version(tmp_path) == "0.5.23"
+    if any(sglang_ops.importlib.util.find_spec(m) is None for m in ("tvm_ffi", "msgspec")):
+        with pytest.raises(InvalidInputError, match="apache-tvm-ffi|msgspec"):
+            sglang_ops.load(tmp_path, tmp_path / "build")

@@ -180,13 +180,15 @@ def kernels_for(args: argparse.Namespace, peers: Peers, pool: Pool, layout: str
 
 
 def sw1_cell(pool: Pool, layout: str, batch: int, churn: float, args: argparse.Namespace,
-             kernel_for: Callable[..., tuple[Any, Callable[[], int | None]]]) -> dict[str, Any]:
+             kernel_for: Callable[..., tuple[Any, Callable[[], int | None]]],
+             backend: Any = None, sizes: benchmarking.SW1Sizes = SIZES) -> dict[str, Any]:
     """One kernel on one SW-1 cell: the tables, trace and seed of `benchmarking.sw1_cell`, an
-    untimed first step, warm-up and timed graph replays, then eager calls; every step's rows
-    byte-checked on the device."""
+    untimed first step, warm-up and timed graph replays (eager launches on a backend without
+    graphs), then eager calls; every step's rows byte-checked against the pool's mirror."""
+    from hisparse.backends.features import Feature
     from hisparse.backends.registry import get_backend
 
-    backend, sizes = get_backend("cuda"), SIZES
+    backend = backend or get_backend("cuda")
     rng = np.random.default_rng([args.seed, batch, round(churn * 1000),
                                  benchmarking.LAYOUTS.index(layout)])
     tables, host_rows = benchmarking.build_tables(backend, pool.rows, layout, batch, sizes, rng,
@@ -196,7 +198,8 @@ def sw1_cell(pool: Pool, layout: str, batch: int, churn: float, args: argparse.N
     timer = benchmarking.StepTimer(backend, backend.device(), queued=True)
     steps = 1 + args.warmup + args.steps + args.eager_steps
     cell = CellSteps(backend, tables, host_rows, trace, batch, batch, sizes.top_k, pool.mirror,
-                     True, timer, benchmarking.CacheFlusher(backend.device()), steps)
+                     backend.supports(Feature.GRAPH_CAPTURE), timer,
+                     benchmarking.CacheFlusher(backend.device()), steps)
     cell.next_top_k(0)
     cell.call(kernel)  # compiles, allocates, and leaves the seeded state
     cell.check()

@@ -53,7 +53,7 @@ def test_op_schemas_are_read_from_the_bindings_and_registered_under_our_namespac
 
 
 def test_vllm_source_is_found_or_refused_with_the_way_to_get_it(tmp_path: Path) -> None:
-    with pytest.raises(InvalidInputError, match="lacks csrc/hisparse_kernels.cu"):
+    with pytest.raises(InvalidInputError, match=r"lacks csrc/hisparse_kernels\.cu"):
         vllm_peer.find_source(str(tmp_path))
     for name in vllm_peer.SOURCE_FILES:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -177,5 +177,46 @@ def test_sglang_root_is_checked_and_its_dependencies_named(tmp_path: Path) -> No
     assert sglang_ops.find_root(str(tmp_path)) == tmp_path
     assert sglang_ops.version(tmp_path) == "0.5.23"
     if any(sglang_ops.importlib.util.find_spec(m) is None for m in ("tvm_ffi", "msgspec")):
-        with pytest.raises(InvalidInputError, match="apache-tvm-ffi|msgspec"):
+        with pytest.raises(InvalidInputError, match=r"apache-tvm-ffi|msgspec"):
             sglang_ops.load(tmp_path, tmp_path / "build")
+
+
+class TraceCountedPeer:
+    """hisparse's CPU kernel with its counters hidden (a peer that counts nothing), one
+    returned row flipped on request."""
+
+    def __init__(self, corrupt: bool) -> None:
+        self.kernel, _ = benchmarking.swap_in_kernel(get_backend("cpu"))
+        self.corrupt = corrupt
+
+    def __call__(self, tables: object, *args: object) -> None:
+        counters = tables.counters.clone()
+        self.kernel(tables, *args)
+        tables.counters.copy_(counters)
+        if self.corrupt:
+            tables.device_kv[0, int(args[-1][0, 0])] ^= 0xFF
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_sw1_cell_times_counts_and_checks_each_kernel(corrupt: bool) -> None:
+    """The cell loop on the CPU backend: hisparse's own counters and a peer's trace count
+    agree on churn x K misses a row, eager calls are timed, a flipped row fails the cell."""
+    rng = np.random.default_rng()
+    sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128)
+    backend = get_backend("cpu")
+    rows = backend.alloc_host(2 * sizes.seq_len * 656).view(-1, 656)
+    benchmarking.fill_pool(rows)
+    pool = peers.Pool(rows, rows, rows.clone())
+    args = peers.parse_args(["--table", "sw1", "--warmup", "1", "--steps", "3",
+                             "--eager-steps", "2", "--seed", str(int(rng.integers(2**31)))])
+    churn = float(rng.choice([0.25, 0.5]))
+    own = peers.sw1_cell(pool, "scattered", 2, churn, args, lambda tables, host_rows: (
+        benchmarking.swap_in_kernel(backend)[0], lambda: int(tables.counters[0, 1])),
+        backend=backend, sizes=sizes)
+    peer = peers.sw1_cell(pool, "scattered", 2, churn, args, lambda tables, host_rows: (
+        TraceCountedPeer(corrupt), lambda: None), backend=backend, sizes=sizes)
+    expected = 2 * round(churn * sizes.top_k)
+    assert own["misses_per_step"] == expected and own["misses_counted_by"] == "kernel counters"
+    assert peer["misses_per_step"] == expected and peer["misses_counted_by"] == "trace"
+    assert own["correct"] and peer["correct"] is not corrupt
+    assert own["eager_host_us"] > 0 and own["device_us"] > 0

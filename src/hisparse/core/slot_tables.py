@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hisparse.backends.base import Backend
+from hisparse.core.device_memory import check_device_memory
 from hisparse.core.host_pool import HostPool, token_rows, token_runs
 from hisparse.core.requests import RequestRecord
 from hisparse.layout.tables import CacheTables, residency_dtype, unshared_key_extents
@@ -21,6 +22,7 @@ def build_tables(config: HiSparseConfig, backend: Backend, pool: HostPool, devic
     """Empty tables: every slot free, every counter 0. Row `R*S` of every layer of
     `device_kv` is a sink for padded batch rows' newest-token writes, so `write_newest`
     stays one `index_copy_` a captured graph can replay with any real count."""
+    check_device_memory(config, device, pool.num_extents, num_groups, hot_slots)
     L, R, E = config.num_layers, config.max_requests, config.extent_tokens
     S, H, G = hot_slots + config.max_draft_tokens, hot_slots, num_groups
     pages = -(-config.max_seq_len // E)

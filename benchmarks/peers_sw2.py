@@ -98,8 +98,8 @@ class VllmVerifyPeer:
         used = int(host_rows.max()) + 1
         from hisparse.backends.registry import get_backend
 
-        raw = get_backend("cuda").alloc_host((used + null) * host_cache.shape[1])
-        self.host = raw.view(used + null, host_cache.shape[1])
+        self.raw = get_backend("cuda").alloc_host((used + null) * host_cache.shape[1])
+        self.host = self.raw.view(used + null, host_cache.shape[1])
         self.host[null:].copy_(host_cache[:used])
         pages = B * hot // vllm_peer.HOT_PAGE_ROWS
         self.hot_rows = torch.zeros(B * hot, host_cache.shape[1], dtype=torch.uint8, device=dev)
@@ -120,6 +120,12 @@ class VllmVerifyPeer:
 
     def rows(self) -> torch.Tensor:
         return self.hot_rows
+
+    def close(self) -> None:
+        from hisparse.backends.registry import get_backend
+
+        torch.cuda.synchronize()
+        get_backend("cuda").free_host(self.raw)
 
 
 def timed(call: Any) -> tuple[float, float]:
@@ -175,6 +181,19 @@ def peer_wrong(rows: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
     return int((selected & ((out.reshape(-1) < 0) | ~(got == want).all(-1))).sum())
 
 
+def peer_step(name: str, peer: Any, top_k: torch.Tensor, truth: torch.Tensor,
+              hot: int) -> tuple[float, float, int, int]:
+    """(device s, host s, misses, wrong rows) of one peer call: SGLang's misses are the hot
+    slots whose token changed (CLOCK admits them there), vLLM's its stats' miss count."""
+    held = peer.tokens[:, :hot].clone() if name == "sglang" else None
+    before = peer.kernel.misses() if name == "vllm" else 0
+    device, host = timed(lambda: peer(top_k))
+    wrong = peer_wrong(peer.rows(), peer.out, top_k, truth)
+    misses = (int((peer.tokens[:, :hot] != held).sum()) if held is not None
+              else peer.kernel.misses() - before)
+    return device, host, misses, wrong
+
+
 def run_pair(args: Any, peers: Any, S: int, B: int, sizes: dict[str, int],
              cells: list[tuple[float, float]]) -> list[dict[str, Any]]:
     K, seq_len, W = sizes["top_k"], sizes["seq_len"], sizes["row_bytes"]
@@ -206,6 +225,9 @@ def run_pair(args: Any, peers: Any, S: int, B: int, sizes: dict[str, int],
         print(json.dumps(cell), flush=True)
         results.append(cell)
     cache.close()
+    for peer in made.values():
+        if hasattr(peer, "close"):
+            peer.close()
     return results
 
 
@@ -229,13 +251,14 @@ def run_cell(args: Any, cache: Any, made: dict[str, Any], errors: dict[str, str]
             ours["misses"] = int(cache.tables.counters[0, 1]) - before
             for key, value in ours.items():
                 samples["hisparse"].setdefault(key, []).append(value)
-        for name, peer in made.items():
-            held = peer.tokens[:, :hot].clone() if name == "sglang" else None
-            misses = peer.kernel.misses() if name == "vllm" else 0
-            device, host = timed(lambda p=peer, t=top_k: p(t))
-            wrong[name] += peer_wrong(peer.rows(), peer.out, top_k, truth)
-            misses = (int((peer.tokens[:, :hot] != held).sum()) if held is not None
-                      else peer.kernel.misses() - misses)
+        for name, peer in list(made.items()):
+            try:
+                device, host, misses, wrong_now = peer_step(name, peer, top_k, truth, hot)
+            except Exception as exc:  # a launch refused at these sizes: say so, go on
+                errors[name] = f"{type(exc).__name__}: {exc}"[:400]
+                del made[name], samples[name], wrong[name]
+                continue
+            wrong[name] += wrong_now
             if args.warmup <= step < last:
                 for key, value in (("device", device), ("host", host), ("misses", misses)):
                     samples[name].setdefault(key, []).append(value)

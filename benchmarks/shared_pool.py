@@ -48,7 +48,8 @@ from typing import Any
 
 from hisparse.cli._output import non_negative_int, positive_int
 from hisparse.tools.benchmarking import run_environment
-from hisparse.tools.shared_pool_run import describe_failure, fuzz_rank, memory_rank, run_group
+from hisparse.tools.combination_fuzz import fuzz_rank
+from hisparse.tools.shared_pool_run import describe_failure, memory_rank, run_group
 from hisparse.tools.shared_pool_timing import (
     one_process_ranks,
     paired_rank,

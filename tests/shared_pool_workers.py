@@ -181,3 +181,31 @@ def all_killed_rank(barrier: Any, name: str, rank: int, ranks: int) -> dict[str,
     os.kill(os.getpid(), signal.SIGKILL)
     return {}
 
+
+
+def gated_fuzz_rank(barrier: Any, name: str, rank: int, ranks: int, seed: int, steps: int,
+                    overrides: dict[str, Any], gate_share: float) -> dict[str, Any]:
+    """One rank of the combination fuzz on CPU whose writer's backups land late at random
+    (`gate_share` of them only once every reader has read past them or waits for them), so
+    that any wait missing anywhere shows up as a mismatch on a reader."""
+    from hisparse.tools.combination_fuzz import FUZZ_CONFIG, FuzzRank
+    from hisparse.tools.shared_pool_run import _cache
+
+    posts = ReaderPosts(name, ranks - 1)
+    backend = GatedBackupBackend(posts, gate_share, seed) if rank == 0 else CpuBackend()
+    cache = _cache(name, rank, ranks, backend, {**FUZZ_CONFIG, **overrides})
+    after_reads = None
+    if rank == 0:
+        gate_writer(cache)
+    else:
+        after_reads = gate_reader(cache, posts, rank - 1)
+    barrier.wait()
+    try:
+        fuzz = FuzzRank(cache, seed, writer=rank == 0, after_reads=after_reads)
+        fuzz.checks_reads = rank != 0  # the fake's late copies have no stream order
+        counts = fuzz.run(steps)
+    finally:
+        _ungate(barrier, posts, rank)
+        cache.close()
+    details = {"mismatch_details": fuzz.mismatch_details} if fuzz.mismatch_details else {}
+    return {**counts, "rank": rank, **details}

@@ -17,15 +17,8 @@ import torch
 import shared_pool_workers as workers
 from fakes.gated_writer import ReaderPosts
 from hisparse.core.shared_segment import segment_path
-from hisparse.tools.shared_pool_run import (
-    FUZZ_CONFIG,
-    FuzzRank,
-    _cache,
-    describe_failure,
-    fuzz_rank,
-    memory_rank,
-    run_group,
-)
+from hisparse.tools.combination_fuzz import FUZZ_CONFIG, FuzzRank, fuzz_rank
+from hisparse.tools.shared_pool_run import _cache, describe_failure, memory_rank, run_group
 from hisparse.tools.shared_pool_timing import PHASES, _shared_first, paired_rank, paired_summary
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -181,20 +174,6 @@ def test_a_group_holds_one_pool_in_host_memory(pool_name: str, ranks: int) -> No
                                                                for r in shared]
     private = check_memory(None, 2, "cpu")
     assert all(r["private_delta"] > 0.9 * pool for r in private)
-
-
-def test_multi_process_fuzz_is_byte_exact_on_every_rank(pool_name: str) -> None:
-    """Random admits, PD transfers, finishes, aborts, preempts, resumes, decode steps and
-    cancels, the same on both ranks: every row either rank reads is the token's bytes.
-    (benchmarks/shared_pool.py --fuzz-steps runs the 10,000-step version.)"""
-    seed = int(torch.randint(0, 2**31, (1,)))
-    results = run_group(fuzz_rank, ranks_of(pool_name, 2, seed=seed, steps=500),
-                        timeout_s=240)
-    assert not describe_failure(results), describe_failure(results)
-    assert results[0]["mismatches"] == results[1]["mismatches"] == 0, (seed, results)
-    counts = [{k: v for k, v in r.items() if k not in ("rank", "seconds")} for r in results]
-    assert counts[0] == counts[1] and counts[0]["checked_rows"] > 10000, (seed, counts)
-    assert 0 < counts[0]["folded_steps"] < counts[0]["steps"], counts  # both ways of writing
 
 
 @pytest.mark.parametrize("residency_map", ["host_row", "position"])

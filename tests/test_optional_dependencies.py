@@ -25,6 +25,7 @@ IN_BODY = [
     "tests/test_backends.py::test_gpu_backends_bind_the_triton_kernels",
     "tests/test_scripts_cli.py::test_kernel_stress_json_says_what_produced_it",
     "tests/test_scripts_cli.py::test_copy_limits_json_says_what_produced_it",
+    "tests/test_scripts_cli.py::test_host_overhead_benchmark_times_every_call_of_every_cell",
     "tests/test_cli_plan.py::test_plot_writes_a_png_or_says_matplotlib_is_missing",
     "tests/test_cli_simulate.py::test_plot_writes_a_png_or_says_matplotlib_is_missing",
     "tests/test_cli_simulate.py::test_progress_counts_each_pass_to_the_steps_the_summary_reports",

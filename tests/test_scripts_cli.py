@@ -538,8 +538,9 @@ HOST_OVERHEAD_SMALL = ["--top-k", "16", "--row-bytes", "64", "--seq-len", "256",
                        "--batches", "1", "3", "--churns", "0", "0.2", "--warmup", "1"]
 
 
-@pytest.mark.parametrize("extra", [[], ["--ragged", "--profile", "--breakdown",
-                                        "--disjoint-requests"]])
+@pytest.mark.parametrize("extra", [[], pytest.param(
+    ["--ragged", "--profile", "--breakdown", "--disjoint-requests"],
+    marks=needs_module("triton", "triton"))])  # --breakdown times the Triton launches
 def test_host_overhead_benchmark_times_every_call_of_every_cell(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str]) -> None:
     """The eager host-time benchmark, on the CPU backend whose kernels do nothing (small

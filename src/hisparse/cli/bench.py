@@ -1,4 +1,5 @@
-"""`hisparse bench`: SW-1 and the copy-limit probes on this device, against DESIGN.md's limits."""
+"""`hisparse bench`: SW-1 and the copy-limit probes on this device, against the limits and
+targets measured on an NVIDIA H200."""
 
 from __future__ import annotations
 
@@ -19,12 +20,19 @@ QUICK = {"batches": [1, 4], "churns": [0.0, 0.2, 1.0], "seq_len": 16384, "warmup
          "steps": 5, "gather_pool_mib": 64, "gather_rows": [2048, 16384], "bulk_mib": 64}
 
 
+def defaults(key: str) -> str:
+    """The help text's defaults of a size option, from QUICK and FULL."""
+    def text(value: object) -> str:
+        return " ".join(f"{v:g}" for v in value) if isinstance(value, list) else str(value)
+
+    return f" (--quick: {text(QUICK[key])}; --full: {text(FULL[key])})"
+
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
-    """A copy limit DESIGN.md section 8 measured on an NVIDIA H200 (PCIe Gen5 x16)."""
+    """A copy limit measured on an NVIDIA H200 (PCIe Gen5 x16)."""
 
-    quoted: str  # as DESIGN.md states it (one of them a time)
+    quoted: str  # as it was measured (one of them a time)
     low_bytes_per_second: float  # the same as a rate range, the unit of the "rate" column
     high_bytes_per_second: float
     note: str = ""
@@ -51,7 +59,7 @@ example:
   hisparse bench --device cuda --output benchmarks/results/bench-h200.json \\
       --plot bench-h200.png
 
-SW-1 (DESIGN.md section 8): one layer, 656 B rows, top-k 2048, hot buffer 4096+1,
+SW-1, the swap-in workload: one layer, 656 B rows, top-k 2048, hot buffer 4096+1,
 every request at 32768 tokens in the host pool; batch x churn x host layout
 (scattered rows, or the library's extents); warm-up 8 steps, 40 timed steps (device
 events), median step, misses per step, miss bandwidth = misses x 656 B / time; the
@@ -67,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help="SW-1 swap-in benchmark and copy-limit probes, against the measured limits",
         description="Run SW-1 and the copy-limit micro-benchmarks on this device; print a\n"
-        "table against DESIGN.md's measured limits and targets; --output writes JSON,\n"
+        "table against the limits and targets measured on an H200; --output writes JSON,\n"
         "--plot a PNG.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -78,34 +86,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     size.add_argument("--quick", dest="quick", action="store_true", default=None,
                       help="reduced sizes (the default on a CPU)")
     size.add_argument("--full", dest="quick", action="store_false", default=None,
-                      help="DESIGN.md's sizes (the default on an accelerator)")
+                      help="SW-1's full sizes, those of the H200 targets (the default on an "
+                      "accelerator)")
     parser.add_argument("--only", choices=("sw1", "copy"), default=None,
                         help="run one part only (default: both)")
     sw1 = parser.add_argument_group("SW-1 (defaults from --quick/--full)")
-    sw1.add_argument("--batches", type=out.positive_int, nargs="+", default=None)
-    sw1.add_argument("--churns", type=out.fraction, nargs="+", default=None)
+    sw1.add_argument("--batches", type=out.positive_int, nargs="+", default=None,
+                     metavar="B", help="requests per step, one cell each" + defaults("batches"))
+    sw1.add_argument("--churns", type=out.fraction, nargs="+", default=None, metavar="C",
+                     help="share of a step's top-k that is new, one cell each" + defaults("churns"))
     sw1.add_argument("--layouts", choices=("scattered", "extents"), nargs="+",
-                     default=["scattered", "extents"])
+                     default=["scattered", "extents"],
+                     help="host layout of the requests' rows: scattered rows, or the "
+                     "library's extents (default: both)")
     sw1.add_argument("--config", metavar="FILE", default=None,
                      help="take top-k, hot buffer, row bytes, extent tokens and residency map "
                      "from this YAML config instead of SW-1's (a workload other than SW-1: "
                      "the targets are shown, not judged)")
-    sw1.add_argument("--seq-len", type=out.positive_int, default=None, metavar="TOKENS")
+    sw1.add_argument("--seq-len", type=out.positive_int, default=None, metavar="TOKENS",
+                     help="tokens of every request in the host pool" + defaults("seq_len"))
     sw1.add_argument("--top-k", type=out.positive_int, default=None,
-                     help="(default: --config's, else SW-1's 2048)")
+                     help="top-k entries per step (default: --config's, else SW-1's 2048)")
     sw1.add_argument("--hot-slots", "--hot-buffer", dest="hot_slots",
                      type=out.positive_int, default=None, metavar="SLOTS",
-                     help="(default: --config's where it sets one, else 2 x top-k)")
-    sw1.add_argument("--warmup", type=out.non_negative_int, default=None)
-    sw1.add_argument("--steps", type=out.positive_int, default=None)
-    sw1.add_argument("--seed", type=out.seed, default=0)
+                     help="LRU hot slots per request (default: --config's where it sets "
+                     "one, else 2 x top-k)")
+    sw1.add_argument("--warmup", type=out.non_negative_int, default=None,
+                     help="untimed steps before the timed ones" + defaults("warmup"))
+    sw1.add_argument("--steps", type=out.positive_int, default=None,
+                     help="timed steps per cell; the median is reported" + defaults("steps"))
+    sw1.add_argument("--seed", type=out.seed, default=0,
+                     help="seed of the top-k traces and the KV bytes (default: 0)")
     sw1.add_argument("--residency-map", choices=RESIDENCY_MAPS, default=None,
                      help="what the hot-slot map is keyed by (config residency_map; default: "
                           "--config's, else host_row)")
     copy = parser.add_argument_group("copy limits")
-    copy.add_argument("--bulk-mib", type=out.positive_int, default=None)
-    copy.add_argument("--gather-pool-mib", type=out.positive_int, default=None)
-    copy.add_argument("--gather-rows", type=out.positive_int, nargs="+", default=None)
+    copy.add_argument("--bulk-mib", type=out.positive_int, default=None, metavar="MIB",
+                      help="size of the bulk copy each way" + defaults("bulk_mib"))
+    copy.add_argument("--gather-pool-mib", type=out.positive_int, default=None,
+                      metavar="MIB", help="host pool the gather reads random rows from"
+                      + defaults("gather_pool_mib"))
+    copy.add_argument("--gather-rows", type=out.positive_int, nargs="+", default=None,
+                      metavar="ROWS", help="rows per gather, one measurement each"
+                      + defaults("gather_rows"))
     output = parser.add_argument_group("output")
     output.add_argument("--output", metavar="JSON", default=None,
                         help="write the JSON document to this file (default: none written)")
@@ -211,7 +234,7 @@ def sw1_shape(parser: argparse.ArgumentParser,
 
 
 def sw1_target(cell: Any, on_cpu: bool, sizes: Any) -> tuple[str, bool | None]:
-    """DESIGN.md's target for this cell, and whether it was met (None on a CPU, untargeted, or
+    """The H200 target for this cell, and whether it was met (None on a CPU, untargeted, or
     at other sizes than SW-1's: the targets and SGLang's times hold for that workload only)."""
     target, met = "", None
     if cell.churn == 0 and cell.batch == 128:
@@ -339,7 +362,7 @@ def reference_rate(row: dict[str, Any]) -> str:
     return f"{text} ({row['h200_limit_note']})" if row.get("h200_limit_note") else text
 
 
-# SW-1's one bandwidth target (DESIGN.md section 8); the others are step times.
+# SW-1's one bandwidth target; the others are step times.
 EXTENTS_TARGET_GBPS = 44
 
 

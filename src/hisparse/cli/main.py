@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Hierarchical sparse KV cache for sparse-MLA decode.",
         epilog="Start with `hisparse probe` to see what this machine supports.",
     )
+    from hisparse import __version__
+
+    parser.add_argument("--version", action="version", version=f"hisparse {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
         try:

@@ -1,0 +1,154 @@
+"""transformers' DeepSeek-V3.2 and GLM-5 model code decoding through `HiSparseDSACache`.
+
+Tiny random models of both families (GLM with GLM-5.2's indexer pattern scaled down: indexers
+at layers 0, 1, 2 and 6 of 8), a batch of three left-padded prompts, and a hot buffer far below
+the context, so that swaps evict: greedy generation must give transformers' own cache's tokens
+(eager attention, the reference) with logits within float tolerance, and at least 30% of the
+lookups must miss. A control that reads another layer's rows must not pass, and a forward pass
+that raises must leave the cache as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="needs transformers: pip install 'hisparse[transformers]'")
+
+from hisparse.errors import InvalidInputError  # noqa: E402
+from hisparse.integrations.transformers import (  # noqa: E402
+    HiSparseDSACache,
+    dense_cache_bytes,
+)
+
+NEW_TOKENS = 32
+PROMPTS = (40, 25, 33)
+SHAPE = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32,
+    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+    num_experts_per_tok=2, n_group=1, topk_group=1, index_topk=16, index_head_dim=32,
+    index_n_heads=2,
+    max_position_embeddings=512, first_k_dense_replace=1, pad_token_id=0, bos_token_id=1,
+    eos_token_id=None)
+CACHE = dict(hot_slots=16, max_requests=4, max_seq_len=128, host_pool_tokens=1024,
+             extent_tokens=16)
+
+
+def glm() -> torch.nn.Module:
+    config = transformers.GlmMoeDsaConfig(num_hidden_layers=8, index_topk_freq=4,
+                                          index_skip_topk_offset=3, **SHAPE)
+    assert [i for i, t in enumerate(config.indexer_types) if t == "full"] == [0, 1, 2, 6]
+    return transformers.GlmMoeDsaForCausalLM(config).eval()
+
+
+def deepseek() -> torch.nn.Module:
+    config = transformers.DeepseekV32Config(num_hidden_layers=3, **SHAPE)
+    return transformers.DeepseekV32ForCausalLM(config).eval()
+
+
+def prompts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    length = max(PROMPTS)
+    ids = torch.randint(2, SHAPE["vocab_size"], (len(PROMPTS), length), generator=generator)
+    mask = torch.zeros_like(ids)
+    for row, tokens in enumerate(PROMPTS):  # left padding
+        mask[row, length - tokens :] = 1
+        ids[row, : length - tokens] = SHAPE["pad_token_id"]
+    return ids, mask
+
+
+def generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+             cache: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                             do_sample=False, past_key_values=cache, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> object:
+    """Tiny matrices: torch's thread pool only contends with the other tests' processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=[glm, deepseek], ids=["glm-5.2-pattern", "deepseek-v3.2"])
+def model(request: pytest.FixtureRequest, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    built = request.param()
+    built.set_attn_implementation("eager")
+    return built
+
+
+def test_greedy_tokens_match_transformers_own_cache(model: torch.nn.Module, seed: int) -> None:
+    ids, mask = prompts(seed)
+    dense = transformers.DynamicCache(config=model.config)
+    want_tokens, want_logits = generate(model, ids, mask, dense)
+    with HiSparseDSACache(model, **CACHE) as cache:
+        tokens, logits = generate(model, ids, mask, cache)
+        stats = cache.engine.stats()
+        assert stats.misses >= 0.3 * (stats.hits + stats.misses), (stats.hits, stats.misses)
+        assert 0 < cache.device_bytes() < dense_cache_bytes(dense)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+    assert model.config._attn_implementation == "eager"  # given back by close()
+
+
+def test_reading_another_layers_rows_does_not_pass(model: torch.nn.Module, seed: int) -> None:
+    """The control: glue that reads layer l+1's rows for layer l's top-k (a wrong-layer bug)
+    changes the logits beyond the tolerance the test above holds the real glue to."""
+    ids, mask = prompts(seed)
+    _, want_logits = generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    layers = model.config.num_hidden_layers
+    with HiSparseDSACache(model, **CACHE) as cache:
+        read = cache.read_rows
+        cache.read_rows = lambda layer, rows: read((layer + 1) % layers, rows)  # type: ignore
+        _, logits = generate(model, ids, mask, cache)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_forward_pass_that_raises_changes_nothing(seed: int) -> None:
+    """A decode pass that fails in its last layer cancels its step and rolls the lengths
+    back: the generation then goes on with the tokens of a run that never failed."""
+    torch.manual_seed(seed)
+    model = glm()
+    model.set_attn_implementation("eager")
+    ids, mask = prompts(seed)
+    want, _ = generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    last = model.model.layers[-1].mlp
+    calls = {"n": 0}
+
+    def fail_once(module: torch.nn.Module, args: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:  # the second decode pass
+            raise RuntimeError("injected")
+
+    with HiSparseDSACache(model, **CACHE) as cache:
+        handle = last.register_forward_pre_hook(fail_once)
+        with pytest.raises(RuntimeError, match="injected"):
+            generate(model, ids, mask, cache)
+        handle.remove()
+        lengths = [layer.get_seq_length() for layer in cache.layers]
+        assert cache.engine._step is None  # cancelled
+        # The two passes that completed (prefill, first decode) are what the cache holds.
+        assert lengths == [ids.shape[1] + 1] * len(cache.layers)
+        requests = cache.engine.stats().occupancy.requests_by_state
+        assert requests.get("running") == len(PROMPTS)
+    with HiSparseDSACache(model, **CACHE) as cache:  # and a fresh cache decodes as before
+        tokens, _ = generate(model, ids, mask, cache)
+    assert torch.equal(tokens, want)
+
+
+def test_a_config_of_another_shape_is_refused() -> None:
+    torch.manual_seed(0)
+    model = deepseek()
+    with pytest.raises(Exception, match="row_bytes: got 64, the model's latent row is 192"):
+        HiSparseDSACache(model, row_bytes=64, **CACHE)
+    with pytest.raises(InvalidInputError, match="supports deepseek_v32, glm_moe_dsa"):
+        HiSparseDSACache(torch.nn.Linear(2, 2))

@@ -28,7 +28,9 @@ def test_device_index_is_checked_against_the_visible_devices(fake_env) -> None:
             registry.device_index(cuda, bad)
     with pytest.raises(BackendUnavailableError, match="not a device index"):
         registry.device_index(cuda, "cuda:one")
-    assert registry.device_index(hisparse.get_backend("cpu"), "cpu:3") is None  # one host
+    assert registry.device_index(hisparse.get_backend("cpu"), "cpu:0") is None  # one host
+    with pytest.raises(BackendUnavailableError, match="write 'cpu'"):
+        registry.device_index(hisparse.get_backend("cpu"), "cpu:3")
 
 
 def test_probe_of_a_device_that_is_not_there_is_not_usable(fake_env) -> None:

@@ -110,7 +110,59 @@ def test_a_failing_check_makes_the_probe_fail(monkeypatch, capsys) -> None:
     assert "no memory in this test" in report["checks"][0]["detail"]
     assert report["ok"] is False and "host_buffer" in report["reason"]
     assert main(["probe", "--device", "cpu"]) == 1
-    assert "check(s) failed: host_buffer" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    cause = "check host_buffer: HostAllocationError: host pool: no memory in this test"
+    [error] = captured.err.strip().splitlines()
+    assert error.startswith(f"hisparse probe: backend cpu failed {cause}"), error
+    headline, reason = captured.out.splitlines()[:2]
+    assert headline.endswith("backend cpu (check FAILED)") and "usable" not in headline
+    assert reason.startswith(f"  reason: {cause}"), reason
+
+
+def test_a_config_whose_pool_does_not_fit_leads_with_the_cause(
+    capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`probe --config empty.yaml`: the default host pool (39 GiB) does not fit a 24 GiB
+    machine. The report used to say "(usable)" first and bury the cause in a detail line."""
+    monkeypatch.setattr("hisparse.core.host_pool.available_host_bytes", lambda: 1 << 30)
+    config = tmp_path / "empty.yaml"
+    config.write_text("")
+    assert main(["probe", "--config", str(config), "--kernel-targets", "off"]) == 1
+    captured = capsys.readouterr()
+    [error] = captured.err.strip().splitlines()
+    assert error.startswith("hisparse probe: backend cpu failed check swap_in_roundtrip: "
+                            "HostAllocationError: the host pool needs"), error
+    assert "1073741824 B" in error and "(usable)" not in captured.out
+    assert "the host pool needs" in captured.out.splitlines()[1]
+
+
+def test_a_cpu_device_index_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """The CPU backend has one device: `--device cpu:3` was accepted and probed the CPU."""
+    report = probe("cpu:3", run_checks=False)
+    assert report["usable"] is False and "'cpu:3'" in report["reason"]
+    assert "write 'cpu'" in report["reason"]
+    assert main(["probe", "--device", "cpu:3", "--no-checks"]) == 1
+    assert "'cpu:3'" in capsys.readouterr().err
+    assert probe("cpu:0", run_checks=False)["usable"] is True  # torch's own name for it
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--device", "cpu:3", "--preset", "tiny"])
+    assert exit_info.value.code == 2
+    assert "argument --device" in capsys.readouterr().err
+
+
+def test_an_unusable_backend_shows_no_feature_table_of_supported_features(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`probe --device cuda` on a CPU-only torch printed the CUDA feature table, every feature
+    "supported", before saying the backend was unusable."""
+    absent = [n for n in registry.registered_backends() if n not in registry.available_backends()]
+    if not absent:
+        pytest.skip("every registered backend is usable on this machine")
+    assert main(["probe", "--device", absent[0], "--no-checks"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "NOT usable" in lines[0] and lines[1].startswith("  reason: ")
+    assert not any(line.lstrip().startswith("feature ") for line in lines)
+    assert not any("  supported  " in line for line in lines)
 
 
 def test_unverified_backends_say_so(fake_env) -> None:

@@ -140,8 +140,14 @@ def device_index(backend: Backend, device: str | torch.device | Backend | None) 
             )
         index = int(text)
     count = backend.device_count()
-    if index is None or count is None:
-        return None  # the CPU: one host, whatever the index
+    if index is None:
+        return None
+    if count is None:  # the CPU: one host, which torch calls cpu:0 at most
+        if index != 0:
+            raise BackendUnavailableError(
+                f"device {str(device)!r}: the {backend.name} backend has one device and no "
+                f"device index; write '{backend.name}'")
+        return None
     if index >= count:
         raise BackendUnavailableError(
             f"device {str(device)!r}: the {backend.name} backend sees {count} device(s) "

@@ -71,8 +71,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_report(report))
     if not report["ok"]:  # also False whenever the backend is not usable
-        reason = report["reason"] or "unknown reason"
-        print(f"hisparse probe: backend {report['backend'] or args.device} is not usable: "
-              f"{reason}", file=sys.stderr)
+        name = report["backend"] or args.device
+        if report["usable"]:  # a check failed: the reason names it, then its cause
+            print(f"hisparse probe: backend {name} failed {report['reason']}", file=sys.stderr)
+        else:
+            print(f"hisparse probe: backend {name} is not usable: "
+                  f"{report['reason'] or 'unknown reason'}", file=sys.stderr)
         return 1
     return 0

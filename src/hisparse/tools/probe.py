@@ -101,10 +101,12 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
     if run_checks:
         report["checks"] = _run_checks(backend, index, config)
     report["kernel_targets"] = _kernel_targets(builds, _ran_here(backend, report["checks"]))
-    failed = [c["name"] for c in report["checks"] if c["status"] == "failed"]
+    failed = [c for c in report["checks"] if c["status"] == "failed"]
     report["ok"] = not failed
-    if failed:
-        report["reason"] = f"check(s) failed: {', '.join(failed)}"
+    if failed:  # the first failure's own words are the cause: they lead the report
+        report["reason"] = f"check {failed[0]['name']}: {failed[0]['detail']}" + (
+            f" (also failed: {', '.join(c['name'] for c in failed[1:])})"
+            if len(failed) > 1 else "")
     return report
 
 
@@ -171,7 +173,8 @@ def _run_checks(backend: Backend, index: int | None,
 
 def format_report(report: dict) -> str:
     """The human-readable table `hisparse probe` prints."""
-    state = "usable" if report["usable"] else "NOT usable"
+    state = ("NOT usable" if not report["usable"]
+             else "check FAILED" if not report["ok"] and report["checks"] else "usable")
     backend = report["backend"] or "unresolved"  # an unknown name resolves to no backend
     lines = [f"hisparse {report['hisparse_version']} probe: backend {backend} ({state})"]
     if report["reason"]:
@@ -186,7 +189,9 @@ def format_report(report: dict) -> str:
     ipex = report["versions"]["ipex"]
     lines.append(f"  ipex: {'loads' if ipex['loads'] else 'not used'} ({ipex['reason']})")
     lines.extend(f"  note: {note}" for note in report["notes"])
-    if report["features"]:
+    if report["features"] and not report["usable"]:
+        lines.append("  features: not shown; the backend is not usable here")
+    elif report["features"]:
         width = max(len(name) for name in report["features"])
         lines.append("")
         lines.append(f"  {'feature':<{width}}  {'status':<11}  why / instead")

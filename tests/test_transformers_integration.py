@@ -152,3 +152,27 @@ def test_a_config_of_another_shape_is_refused() -> None:
         HiSparseDSACache(model, row_bytes=64, **CACHE)
     with pytest.raises(InvalidInputError, match="supports deepseek_v32, glm_moe_dsa"):
         HiSparseDSACache(torch.nn.Linear(2, 2))
+
+
+def test_the_benchmark_runs_tiny_and_matches_the_dense_cache(tmp_path: object) -> None:
+    """benchmarks/transformers_decode.py --tiny: a context loaded with `load_context` decodes
+    the dense cache's tokens (the GPU run's check, at a CPU shape)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    output = Path(str(tmp_path)) / "tiny.json"
+    env = {"PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "transformers_decode.py"), "--tiny",
+         "--new-tokens", "4", "--output", str(output)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads(output.read_text())
+    assert document["versions"]["transformers"] == transformers.__version__
+    for family in ("glm-5.2", "deepseek-v3.2"):
+        [run] = document["families"][family]["runs"]
+        assert run["tokens_identical"], run
+        assert run["hisparse"]["device_bytes"] < run["dense"]["device_bytes"]

@@ -184,6 +184,28 @@ class HiSparseDSACache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise _unsupported("batch_select_indices")
 
+    def load_context(self, rows: torch.Tensor, indexer_keys: torch.Tensor) -> None:
+        """Start from a context computed elsewhere (a prefill node, a benchmark's synthetic
+        one) instead of a prefill pass: `rows [L, B, T, V]` latent rows in the model's dtype
+        and `indexer_keys [L, B, T, index_head_dim]`, without padding. The next forward pass
+        decodes token T of every row."""
+        width = _row_values(self.model_config)
+        if self._ids is not None or self._prefill:
+            raise InvalidInputError("load_context: this cache holds a batch already; use a "
+                                    "new HiSparseDSACache per batch")
+        if (rows.ndim != 4 or rows.shape[0] != len(self.layers) or rows.shape[3] != width
+                or rows.dtype != self.dtype or indexer_keys.shape[:3] != rows.shape[:3]):
+            raise InvalidInputError(
+                f"load_context: rows must be [{len(self.layers)}, B, T, {width}] {self.dtype} "
+                f"and indexer_keys [{len(self.layers)}, B, T, D], got "
+                f"{tuple(rows.shape)} {rows.dtype} and {tuple(indexer_keys.shape)}")
+        for layer, keys in zip(self.layers, indexer_keys, strict=True):
+            layer.dtype, layer.device, layer.is_initialized = rows.dtype, rows.device, True
+            layer.update_indexer(keys)
+            layer.length = rows.shape[2]
+        self._pads = torch.zeros(rows.shape[1], dtype=torch.int32, device=rows.device)
+        self._admit(rows)
+
     # --- what it holds ----------------------------------------------------------------------
     def device_bytes(self) -> int:
         """Device bytes held: the hisparse tables and hot buffers, and the indexer's keys."""
@@ -271,11 +293,11 @@ class HiSparseDSACache(Cache):
         if step is not None:
             step.end()
         elif prefill:
-            self._admit(prefill)
+            self._admit(torch.stack([prefill[layer] for layer in range(len(self.layers))]))
 
-    def _admit(self, prefill: dict[int, torch.Tensor]) -> None:
-        """Admit one request per batch row with its prompt (past its left padding)."""
-        rows = torch.stack([prefill[layer] for layer in range(len(self.layers))])  # [L,B,S,V]
+    def _admit(self, rows: torch.Tensor) -> None:
+        """Admit one request per batch row of `rows [L, B, S, V]` with its prompt (past its
+        left padding)."""
         if self._pads is None:
             self._pads = torch.zeros(rows.shape[1], dtype=torch.int32, device=rows.device)
         serial = next(_SERIAL)

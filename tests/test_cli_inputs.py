@@ -115,3 +115,47 @@ def test_every_option_has_help_and_the_help_cites_no_missing_file(
         main([command, "--help"])
     text = capsys.readouterr().out
     assert "DESIGN" not in text and "research/" not in text
+
+
+CONFIG_KEYS = ("host_pool_tokens", "alias_extents", "max_requests", "num_layers", "max_seq_len")
+
+
+def test_a_context_no_cache_can_address_names_context(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`simulate --context 1000000000` was refused in terms of host_pool_tokens and
+    alias_extents, config keys the user never typed."""
+    error = refused("simulate", ["--device", "cpu", "--no-progress", "--requests", "4",
+                                 "--steps", "2", "--warmup", "0", "--context", "1000000000"],
+                    capsys)
+    assert error.startswith("hisparse simulate: error: argument --context/--requests: "), error
+    assert "1000000000" in error and "lower --context or --requests" in error, error
+    assert not any(key in error for key in CONFIG_KEYS), error
+
+
+def test_a_host_pool_that_does_not_fit_names_the_simulate_options(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`simulate --layers 1000` ended in "lower host_pool_tokens (rows per layer)"."""
+    monkeypatch.undo()  # the real simulate runs, up to the host pool's refusal
+    monkeypatch.setattr("hisparse.core.host_pool.available_host_bytes", lambda: 64 << 20)
+    assert main(["simulate", *SIM_SMALL[:-2], "--layers", "1000"]) == 1
+    [error] = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert error.startswith("hisparse simulate: error: the host pool needs"), error
+    assert "lower --layers, --requests or --context" in error, error
+    assert not any(key in error for key in CONFIG_KEYS), error
+
+
+@pytest.mark.parametrize("option", ["--bulk-mib", "--gather-pool-mib"])
+def test_a_copy_buffer_larger_than_the_host_memory_names_its_option(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, option: str,
+) -> None:
+    """`bench --only copy --bulk-mib 100000` said "lower host_pool_tokens" after starting."""
+    monkeypatch.setattr("hisparse.backends._host_memory.available_host_bytes",
+                        lambda: 512 << 20)
+    argv = list(BENCH_COPY)
+    argv[argv.index(option) + 1] = "1024"
+    error = refused("bench", argv, capsys)
+    assert error.startswith(f"hisparse bench: error: argument {option}: 1024 MiB"), error
+    assert f"lower {option}" in error and "512.00 MiB" in error, error
+    assert not any(key in error for key in CONFIG_KEYS), error

@@ -170,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"argument --gather-rows: {max(pick['gather_rows'])} rows do not fit a "
                      f"{pick['gather_pool_mib']} MiB pool ({pool_rows} rows of "
                      f"{sizes.row_bytes} B); gather fewer rows or raise --gather-pool-mib")
+    if args.only != "sw1":
+        check_copy_buffers(parser, pick, on_cpu)
     if args.output:
         out.check_writable(parser, "--output", args.output)
     if args.plot:
@@ -196,8 +198,9 @@ def run(args: argparse.Namespace) -> int:
                     backend, pick["gather_pool_mib"] << 20, pick["gather_rows"],
                     row_bytes=sizes.row_bytes, seed=args.seed)
                 progress.update()
-    except HisparseError as exc:
-        return out.fail("bench", str(exc).replace("\n", " "))
+    except HisparseError as exc:  # the host pools here are sized by SW-1's options
+        return out.fail("bench", str(exc).replace("\n", " ").replace(
+            "lower host_pool_tokens", "lower --batches or --seq-len"))
 
     document = to_document(backend, quick, kernel_name, sizes, cells, copies)
     # Files only where asked for: a run writes nothing into the current directory unasked.
@@ -210,6 +213,22 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"wrote {plot(pyplot, document, args.plot)}", file=sys.stderr)
     return 0
+
+
+def check_copy_buffers(parser: argparse.ArgumentParser, pick: dict[str, Any],
+                       on_cpu: bool) -> None:
+    """A usage error naming the option if a copy-limit buffer needs more host memory than
+    is available (on a CPU its device side is host memory too)."""
+    from hisparse.backends import _host_memory
+
+    available = _host_memory.available_host_bytes()
+    for option, key in (("--bulk-mib", "bulk_mib"), ("--gather-pool-mib", "gather_pool_mib")):
+        needs = (pick[key] << 20) * (2 if on_cpu and key == "bulk_mib" else 1)
+        if available is not None and needs > available:
+            side = " (a host buffer and, on a CPU, its device copy)" if key == "bulk_mib" else ""
+            parser.error(f"argument {option}: {pick[key]} MiB needs {out.format_bytes(needs)} "
+                         f"of host memory{side}, but {out.format_bytes(available)} is "
+                         f"available; lower {option}")
 
 
 # The --config keys bench takes, and the options that set the same values.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -142,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             config = config.with_num_layers(args.layers)
         except ConfigError as exc:
-            parser.error(f"argument --layers: {'; '.join(exc.problems)}")
+            parser.error(out.options_in_config_problems(
+                exc.problems, {**CONFIG_FLAGS}, {"num_layers": args.layers}, "--layers"))
     elif config.num_layers > cap:
         config = config.with_num_layers(cap)
     if args.heavy_hitters is not None and args.heavy_hitters > config.top_k:
@@ -163,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         seed=args.seed,
     )
+    check_workload_fits(parser, config, workload)
     # One count per pass, each to --steps: the summary's steps are the first pass's; the
     # skip-IO replay (the planning/copy split) decodes the same steps again without copying.
     progress = PassProgress(workload.steps, enabled=not args.no_progress)
@@ -172,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
                               measure_planning=not args.no_split, on_step=progress.update,
                               on_pass=progress.start)
     except HisparseError as exc:
-        return out.fail("simulate", str(exc).replace("\n", " "))
+        return out.fail("simulate", in_option_terms(str(exc).replace("\n", " ")))
 
     document = {"schema_version": out.JSON_SCHEMA_VERSION, "command": "simulate",
                 **result.to_dict()}
@@ -185,6 +188,44 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"wrote {plot(pyplot, result, args.plot)}", file=sys.stderr)
     return 0
+
+
+def check_workload_fits(parser: argparse.ArgumentParser, config: Any, workload: Any) -> None:
+    """A usage error naming --context and --requests if the cache sized for the workload
+    (`sim_config`) is beyond what a cache can address."""
+    from hisparse.errors import ConfigError
+    from hisparse.tools.simulation import sim_config
+
+    try:
+        sim_config(config, workload)
+    except ConfigError as exc:
+        key, _, problem = exc.problems[0].partition(": ")
+        problem = problem.split("; ")[0]
+        parser.error(
+            f"argument --context/--requests: {workload.requests} requests of "
+            f"{workload.context_tokens} tokens (+ {workload.steps} decode steps) make a cache "
+            f"beyond its limits ({key.replace('_', ' ')}: {problem}); lower --context or "
+            "--requests")
+
+
+# What the engine's messages call the values simulate derives from its options.
+ENGINE_ADVICE = {
+    "lower host_pool_tokens (rows per layer)": "lower --layers, --requests or --context",
+    "host_pool_tokens": "--requests x (--context + --steps)",
+    "max_requests": "--requests",
+    "num_layers": "--layers",
+    "hot_slots": "--hot-slots",
+    "max_seq_len": "--context + --steps",
+    "max_draft_tokens": "the config's max_draft_tokens",
+}
+
+
+def in_option_terms(message: str) -> str:
+    """An engine error's message with the config keys simulate sets from its options named
+    by those options."""
+    for phrase, options in ENGINE_ADVICE.items():
+        message = re.sub(rf"(?<![\w-]){re.escape(phrase)}(?![\w-])", options, message)
+    return message
 
 
 class PassProgress:

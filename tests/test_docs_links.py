@@ -31,6 +31,9 @@ CODE_PATH = re.compile(r"`((?:benchmarks|docs|scripts|tests|src|configs|examples
 # Words that mark a path as a pattern for the reader to fill in, not a file.
 PLACEHOLDERS = ("DIR", "FILE", "PATH", "NAME", "ROUND", "<", "...")
 NOT_HERE = ("DESIGN" + ".md", "research" + "/")  # spelled apart: this file names them too
+# Tests that check some output no longer names them (and say what it named before): they
+# mention the names without citing them.
+ABSENCE_CHECKS = {"tests/test_cli_inputs.py"}
 
 
 def link_targets(path: Path) -> list[str]:
@@ -95,6 +98,8 @@ def repository_files() -> list[Path]:
 def test_no_file_cites_what_lives_outside_the_repository() -> None:
     citing = []
     for path in repository_files():
+        if str(path.relative_to(ROOT)) in ABSENCE_CHECKS:
+            continue
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):

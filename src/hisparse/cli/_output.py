@@ -70,6 +70,28 @@ def format_seconds(seconds: float | None) -> str:
     return f"{seconds:.2f} s"
 
 
+# A p90 more than this many times the p10 of the same timings: the machine was too busy (or
+# its clock too unsteady) for the median to mean anything; CPU timings swing ~100x with load.
+NOISE_RATIO = 2.0
+
+
+def format_spread(median: float | None, p10: float | None, p90: float | None) -> str:
+    """A median time with its spread: "1.20 ms (p10 1.10 ms, p90 1.50 ms)"."""
+    if median is None or p10 is None or p90 is None:
+        return format_seconds(median)
+    return (f"{format_seconds(median)} (p10 {format_seconds(p10)}, "
+            f"p90 {format_seconds(p90)})")
+
+
+def noise_warning(spreads: Iterable[tuple[float | None, float | None]]) -> str | None:
+    """The warning to print when any (p10, p90) spread is wider than NOISE_RATIO, else None."""
+    ratios = [p90 / p10 for p10, p90 in spreads if p10 and p90]
+    if not ratios or max(ratios) <= NOISE_RATIO:
+        return None
+    return (f"warning: timings spread up to {max(ratios):.1f}x from p10 to p90 (more than "
+            f"{NOISE_RATIO:g}x): the machine was too noisy to trust them; rerun it idle")
+
+
 def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A plain-text table: the first column left-aligned, the others right-aligned."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]

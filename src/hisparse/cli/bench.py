@@ -356,7 +356,8 @@ def render(document: dict[str, Any]) -> str:
         for c in cells:
             met = {True: "yes", False: "NO", None: "-"}[c["target_met"]]
             rows.append((c["layout"], c["batch"], f"{c['churn']:g}",
-                         out.format_seconds(c["step_seconds"]), f"{c['misses_per_step']:.0f}",
+                         out.format_spread(c["step_seconds"], c["p10_seconds"],
+                                           c["p90_seconds"]), f"{c['misses_per_step']:.0f}",
                          out.format_rate(c["miss_bytes_per_second"]),
                          "yes" if c["verified"] else "NO", c["target"] or "", met))
         lines += ["", "SW-1", out.render_table(
@@ -364,12 +365,16 @@ def render(document: dict[str, Any]) -> str:
              "bytes ok", "target (H200)", "met"), rows)]
     if document["copy_limits"]:
         rows = [(r["name"], "" if r["rows"] is None else r["rows"],
-                 out.format_bytes(r["num_bytes"]), out.format_seconds(r["seconds"]),
+                 out.format_bytes(r["num_bytes"]),
+                 out.format_spread(r["seconds"], r["p10_seconds"], r["p90_seconds"]),
                  out.format_rate(r["bytes_per_second"]), reference_rate(r))
                 for r in document["copy_limits"]]
         lines += ["", "Copy limits", out.render_table(
             ("copy", "rows", "bytes", "time (median)", "rate", "H200 measured rate"), rows)]
-    return "\n".join(lines)
+    warning = out.noise_warning(
+        [(c["p10_seconds"], c["p90_seconds"]) for c in cells]
+        + [(r["p10_seconds"], r["p90_seconds"]) for r in document["copy_limits"]])
+    return "\n".join([*lines, *([warning] if warning else [])])
 
 
 def reference_rate(row: dict[str, Any]) -> str:

@@ -282,16 +282,21 @@ def render(result: Any) -> str:
          else f"{summary['measured_churn']:.3f}"),
         ("misses per step", f"{summary['misses_per_step']:.1f}"),
         ("H2D bytes per step", out.format_bytes(summary["bytes_host_to_device_per_step"])),
-        ("swap-in time per step (median)", out.format_seconds(summary["swap_in_seconds_per_step"])),
-        ("  planning", out.format_seconds(summary["planning_seconds_per_step"])),
-        ("  copy", out.format_seconds(summary["copy_seconds_per_step"])),
+        *((label, out.format_spread(summary[f"{name}_seconds_per_step"],
+                                    summary[f"{name}_seconds_p10"],
+                                    summary[f"{name}_seconds_p90"]))
+          for label, name in (("swap-in time per step (median)", "swap_in"),
+                              ("  planning", "planning"), ("  copy", "copy"))),
         ("H2D rate during swap-in", out.format_rate(rate)),
         ("host pool", out.format_bytes(summary["host_pool_bytes"])),
         ("peak host RSS", out.format_bytes(summary["peak_host_rss_bytes"])),
         ("peak device memory", out.format_bytes(summary["peak_device_bytes"])),
     ]
     table = out.render_table(("metric", "value"), rows)
-    return f"{header}\n\n{table}\nplanning/copy split: {result.split_note}"
+    warning = out.noise_warning([(summary["swap_in_seconds_p10"],
+                                  summary["swap_in_seconds_p90"])])
+    return (f"{header}\n\n{table}\nplanning/copy split: {result.split_note}"
+            + (f"\n{warning}" if warning else ""))
 
 
 def plot(pyplot: Any, result: Any, path: str) -> str:

@@ -102,6 +102,7 @@ class SW1Cell:
     batch_capacity: int | None = None  # rows the kernel ran over (None: `batch`, no padding)
     misses_counted_by: str = "kernel counters"  # or "trace" (a kernel that counts nothing)
     residency_map: str = "host_row"  # what hisparse's residency map was keyed by
+    p10_seconds: float | None = None  # the fastest timed steps' tail, beside p90
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -329,6 +330,7 @@ def sw1_cell(
     verified = verified and cell.padding_untouched()  # padding returns nothing
     times.sort()
     step_seconds = statistics.median(times)
+    p10_seconds, _ = spread(times)
     misses_per_step = statistics.mean(misses)
     return SW1Cell(
         layout=layout,
@@ -336,6 +338,7 @@ def sw1_cell(
         churn=churn,
         step_seconds=step_seconds,
         p90_seconds=times[min(len(times) - 1, math.ceil(0.9 * len(times)) - 1)],
+        p10_seconds=p10_seconds,
         misses_per_step=misses_per_step,
         miss_bytes_per_second=(misses_per_step * sizes.row_bytes / step_seconds
                                if misses_per_step else None),
@@ -447,9 +450,25 @@ class CopyResult:
     rows: int | None  # gathered rows (None for bulk copies)
     seconds: float  # median
     bytes_per_second: float
+    p10_seconds: float | None = None  # the spread of the repeats around the median
+    p90_seconds: float | None = None
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def spread(samples: Sequence[float]) -> tuple[float, float]:
+    """The 10th and 90th percentiles of `samples` (linear interpolation, as numpy's default)."""
+    if len(samples) < 2:
+        return samples[0], samples[0]
+    deciles = statistics.quantiles(samples, n=10, method="inclusive")
+    return deciles[0], deciles[-1]
+
+
+def _timed(seconds: list[float]) -> dict[str, float]:
+    """CopyResult's timing fields from the repeats' seconds."""
+    p10, p90 = spread(seconds)
+    return {"seconds": statistics.median(seconds), "p10_seconds": p10, "p90_seconds": p90}
 
 
 def bulk_copies(backend: Backend, num_bytes: int, repeats: int = 5) -> list[CopyResult]:
@@ -466,8 +485,9 @@ def bulk_copies(backend: Backend, num_bytes: int, repeats: int = 5) -> list[Copy
         ):
             copy()  # first touch and any lazy setup
             backend.synchronize()
-            seconds = statistics.median(timer.time(copy) for _ in range(repeats))
-            results.append(CopyResult(name, num_bytes, None, seconds, num_bytes / seconds))
+            timed = _timed([timer.time(copy) for _ in range(repeats)])
+            results.append(CopyResult(name, num_bytes, None, bytes_per_second=num_bytes
+                                      / timed["seconds"], **timed))
         return results
     finally:
         backend.synchronize()
@@ -506,14 +526,14 @@ def scattered_gather(
             plan.count.copy_(torch.from_numpy(counts.astype(np.int32)))
             copy(tables, 0, plan)
             backend.synchronize()
-            seconds = statistics.median(
-                timer.time(lambda t=tables, p=plan: copy(t, 0, p)) for _ in range(repeats)
-            )
+            timed = _timed([timer.time(lambda t=tables, p=plan: copy(t, 0, p))
+                            for _ in range(repeats)])
             got = tables.device_kv[0][:count].cpu()
             if not torch.equal(got, pool[torch.from_numpy(src[:count])]):
                 raise AssertionError(f"gather of {count} rows returned wrong bytes")
             moved = count * row_bytes
-            results.append(CopyResult("gather", moved, count, seconds, moved / seconds))
+            results.append(CopyResult("gather", moved, count,
+                                      bytes_per_second=moved / timed["seconds"], **timed))
         return results
     finally:
         backend.synchronize()

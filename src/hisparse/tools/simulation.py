@@ -340,6 +340,9 @@ class SimulationResult:
             "swap_in_seconds_per_step": float(np.median(swap_in)),
             "planning_seconds_per_step": float(np.median(planning)) if measured_split else None,
             "copy_seconds_per_step": float(np.median(copy)) if measured_split else None,
+            **_spread_fields("swap_in", swap_in),
+            **_spread_fields("planning", planning if measured_split else []),
+            **_spread_fields("copy", copy),
             "host_to_device_bytes_per_second": moved / sum(swap_in) if sum(swap_in) else None,
             "measured_churn": float(np.mean(churn)) if churn else None,
             "host_pool_bytes": self.host_pool_bytes,
@@ -358,6 +361,14 @@ class SimulationResult:
             "disabled_features": self.disabled_features,
             "steps": [{**asdict(s), "hit_rate": s.hit_rate} for s in self.steps],
         }
+
+
+def _spread_fields(name: str, seconds: list[float]) -> dict[str, float | None]:
+    """`{name}_seconds_p10` and `_p90` of per-step times (None without any)."""
+    from hisparse.tools.benchmarking import spread
+
+    p10, p90 = spread(seconds) if seconds else (None, None)
+    return {f"{name}_seconds_p10": p10, f"{name}_seconds_p90": p90}
 
 
 def peak_host_rss_bytes() -> int | None:

@@ -230,6 +230,14 @@ BAD_CALLS: dict[str, BadCall] = {
                                              lambda c, w: c.complete_transfer("pre")),
     "complete with no slot": BadCall("full_slots", PoolExhaustedError, "transfer of request 'res'",
                                      lambda c, w: c.complete_transfer("res")),
+    # the plan of a step
+    "plan a batch of 0": BadCall("idle", InvalidInputError, "batch_size.*got 0",
+                                 lambda c, w: c.step_plan(0)),
+    "plan a batch over max_batch": BadCall("idle", InvalidInputError, "1..3.*got 4",
+                                           lambda c, w: c.step_plan(4)),
+    "plan 2 tokens without draft slots": BadCall("idle", InvalidInputError,
+                                                 "num_tokens.*got 2",
+                                                 lambda c, w: c.step_plan(1, 2)),
     # opening a step
     "begin with a str": BadCall("idle", InvalidInputError, "got str 'long'",
                                 lambda c, w: c.begin_decode_step("long")),

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hisparse.backends.base import Backend
+from hisparse.core.context import DecodeContext
 from hisparse.core.host_pool import HostReservation
 from hisparse.core.operations import bookkeeping as _bookkeeping
 from hisparse.core.operations import operation as _operation
@@ -33,7 +34,7 @@ from hisparse.core.shared_pool import SharedPoolSpec, SharedPoolSync, build_host
 from hisparse.core.sharing import Prefix, PrefixSharing
 from hisparse.core.slot_tables import build_tables, clear_slot, seed_slot
 from hisparse.core.stats import CacheStats, TrafficCounters, occupancy_of, request_stats
-from hisparse.core.step import DecodeContext, DecodeStep, wait_at_begin
+from hisparse.core.step import DecodeStep, wait_at_begin
 from hisparse.core.validation import (
     as_batch_ids,
     check_current_device,
@@ -41,7 +42,7 @@ from hisparse.core.validation import (
     check_prefill_rows,
     check_request_length,
 )
-from hisparse.core.verify import VerifyContext, VerifyStep, check_num_tokens
+from hisparse.core.verify import VerifyContext, check_num_tokens
 from hisparse.errors import ConfigError, InvalidInputError, RequestStateError
 
 LIVE = (RequestState.RESERVED, RequestState.PREFILLING, RequestState.RUNNING,
@@ -291,9 +292,8 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self._unshare_writers(records, num_tokens)
         plan = self._planner.plan(len(ids), num_tokens, dedupe)
         wait_at_begin(plan, self._shared)
-        self._last_step = (
-            VerifyStep.begin_verify(self._decode, self._verify, plan, tuple(ids), records)
-            if plan.union else DecodeStep.begin(self._decode, plan, tuple(ids), records))
+        self._last_step = DecodeStep.begin(self._decode, self._verify, plan, tuple(ids),
+                                           records)
         return self._last_step
 
     def step_plan(self, batch_size: int, num_tokens: int = 1, dedupe: bool = False
@@ -313,8 +313,8 @@ class HiSparseCache(PrefixSharing, RequestQueries):
     def swap_in(self, layer: int, top_k: torch.Tensor | None = None,
                 newest_kv: torch.Tensor | None = None) -> torch.Tensor:
         """The open step's `swap_in` (`DecodeStep.swap_in`): `[B, K]` int32 device rows of
-        `device_kv(layer)` for `top_k [B, K]` (a verify step: `[B, S, K]` for `[B, S, K]`,
-        `VerifyStep.swap_in`); a follower layer of an index group may leave `top_k` out and
+        `device_kv(layer)` for `top_k [B, K]` (a verify step: `[B, S, K]` for `[B, S, K]`);
+        a follower layer of an index group may leave `top_k` out and
         gets its anchor's rows. `newest_kv`: the layer's new rows, written in the same call
         (`write_newest` folded in)."""
         return self._open_step("swap_in").swap_in(layer, top_k, newest_kv)
@@ -322,7 +322,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
     @_bookkeeping
     def end_decode_step(self, accepted: Sequence[int] | torch.Tensor | None = None) -> None:
         """Back every layer's new row up to its host row (on a side stream where supported);
-        a verify step keeps `accepted[b]` (1..S) tokens of request b (`VerifyStep.end`)."""
+        a verify step keeps `accepted[b]` (1..S) tokens of request b (`DecodeStep.end`)."""
         self._open_step("end_decode_step").end(accepted)
 
     @_bookkeeping

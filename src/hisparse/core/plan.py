@@ -110,7 +110,8 @@ class StepPlanner:
         capacity = self._decode.batch_capacity
         if type(batch_size) is not int or not 1 <= batch_size <= capacity:
             raise InvalidInputError(
-                f"batch_size must be an int in 1..{capacity} (max_batch), got {batch_size!r}")
+                f"batch_size must be an int in 1..{capacity} (max_batch), got {batch_size!r}; "
+                "pass the number of requests the step decodes")
         return self.plan(batch_size, num_tokens, dedupe)
 
     def plan(self, batch_size: int, num_tokens: int, dedupe: bool) -> StepPlan:

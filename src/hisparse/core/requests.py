@@ -392,3 +392,15 @@ class RequestQueries:
         """Host row (int64) of each of the request's tokens, the same in every layer."""
         record = self._requests.get(request_id, "look up")
         return token_rows(record.extents, self.extent_tokens, 0, record.num_tokens)
+
+
+def slot_of(record: RequestRecord) -> int:
+    """The request slot of a record in a step (every running request has one)."""
+    assert record.slot is not None
+    return record.slot
+
+
+def host_row_of(record: RequestRecord, position: int, extent_tokens: int) -> int:
+    """The host row of token `position` of a record."""
+    page, offset = divmod(position, extent_tokens)
+    return record.extents[page] * extent_tokens + offset

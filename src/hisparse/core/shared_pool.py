@@ -23,7 +23,9 @@ own device hot buffers, tables and allocator; the rules that make that safe:
   holder only, on every rank alike. A reader that frees rows (finish, abort,
   `release_prefix`, a cancel that returns an extent) first waits on the host for its last
   step's end, then publishes `reads_done`; the writer writes rows again only once every
-  reader's `reads_done` covers the operation that freed them.
+  reader's `reads_done` covers the operation that freed them: before its host writes
+  (`HostRowGuard.drain`), before a step's end backup, and, where its lookups back new rows
+  up during the step, before the step's begin (the step plan's `wait_for_readers_at_begin`).
 - **Faults.** Every wait checks that the ranks it waits for are alive (and every operation
   checks all ranks at most every `LIVENESS_PERIOD_S`); a dead rank, a divergence or a
   timeout marks the pool failed, and every rank's next operation raises SharedPoolError.

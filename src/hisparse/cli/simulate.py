@@ -300,6 +300,14 @@ def render(result: Any) -> str:
 
 
 def plot(pyplot: Any, result: Any, path: str) -> str:
+    figure = draw(pyplot, result)
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return path
+
+
+def draw(pyplot: Any, result: Any) -> Any:
+    """The figure `--plot` saves: hit rate and traffic per step, the warm-up steps shaded."""
     steps = [s.step for s in result.steps]
     figure, (hit_axes, traffic_axes) = pyplot.subplots(2, 1, figsize=(6.4, 5.6), sharex=True)
     hit_axes.plot(steps, [s.hit_rate for s in result.steps])
@@ -313,10 +321,11 @@ def plot(pyplot: Any, result: Any, path: str) -> str:
     warmup = result.workload.warmup_steps
     for axes in (hit_axes, traffic_axes):
         if warmup:
-            axes.axvspan(-0.5, warmup - 0.5, color="grey", alpha=0.15, label="warm-up")
+            axes.axvspan(-0.5, warmup - 0.5, color="grey", alpha=0.15,
+                         label=f"warm-up ({warmup} steps, left out of the summary)")
+    if warmup:
+        hit_axes.legend(fontsize=7, loc="lower right")
     hit_axes.set_title(f"{result.config['model']} on {result.device}: "
                        f"carry-over {result.workload.trace.carryover:g}")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    pyplot.close(figure)
-    return path
+    return figure

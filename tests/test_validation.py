@@ -327,7 +327,7 @@ BAD_CALLS: dict[str, BadCall] = {
     "swap_in a follower first": BadCall("in_step", RequestStateError, "anchor layer 2",
                                         lambda c, w: c.swap_in(3, w.top_k([0], [1]))),
     "swap_in a follower off its anchor": BadCall(
-        "in_step", InvalidInputError, "differs from its anchor layer 0",
+        "in_step", InvalidInputError, "differs from what its anchor layer 0",
         lambda c, w: c.swap_in(1, w.top_k([0, 5, 19], [1, 5]))),
     # lifecycle
     "preempt during its step": BadCall("in_step", RequestStateError, "during the decode step",

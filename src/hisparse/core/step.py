@@ -192,23 +192,25 @@ class DecodeStep:
         if top_k is None:
             raise _anchor_needs_top_k(layer, replay, self.num_tokens)
         rows = self._check_top_k(c, top_k)
+        union = self.plan.union
+        # (the union path checks its new rows in write_newest, before its own launches)
+        newest = self._newest_rows(c, newest_kv) if newest_kv is not None and not union else None
         if c.validate:
             self._validate_positions(top_k)
         if replay is not None:
             replay.begin_plan()
-        if self.plan.union:
+        if union:
             out = self._swap_in_union(layer, group, rows, top_k, newest_kv)
         else:
-            out = self._swap_in_rows(c, layer, group, rows, top_k, newest_kv)
+            out = self._swap_in_rows(c, layer, group, rows, top_k, newest)
         self._finish_anchor(replay, top_k, out)
         return out
 
     def _swap_in_rows(self, c: DecodeContext, layer: int, group: int, rows: int,
-                      top_k: torch.Tensor, newest_kv: torch.Tensor | None) -> torch.Tensor:
+                      top_k: torch.Tensor, newest: torch.Tensor | None) -> torch.Tensor:
         """The single-token path: the kernels run over the B rows the caller passed (a caller
         that captures a graph per batch size gets small grids for small batches) and read
-        its top-k in place."""
-        newest = self._newest_rows(c, newest_kv) if newest_kv is not None else None
+        its top-k in place; `newest`: the checked new rows, written in the same call."""
         out = c.buffers.views(rows).out[group]
         if c.kernels.launch_swap_in(layer, group, rows, top_k, newest):
             self._backed_up.add(layer)

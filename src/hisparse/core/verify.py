@@ -250,8 +250,8 @@ def check_num_tokens(num_tokens: object, dedupe: object, max_draft_tokens: int) 
     if type(num_tokens) is not int or not 1 <= num_tokens <= D:
         raise InvalidInputError(
             f"num_tokens must be an int in 1..{D} (max_draft_tokens), got {num_tokens!r}; "
-            "build the cache with max_draft_tokens >= the tokens a verify step appends (and "
-            "hot_slots >= max_draft_tokens x top_k)")
+            "to verify more tokens a step, set max_draft_tokens to at least that in the "
+            "config (and hot_slots >= max_draft_tokens x top_k)")
     if not isinstance(dedupe, bool):
         raise InvalidInputError(f"dedupe must be True or False, got {dedupe!r}")
 

@@ -198,7 +198,7 @@ def sw1_cell(pool: Pool, layout: str, batch: int, churn: float, args: argparse.N
     timer = benchmarking.StepTimer(backend, backend.device(), queued=True)
     steps = 1 + args.warmup + args.steps + args.eager_steps
     cell = CellSteps(backend, tables, host_rows, trace, batch, batch, sizes.top_k, pool.mirror,
-                     backend.supports(Feature.GRAPH_CAPTURE), timer,
+                     backend.features.supports(Feature.GRAPH_CAPTURE), timer,
                      benchmarking.CacheFlusher(backend.device()), steps)
     cell.next_top_k(0)
     cell.call(kernel)  # compiles, allocates, and leaves the seeded state

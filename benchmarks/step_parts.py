@@ -87,10 +87,9 @@ def time_parts(backend, pool: torch.Tensor, mirror: torch.Tensor, layout: str, b
     records = []
     misses_before = int(tables.counters[0, 1])
     for name, (call, checked) in parts.items():
-        graph = backend.new_graph()
         with classify_only() if name == "classify" else contextlib.nullcontext():
             call()  # compiles what this part launches
-            with backend.graph_capture(graph):
+            with backend.graph_capture() as graph:
                 call()
         wrong = torch.zeros((), dtype=torch.int64, device=device)
         times = []

@@ -114,7 +114,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
         pytest.skip(f"{name}: {reason}")
     for marker in request.node.iter_markers("requires"):
         feature = Feature(marker.args[0])
-        support = found.support(feature)
+        support = found.features[feature]
         if not support.usable:
             pytest.skip(f"{name}: {feature} is {support.status} ({support.reason})")
     return found

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import re
 import subprocess
@@ -21,7 +22,7 @@ import hisparse
 from conftest import needs_module, random_bytes
 from fakes.environment import CUDA_ERROR_MEMORY_ALLOCATION, HIP_DEVICE_OFFSET
 from hisparse.backends import _accelerator, _host_register, registry
-from hisparse.backends.base import Backend
+from hisparse.backends.base import Backend, DeviceInfo, KernelSet, device_names
 from hisparse.backends.cpu import CpuBackend
 from hisparse.errors import BackendUnavailableError, HostAllocationError
 from hisparse.kernels import backup_reference
@@ -310,9 +311,10 @@ def test_every_backend_allocates_memory_its_device_reads(backend: Backend, rng) 
 
 # --- kernels --------------------------------------------------------------------------------
 def test_cpu_binds_the_torch_reference() -> None:
-    backend = CpuBackend()
-    assert backend.swap_in_kernel() is swap_in_reference.swap_in_reference
-    assert backend.copy_planned_kernel() is swap_in_reference.copy_planned_reference
+    kernels = CpuBackend().kernels
+    assert kernels.swap_in is swap_in_reference.swap_in_reference
+    assert kernels.copy_planned is swap_in_reference.copy_planned_reference
+    assert kernels.backup_launcher() is backup_reference.backup_newest_reference
 
 
 @needs_module("triton", "triton")
@@ -321,10 +323,10 @@ def test_gpu_backends_bind_the_triton_kernels(fake_env) -> None:
     from hisparse.kernels.swap_in import launch as triton_kernels
 
     fake_env("cuda")
-    backend = hisparse.get_backend()
-    assert backend.swap_in_kernel() is triton_kernels.swap_in_triton
-    assert backend.copy_planned_kernel() is triton_kernels.copy_planned_triton
-    assert isinstance(backend.backup_kernel(), backup_kernels.BackupLauncher)
+    kernels = hisparse.get_backend().kernels
+    assert kernels.swap_in is triton_kernels.swap_in_triton
+    assert kernels.copy_planned is triton_kernels.copy_planned_triton
+    assert isinstance(kernels.backup_launcher(), backup_kernels.BackupLauncher)
 
 
 @needs_module("triton", "triton")
@@ -337,11 +339,12 @@ def test_the_newest_writer_is_triton_only_with_direct_launches(fake_env, monkeyp
     backend = hisparse.get_backend()
     device_kv = torch.zeros(2, 9, 16, dtype=torch.uint8)
     rows = torch.zeros(4, dtype=torch.int32)
-    assert isinstance(backend.newest_writer(device_kv, rows, rows.long()), NewestWriterTriton)
+    assert isinstance(backend.kernels.newest_writer(device_kv, rows, rows.long()),
+                      NewestWriterTriton)
     monkeypatch.setenv("HISPARSE_DIRECT_LAUNCH", "0")
-    assert isinstance(backend.newest_writer(device_kv, rows, rows.long()),
+    assert isinstance(backend.kernels.newest_writer(device_kv, rows, rows.long()),
                       NewestWriterReference)
-    assert isinstance(CpuBackend().newest_writer(device_kv, rows, rows.long()),
+    assert isinstance(CpuBackend().kernels.newest_writer(device_kv, rows, rows.long()),
                       NewestWriterReference)
 
 
@@ -357,9 +360,10 @@ def test_without_triton_gpu_backends_fall_back_and_say_so_once(
     monkeypatch.setattr(_accelerator, "_warned_no_triton", False)
     backend = hisparse.get_backend()
     with caplog.at_level(logging.WARNING, logger="hisparse.backends"):
-        assert backend.swap_in_kernel() is swap_in_reference.swap_in_reference
-        assert backend.copy_planned_kernel() is swap_in_reference.copy_planned_reference
-        assert backend.backup_kernel() is backup_reference.backup_newest_reference
+        kernels = backend.kernels
+        assert kernels.swap_in is swap_in_reference.swap_in_reference
+        assert kernels.copy_planned is swap_in_reference.copy_planned_reference
+        assert kernels.backup_launcher() is backup_reference.backup_newest_reference
     assert [r.message.count("pip install 'hisparse[triton]'") for r in caplog.records] == [1]
 
 
@@ -374,10 +378,59 @@ def test_a_missing_kernels_module_is_not_mistaken_for_missing_triton(
 
     monkeypatch.setattr(_accelerator, "_import_triton_kernels", broken)
     with pytest.raises(ModuleNotFoundError, match=r"swap_in\.launch"):
-        hisparse.get_backend().swap_in_kernel()
+        _ = hisparse.get_backend().kernels
+
+
+@pytest.mark.parametrize(("kind", "warp", "pdl"), [("cuda", 32, True), ("rocm", 64, False),
+                                                 ("xpu", 32, False)])
+def test_devices_are_described_as_the_runtime_reports_them(fake_env, monkeypatch, kind, warp,
+                                                           pdl) -> None:
+    """`describe` reads the device's properties once; PDL only where the table has it (the
+    fake reports sm_90 on CUDA and ROCm alike); the names list every visible device."""
+    from hisparse.kernels.swap_in import pdl as pdl_module
+
+    monkeypatch.setattr(pdl_module, "triton_launches_dependents", lambda: True)
+    fake_env(kind, gpus=2)
+    backend = hisparse.get_backend()
+    units = 20 if kind == "xpu" else 132
+    assert backend.describe(1) == DeviceInfo(f"Fake {kind} GPU 1", units, warp, pdl)
+    assert device_names(backend) == [f"Fake {kind} GPU 0", f"Fake {kind} GPU 1"]
+    traits = backend.kernel_traits(torch.device(backend.torch_device_type, 1))
+    assert (traits.compute_units, traits.warp_size, traits.pdl) == (units, warp, pdl)
+    assert device_names(CpuBackend()) == []
+
+
+def test_shared_mappings_are_registered_only_where_the_device_needs_it(fake_env) -> None:
+    env = fake_env("cuda")
+    mapping = torch.empty(PAGE, dtype=torch.uint8)
+    backend = hisparse.get_backend()
+    backend.register_host(mapping, shared=True)
+    assert env.cudart.registered == {mapping.data_ptr(): (PAGE, REGISTER_FLAGS)}
+    backend.unregister_host(mapping, shared=True)
+    assert env.cudart.registered == {}
+    cpu = CpuBackend()  # the CPU reads host memory as it is: nothing to do, nothing raised
+    cpu.register_host(mapping, shared=True)
+    cpu.unregister_host(mapping, shared=True)
 
 
 # --- structure ------------------------------------------------------------------------------
+# Issue 37's target for the contract: a backend is a small surface (tinygrad's allocator has
+# about 8 methods, PyTorch's device interface 19); its kernels are one record, its features data.
+MAX_BACKEND_MEMBERS = 24
+
+
+def test_the_backend_contract_stays_narrow() -> None:
+    members = [name for name, value in inspect.getmembers(Backend)
+               if not name.startswith("__")
+               and (inspect.isfunction(value) or isinstance(value, property))]
+    assert len(members) <= MAX_BACKEND_MEMBERS, sorted(members)
+    assert {f.name for f in dataclasses.fields(KernelSet)} == {
+        "swap_in", "copy_planned", "backup_launcher", "swap_in_launcher", "union_launcher",
+        "newest_writer", "batch_advance"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CpuBackend().kernels.swap_in = None  # type: ignore[misc]
+
+
 @pytest.mark.parametrize("path", sorted((SRC / "backends").glob("*.py")), ids=lambda p: p.name)
 def test_backend_modules_stay_small(path: Path) -> None:
     assert len(path.read_text().splitlines()) <= 250
@@ -409,7 +462,8 @@ def test_core_and_kernels_ask_for_capabilities_not_device_names(package: str) ->
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if DEVICE_NAME_CHECKS.search(line.split("#", 1)[0])
     ]
-    assert offenders == [], "ask backend.supports(Feature.X) instead:\n" + "\n".join(offenders)
+    assert offenders == [], ("ask backend.features.supports(Feature.X) instead:\n"
+                             + "\n".join(offenders))
 
 
 def test_an_address_someone_left_registered_is_skipped_not_reused(fake_env) -> None:

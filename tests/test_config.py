@@ -101,7 +101,7 @@ def test_configs_are_frozen_and_hashable() -> None:
 def test_every_problem_is_reported_at_once() -> None:
     with pytest.raises(ConfigError) as caught:
         HiSparseConfig.from_dict({
-            "top_k": 0, "kv_dtype": "fp4", "graph_capture": "yes", "colour": 1, "max_requests": -2,
+            "top_k": 0, "kv_dtype": "fp4", "async_backup": "yes", "colour": 1, "max_requests": -2,
         })
     problems = caught.value.problems
     assert len(problems) == 5, problems
@@ -109,7 +109,7 @@ def test_every_problem_is_reported_at_once() -> None:
     assert "unknown key(s): colour; valid keys: model, num_layers" in text
     assert "kv_dtype: got 'fp4'; valid choices: fp8, bf16" in text
     assert "top_k: expected a positive int, got 0" in text
-    assert "graph_capture: got 'yes'; valid choices: true, false or null" in text
+    assert "async_backup: got 'yes'; valid choices: true, false or null" in text
     assert "max_requests: expected a positive int, got -2" in text
 
 
@@ -216,7 +216,7 @@ def valid_settings(draw: st.DrawFn) -> dict:
         "max_batch": draw(st.none() | st.integers(1, max_requests)),
         "extent_tokens": extent,
         "max_seq_len": draw(positive),
-        "graph_capture": draw(st.sampled_from([None, True, False])),
+        "async_backup": draw(st.sampled_from([None, True, False])),
         "skip_io": draw(st.booleans()),
     }
     values["host_pool_tokens"] = values["max_seq_len"] + draw(st.integers(0, 10**6))
@@ -264,3 +264,30 @@ def test_the_hot_buffers_old_key_still_loads_with_a_warning(tmp_path) -> None:
     with pytest.raises(ConfigError, match="keep hot_slots only"):
         HiSparseConfig.from_dict({"num_layers": 2, "hot_slots": 8, "device_buffer_size": 8})
     assert HiSparseConfig.from_preset("tiny", top_k=32, hot_slots=None).hot_slots == 64
+
+
+@pytest.mark.parametrize(("key", "why"), [
+    ("graph_capture", "hisparse never captures graphs itself"),
+    ("zero_copy_swap_in", "it switched nothing"),
+])
+@pytest.mark.parametrize("value", [None, True, False])
+def test_a_removed_switch_is_refused_saying_why(tmp_path: Path, key: str, why: str,
+                                                value: object) -> None:
+    """Issue 37: `graph_capture` and `zero_copy_swap_in` switched nothing; a config that still
+    sets one (a file, a dict, an override or a replace, whatever the value) is refused with
+    the reason and the fix, rather than dropped or taken for an unknown key."""
+    old_file = tmp_path / "old.yaml"
+    old_file.write_text(yaml.safe_dump({"num_layers": 2, key: value}))
+    tiny = HiSparseConfig.from_preset("tiny")
+    for build, where in [(lambda: HiSparseConfig.from_yaml(old_file), f"{old_file}: "),
+                         (lambda: HiSparseConfig.from_dict({key: value}), ""),
+                         (lambda: HiSparseConfig.from_preset("tiny", **{key: value}),
+                          "override: "),
+                         (lambda: tiny.replace(**{key: value}), "")]:
+        with pytest.raises(ConfigError) as caught:
+            build()
+        assert caught.value.problems == [
+            f"{where}{key} was removed: {config_module.REMOVED_KEYS[key]}"]
+        assert why in caught.value.problems[0] and "delete the key" in caught.value.problems[0]
+    assert key not in HiSparseConfig.field_names()
+    assert tiny == HiSparseConfig.from_preset("tiny")  # nothing changed

@@ -119,7 +119,7 @@ def test_host_memory_failing_at_construction_leaks_nothing(hook: str, call: int)
 
 
 # new_event 3: the last of the decode path's events (tables changed, step end, backup done).
-@pytest.mark.parametrize("hook,call", [("new_event", 1), ("new_event", 3), ("swap_in_kernel", 1)])
+@pytest.mark.parametrize("hook,call", [("new_event", 1), ("new_event", 3), ("kernels", 1)])
 def test_a_failure_after_the_pool_frees_the_pool(hook: str, call: int) -> None:
     backend = FaultyBackend(fail={hook: call})
     with pytest.raises(InjectedFault):

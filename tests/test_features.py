@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import hisparse
-from hisparse.backends.base import FEATURE_ENTRY_POINTS, Backend
+from hisparse.backends.base import FEATURE_ENTRY_POINTS, Backend, DeviceInfo
 from hisparse.backends.cpu import CpuBackend
 from hisparse.backends.cuda import CudaBackend
 from hisparse.backends.features import (
-    LAUNCH_OPTIONS,
+    FACTS,
     RAISE_WHEN_REQUESTED,
     Feature,
     FeatureTable,
@@ -36,7 +36,6 @@ S, D, U = Status.SUPPORTED, Status.DISABLED, Status.UNSUPPORTED
 DESIGN_MATRIX = {
     Feature.REGISTER_HOST_MEMORY: {"cuda": S, "rocm": S, "xpu": U, "cpu": U},
     Feature.ZERO_COPY_SWAP_IN: {"cuda": S, "rocm": S, "xpu": S, "cpu": U},
-    Feature.BATCHED_SWAP_IN: {"cuda": S, "rocm": S, "xpu": S, "cpu": S},
     Feature.GRAPH_CAPTURE: {"cuda": S, "rocm": S, "xpu": D, "cpu": U},
     Feature.ASYNC_BACKUP: {"cuda": S, "rocm": S, "xpu": S, "cpu": U},
     Feature.SHARED_INDEX_PREFETCH: {"cuda": S, "rocm": S, "xpu": D, "cpu": S},
@@ -71,13 +70,13 @@ def non_supported_cells() -> list[tuple[str, Feature]]:
     return cells
 
 
-def call_args(method: str) -> tuple:
-    if method in ("register_host", "unregister_host", "register_shared_host",
-                  "unregister_shared_host"):
-        return (torch.empty(16, dtype=torch.uint8),)
+def call(backend: Backend, feature: Feature, method: str) -> None:
+    """Call `feature`'s entry point `method` as its users do."""
     if method == "graph_capture":
-        return (object(),)
-    return ()
+        backend.graph_capture()
+    else:  # register_host, unregister_host: a shared host pool's segment with shared=True
+        getattr(backend, method)(torch.empty(16, dtype=torch.uint8),
+                                 shared=feature is Feature.SHARED_HOST_POOL)
 
 
 def make(name: str) -> Backend:
@@ -100,9 +99,15 @@ def test_only_rocm_and_xpu_are_unverified_on_hardware() -> None:
     assert unverified == ["rocm", "xpu"]
 
 
-def test_every_feature_that_can_be_off_has_an_entry_point() -> None:
+def test_every_feature_that_can_be_off_has_one_way_in() -> None:
+    """An entry point that raises, a config flag that warns or raises, or a stated fact: one
+    of the three, so no feature is a switch that switches nothing (issue 37)."""
     can_be_off = {f for f, cells in DESIGN_MATRIX.items() if set(cells.values()) != {S}}
-    assert can_be_off - LAUNCH_OPTIONS <= set(FEATURE_ENTRY_POINTS)
+    flags = set(FEATURE_FLAGS.values())
+    assert can_be_off <= set(FEATURE_ENTRY_POINTS) | flags | FACTS
+    assert not (flags & FACTS) and not (set(FEATURE_ENTRY_POINTS) & FACTS)
+    # Every feature is one of them (none left over from a removed switch).
+    assert set(Feature) <= set(FEATURE_ENTRY_POINTS) | flags | FACTS
 
 
 @pytest.mark.parametrize("name", sorted(BUILTINS))
@@ -110,9 +115,8 @@ def test_launch_options_follow_the_table(name: str, monkeypatch: pytest.MonkeyPa
     """A backend without PDL in its table never hands the launch plan PDL, whatever the
     device says; one with it passes on what the device and triton say."""
     backend_class = BUILTINS[name]
-    monkeypatch.setattr(backend_class, "device_has_pdl", lambda self, device: True)
-    monkeypatch.setattr(backend_class, "compute_units", lambda self, index=None: 7)
-    monkeypatch.setattr(backend_class, "warp_size", lambda self, index=None: 64)
+    monkeypatch.setattr(backend_class, "describe",
+                        lambda self, index=None: DeviceInfo("a device with PDL", 7, 64, True))
     traits = backend_class().kernel_traits(torch.device("cpu"))
     has_pdl = DESIGN_MATRIX[Feature.PROGRAMMATIC_DEPENDENT_LAUNCH][name] is S
     assert (traits.pdl, traits.compute_units, traits.warp_size) == (has_pdl, 7, 64)
@@ -128,18 +132,18 @@ def test_a_table_must_cover_every_feature_and_explain_every_gap() -> None:
 @pytest.mark.parametrize(("name", "feature"), non_supported_cells())
 def test_every_gap_raises_at_its_entry_points(name: str, feature: Feature) -> None:
     backend = make(name)
-    support = backend.support(feature)
+    support = backend.features[feature]
     methods = FEATURE_ENTRY_POINTS.get(feature, ())
     for method in methods:
         with pytest.raises(UnsupportedFeatureError) as caught:
-            getattr(backend, method)(*call_args(method))
+            call(backend, feature, method)
         error = caught.value
         assert (error.feature, error.backend) == (feature.value, name)
         for part in (feature.value, f"the {name} backend", support.reason, support.instead):
             assert part in str(error), (method, part)
     with pytest.raises(UnsupportedFeatureError, match=feature.value):
         backend.require(feature)
-    assert not backend.supports(feature)
+    assert not backend.features.supports(feature)
 
 
 @pytest.mark.parametrize(
@@ -149,7 +153,7 @@ def test_every_gap_raises_at_its_entry_points(name: str, feature: Feature) -> No
 def test_supported_cells_pass_require(name: str, feature: Feature) -> None:
     backend = make(name)
     backend.require(feature)
-    assert backend.supports(feature)
+    assert backend.features.supports(feature)
 
 
 def requested_gaps() -> list[tuple[str, str]]:
@@ -158,7 +162,7 @@ def requested_gaps() -> list[tuple[str, str]]:
         (name, flag)
         for name, _ in {**BUILTINS, "nothing": None}.items()
         for flag, feature in FEATURE_FLAGS.items()
-        if not make(name).supports(feature)
+        if not make(name).features.supports(feature)
     ]
 
 
@@ -177,7 +181,7 @@ def test_asking_for_a_gap_warns_once_or_raises(name: str, flag: str) -> None:
         resolved, turned_off = resolve_features(config, backend)
     assert len(record) == 1
     message = str(record[0].message)
-    support = backend.support(feature)
+    support = backend.features[feature]
     for part in (flag, name, str(support.status), support.reason, support.instead):
         assert part in message
     assert getattr(resolved, flag) is False
@@ -193,11 +197,12 @@ def test_asking_for_everything_warns_once_per_missing_feature(name: str) -> None
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         resolved, turned_off = resolve_features(config, backend)
-    missing = [FEATURE_FLAGS[f] for f in asked if not backend.supports(FEATURE_FLAGS[f])]
+    missing = [FEATURE_FLAGS[f] for f in asked
+               if not backend.features.supports(FEATURE_FLAGS[f])]
     assert [w.category for w in record] == [FeatureDisabledWarning] * len(missing)
     assert turned_off == missing
     for flag in asked:
-        assert getattr(resolved, flag) is backend.supports(FEATURE_FLAGS[flag])
+        assert getattr(resolved, flag) is backend.features.supports(FEATURE_FLAGS[flag])
 
 
 @pytest.mark.parametrize("name", [*sorted(BUILTINS), "nothing"])
@@ -212,7 +217,7 @@ def test_unset_flags_follow_the_table_silently(name: str) -> None:
         )
     assert turned_off == []
     for flag, feature in FEATURE_FLAGS.items():
-        expected = False if flag == "skip_io" else backend.supports(feature)
+        expected = False if flag == "skip_io" else backend.features.supports(feature)
         assert getattr(resolved, flag) is expected
         assert getattr(off, flag) is False
     assert resolved.hot_slots == config.hot_slots

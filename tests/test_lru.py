@@ -63,7 +63,7 @@ def run_swap_in(backend, t, req_slots, top_k, num_real, plan=None):
     device = t.device_kv.device
     top_k = torch.tensor(top_k, dtype=torch.int32, device=device)
     out = torch.full(top_k.shape, -7, dtype=torch.int32, device=device)  # poison
-    backend.swap_in_kernel()(
+    backend.kernels.swap_in(
         t, 0, 0, torch.tensor(req_slots, dtype=torch.int32, device=device), top_k,
         torch.tensor([num_real], dtype=torch.int32, device=device), out, plan=plan)
     return out.cpu()

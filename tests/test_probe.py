@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import hisparse
 from hisparse.backends import registry
-from hisparse.backends.base import Backend
+from hisparse.backends.base import Backend, DeviceInfo
 from hisparse.cli.main import main
 from hisparse.kernels.targets import NEEDS_INTEL_BACKEND, TARGETS
 from hisparse.tools import probe as probe_module
@@ -35,9 +36,9 @@ def test_the_report_describes_the_backend_and_proves_it(backend: Backend) -> Non
     assert [c["name"] for c in report["checks"]] == CHECKS
     statuses = {c["name"]: c["status"] for c in report["checks"]}
     assert statuses["host_buffer"] == "passed", report["checks"]
-    expected_register = "passed" if backend.supports("register_host_memory") else "skipped"
+    expected_register = "passed" if backend.features.supports("register_host_memory") else "skipped"
     assert statuses["register_host"] == expected_register, report["checks"]
-    expected_shared = "passed" if backend.supports("shared_host_pool") else "skipped"
+    expected_shared = "passed" if backend.features.supports("shared_host_pool") else "skipped"
     assert statuses["shared_host_pool"] == expected_shared, report["checks"]
     # The engine imports on every backend: a skipped round trip would prove nothing.
     assert statuses["swap_in_roundtrip"] == "passed", report["checks"]
@@ -260,11 +261,12 @@ def test_ran_on_hardware_needs_the_triton_kernels_to_pass_on_that_device(monkeyp
         def device(self) -> torch.device:
             return torch.device("cuda", 0)
 
-        def device_names(self) -> list[str]:
-            return ["NVIDIA H200"]
+        def describe(self, index: int | None = None) -> DeviceInfo:
+            return DeviceInfo("NVIDIA H200")
 
-        def swap_in_kernel(self):
-            return self.kernel
+        @property
+        def kernels(self) -> SimpleNamespace:
+            return SimpleNamespace(swap_in=self.kernel)
 
     Gpu.kernel.__module__ = "hisparse.kernels.swap_in.launch"
     class FakeDriver:  # what _ran_here asks of triton's active driver

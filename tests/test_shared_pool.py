@@ -391,7 +391,7 @@ def test_the_fake_cuda_runtime_registers_the_whole_mapping(
     assert {b: s for b, (s, _) in env.cudart.registered.items()} == {
         b: layout.total_bytes for b in bases}
     for segment in (reader, writer):
-        backend.unregister_shared_host(segment.mapping)
+        backend.unregister_host(segment.mapping, shared=True)
         segment.close()
     assert env.cudart.registered == {} and sorted(env.cudart.unregister_calls) == sorted(bases)
 

@@ -29,11 +29,21 @@ INT32_LIMIT = 2**31  # rows and slots are int32 on the device
 MAX_DRAFT_TOKENS = 16  # verify steps of up to this many tokens per request (draft slots)
 # Config flags that switch a backend feature; None = use it where supported.
 FEATURE_FLAGS: Mapping[str, Feature] = MappingProxyType({
-    "graph_capture": Feature.GRAPH_CAPTURE,
     "async_backup": Feature.ASYNC_BACKUP,
     "shared_index_prefetch": Feature.SHARED_INDEX_PREFETCH,
-    "zero_copy_swap_in": Feature.ZERO_COPY_SWAP_IN,
     "skip_io": Feature.SKIP_IO_PROBE,
+})
+# Keys that switched nothing and were removed: a config that still sets one is refused, saying
+# why and what to do (a silent drop would let a user believe the switch still works).
+REMOVED_KEYS: Mapping[str, str] = MappingProxyType({
+    "graph_capture": (
+        "hisparse never captures graphs itself: the caller captures its own decode step, "
+        "swap-in included, where the backend has graphs "
+        "(backend.features.supports(Feature.GRAPH_CAPTURE)); delete the key"),
+    "zero_copy_swap_in": (
+        "it switched nothing: every backend runs its own swap-in kernel, the fused zero-copy "
+        "one wherever it has one (backend.features.supports(Feature.ZERO_COPY_SWAP_IN)); "
+        "delete the key"),
 })
 _DEEPSEEK_ROW_BYTES = MappingProxyType({"fp8": 656, "bf16": 1152})
 
@@ -76,10 +86,8 @@ class HiSparseConfig:
     # residency map doubles: G x alias_extents x extent_tokens more int16 entries); 0: sharing
     # is refused under host_row. Unused (derived 0) under position.
     alias_extents: int | None = None
-    graph_capture: bool | None = None
     async_backup: bool | None = None
     shared_index_prefetch: bool | None = None
-    zero_copy_swap_in: bool | None = None
     skip_io: bool = False
     validate: bool = False
     # D: the most tokens one verify step appends per request (speculative decoding); the cache
@@ -350,6 +358,7 @@ class HiSparseConfig:
         """Build from a mapping of field names; unknown keys are rejected with the valid list."""
         if not isinstance(values, Mapping):
             raise ConfigError(f"{source or 'config'}: expected a mapping of keys, got {values!r}")
+        _refuse_removed_keys(values, source)
         values = _renamed_keys(values, source)
         known = set(cls.field_names())
         unknown = sorted(map(str, set(values) - known))
@@ -380,6 +389,7 @@ class HiSparseConfig:
             raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
         if loaded is None:
             loaded = {}
+        _refuse_removed_keys(overrides, "override")
         overrides = dict(_renamed_keys(overrides, "override"))
         if not isinstance(loaded, Mapping):
             raise ConfigError(
@@ -496,11 +506,11 @@ def resolve_features(
     turned_off: list[Feature] = []
     for flag, feature in FEATURE_FLAGS.items():
         asked = getattr(config, flag)
-        usable = backend.supports(feature)
+        usable = backend.features.supports(feature)
         if asked and not usable:
             if feature in RAISE_WHEN_REQUESTED:
                 backend.require(feature)
-            support = backend.support(feature)
+            support = backend.features[feature]
             warnings.warn(
                 f"{flag} was requested but is {support.status} on the {backend.name} backend: "
                 f"{support.reason}; turning it off. Instead, {support.instead}.",
@@ -510,6 +520,14 @@ def resolve_features(
             turned_off.append(feature)
         changes[flag] = usable if asked is None else bool(asked) and usable
     return config.replace(**changes), turned_off
+
+
+def _refuse_removed_keys(values: Mapping[str, Any], source: str) -> None:
+    """Raise ConfigError for every key of REMOVED_KEYS that `values` sets (whatever its value)."""
+    removed = [key for key in REMOVED_KEYS if key in values]
+    if removed:
+        where = f"{source}: " if source else ""
+        raise ConfigError([f"{where}{key} was removed: {REMOVED_KEYS[key]}" for key in removed])
 
 
 # Keys a config file or override may still use, with their new names; each use warns once.

@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from hisparse.backends.base import CopyPlannedFn, SwapInFn
+from hisparse.backends.base import CopyPlannedFn, KernelSet, SwapInFn
 from hisparse.backends.cpu import CPU_FEATURES, CpuBackend
 from hisparse.backends.features import Feature, FeatureTable, supported
+from hisparse.backends.kernel_set import reference_kernels
 from hisparse.kernels.backup_reference import backup_newest_reference
 from hisparse.kernels.swap_in.reference import copy_planned_reference, swap_in_reference
 from hisparse.layout.tables import CacheTables, MissPlan
@@ -152,7 +153,11 @@ class DeferredStreamCpu(CpuBackend):
         else:
             self._current.queued.append(work)
 
-    def swap_in_kernel(self) -> SwapInFn:
+    @property
+    def kernels(self) -> KernelSet:
+        return reference_kernels(self._swap_in(), self._copy_planned(), self._backup())
+
+    def _swap_in(self) -> SwapInFn:
         def swap_in(tables: CacheTables, layer: int, group: int, req_slots: torch.Tensor,
                     top_k: torch.Tensor, num_real: torch.Tensor, out: torch.Tensor,
                     plan: MissPlan | None = None, skip_io: bool = False) -> None:
@@ -164,7 +169,7 @@ class DeferredStreamCpu(CpuBackend):
                 self._note_read(f"swap_in of layer {layer}", tables, layer, recorded)
         return swap_in
 
-    def copy_planned_kernel(self) -> CopyPlannedFn:
+    def _copy_planned(self) -> CopyPlannedFn:
         def copy_planned(tables: Any, layer: int, plan: Any) -> None:
             if self._current is not None:  # deferred: it reads the rows when it runs
                 self._issue(lambda: copy_planned_reference(tables, layer, plan))
@@ -173,7 +178,7 @@ class DeferredStreamCpu(CpuBackend):
                 self._note_read(f"replay of layer {layer}", tables, layer, plan)
         return copy_planned
 
-    def backup_kernel(self) -> Callable[..., None]:
+    def _backup(self) -> Callable[..., None]:
         def backup(tables: Any, newest_rows: Any, host_rows: Any, num_real: Any) -> None:
             self._issue(lambda: backup_newest_reference(tables, newest_rows, host_rows,
                                                         num_real))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -83,6 +84,14 @@ class NullPointerTensor:
         return 0
 
 
+def fake_properties(name: str, warp_size: int | None) -> SimpleNamespace:
+    """What `get_device_properties` reports of a fake device (XPU's have no warp size)."""
+    if warp_size is None:
+        return SimpleNamespace(name=name, gpu_subslice_count=20)
+    return SimpleNamespace(name=name, multi_processor_count=132, warp_size=warp_size, major=9,
+                           minor=0)
+
+
 @dataclass
 class FakeEnvironment:
     kind: str
@@ -106,10 +115,15 @@ def fake_environment(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_like and gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus if cuda_like else 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"Fake {kind} GPU {i}")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i=0: fake_properties(f"Fake {kind} GPU {i}", 64 if kind == "rocm"
+                                                    else 32))
     monkeypatch.setattr(torch.cuda, "cudart", lambda: env.cudart)
     monkeypatch.setattr(torch.xpu, "is_available", lambda: kind == "xpu" and gpus > 0)
     monkeypatch.setattr(torch.xpu, "device_count", lambda: gpus if kind == "xpu" else 0)
     monkeypatch.setattr(torch.xpu, "get_device_name", lambda i=0: f"Fake xpu GPU {i}")
+    monkeypatch.setattr(torch.xpu, "get_device_properties",
+                        lambda i=0: fake_properties(f"Fake xpu GPU {i}", None))
 
     env.hip = FakeHip(env.cudart)
     from hisparse.backends import cuda, rocm

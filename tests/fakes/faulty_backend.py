@@ -3,7 +3,7 @@
 `FaultyBackend(fail={"alloc_host": 3})` raises on the third `alloc_host` call, as a host that
 ran out of memory would; `"register_host"` fails the registration step that follows a
 successful allocation on CUDA and ROCm (the backend frees what it got before raising, as the
-real ones do); `"new_event"` and `"swap_in_kernel"` fail construction after the pool exists.
+real ones do); `"new_event"` and `"kernels"` fail construction after the pool exists.
 Every live host buffer is tracked, so a test can assert that nothing leaked:
 `backend.live_buffers == 0`.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hisparse.backends.base import SwapInFn
+from hisparse.backends.base import KernelSet
 from hisparse.backends.cpu import CpuBackend
 from hisparse.errors import HostAllocationError
 
@@ -25,7 +25,7 @@ FAILURES: dict[str, type[Exception]] = {
     "alloc_host": HostAllocationError,
     "register_host": HostAllocationError,
     "new_event": RuntimeError,  # torch raises RuntimeError when the driver refuses an event
-    "swap_in_kernel": RuntimeError,  # e.g. a Triton compile error at bind time
+    "kernels": RuntimeError,  # e.g. a Triton compile error at bind time
 }
 
 
@@ -80,6 +80,7 @@ class FaultyBackend(CpuBackend):
         self._count("new_event")
         return super().new_event()
 
-    def swap_in_kernel(self) -> SwapInFn:
-        self._count("swap_in_kernel")
-        return super().swap_in_kernel()
+    @property
+    def kernels(self) -> KernelSet:
+        self._count("kernels")
+        return super().kernels

@@ -10,12 +10,13 @@ before a GPU run. Import it before anything else from `hisparse.kernels` (it imp
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
-import torch
-
-from hisparse.backends.base import BackupFn, CopyPlannedFn, SwapInFn
+from hisparse.backends.base import KernelSet
 from hisparse.backends.cpu import CpuBackend
+from hisparse.backends.kernel_set import reference_kernels
 from interpreted_kernels import ON_GPU, advance_triton, backup_triton, swap_in_triton
 
 
@@ -29,26 +30,14 @@ class InterpretedTritonCpu(CpuBackend):
         # the CUDA backend runs them there.
         return "a GPU is visible: its own backend runs the Triton kernels" if ON_GPU else None
 
-    def swap_in_kernel(self) -> SwapInFn:
-        return swap_in_triton.swap_in_triton
+    @property
+    def kernels(self) -> KernelSet:
+        return dataclasses.replace(
+            reference_kernels(swap_in_triton.swap_in_triton, swap_in_triton.copy_planned_triton,
+                              backup_triton.backup_newest_triton),
+            swap_in_launcher=self._swap_in_launcher,
+            batch_advance=functools.partial(advance_triton.AdvanceTriton, direct=False))
 
-    def copy_planned_kernel(self) -> CopyPlannedFn:
-        return swap_in_triton.copy_planned_triton
-
-    def backup_kernel(self) -> BackupFn:
-        return backup_triton.backup_newest_triton
-
-    def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
-                         out: torch.Tensor, *, plans: Any = None, skip_io: bool = False,
-                         newest_rows: torch.Tensor | None = None,
-                         newest_host_rows: torch.Tensor | None = None, union: Any = None) -> Any:
+    def _swap_in_launcher(self, tables: Any, *args: Any, **options: Any) -> Any:
         return swap_in_triton.SwapInLauncher(
-            tables, req_slots, num_real, out, traits=self.kernel_traits(tables.last_use.device),
-            plans=plans, skip_io=skip_io, newest_rows=newest_rows,
-            newest_host_rows=newest_host_rows, union=union)
-
-    def batch_advance(self, batch_slots: torch.Tensor, num_real: torch.Tensor,
-                      newest_host_rows: torch.Tensor, new_seq_lens: torch.Tensor,
-                      seq_lens: torch.Tensor) -> Any:
-        return advance_triton.AdvanceTriton(batch_slots, num_real, newest_host_rows,
-                                            new_seq_lens, seq_lens, direct=False)
+            tables, *args, traits=self.kernel_traits(tables.last_use.device), **options)

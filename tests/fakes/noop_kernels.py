@@ -13,12 +13,12 @@ for host-overhead benchmarks only, never for correctness
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from typing import Any
 
 import torch
 
-from hisparse.backends.base import BackupFn
+from hisparse.backends.base import KernelSet
 from hisparse.backends.cpu import CpuBackend
 from hisparse.kernels.swap_in.plan import LauncherCapabilities
 
@@ -60,21 +60,12 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 class NoopKernelCpu(CpuBackend):
     name = "cpu-noop-kernels"
 
-    def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
-                         out: torch.Tensor, *, plans: Any = None, skip_io: bool = False,
-                         newest_rows: torch.Tensor | None = None,
-                         newest_host_rows: torch.Tensor | None = None, union: Any = None) -> Any:
-        return _NoopSwapIn(newest_host_rows is not None)
-
-    def union_launcher(self, tokens: int, top_k: int, *args: Any, **kwargs: Any) -> Any:
-        return _NoopUnion(tokens, top_k)
-
-    def backup_kernel(self) -> BackupFn:
-        return _noop
-
-    def batch_advance(self, *args: Any, **kwargs: Any) -> Callable[[int], None]:
-        return _noop
-
-    def newest_writer(self, device_kv: torch.Tensor, newest_rows: torch.Tensor,
-                      newest_rows_long: torch.Tensor) -> Callable[[int, torch.Tensor], None]:
-        return _noop
+    @property
+    def kernels(self) -> KernelSet:
+        return dataclasses.replace(
+            super().kernels,
+            swap_in_launcher=lambda *args, newest_host_rows=None, **kwargs: _NoopSwapIn(
+                newest_host_rows is not None),
+            union_launcher=lambda tokens, top_k, *args, **kwargs: _NoopUnion(tokens, top_k),
+            backup_launcher=lambda: _noop, batch_advance=lambda *args: _noop,
+            newest_writer=lambda *args: _noop)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import logging
@@ -12,7 +13,8 @@ from typing import Any
 
 import torch
 
-from hisparse.backends.base import Backend, BackupFn, CopyPlannedFn, SwapInFn
+from hisparse.backends.base import Backend, DeviceInfo
+from hisparse.backends.kernel_set import KernelSet, reference_kernels
 from hisparse.kernels import backup_reference
 from hisparse.kernels.swap_in import reference as swap_in_reference
 
@@ -99,31 +101,21 @@ class AcceleratorBackend(Backend):
     def module(self) -> ModuleType:
         return getattr(torch, self.torch_device_type)
 
-    def device_names(self) -> list[str]:
-        module = self.module
-        return [module.get_device_name(i) for i in range(module.device_count())]
-
     def device_count(self) -> int | None:
         return int(self.module.device_count())
 
-    def compute_units(self, index: int | None = None) -> int:
-        module = self.module
-        properties = module.get_device_properties(
-            module.current_device() if index is None else index
-        )
-        # SMs on CUDA, compute units on ROCm, Xe cores (subslices) on XPU.
-        for attribute in ("multi_processor_count", "gpu_subslice_count", "max_compute_units"):
-            value = getattr(properties, attribute, None)
-            if value:
-                return int(value)
-        return 1
-
-    def warp_size(self, index: int | None = None) -> int:
+    def describe(self, index: int | None = None) -> DeviceInfo:
         module = self.module
         properties = module.get_device_properties(
             module.current_device() if index is None else index)
-        # torch reports it on CUDA and ROCm builds (64 on CDNA's wavefronts); 32 elsewhere.
-        return int(getattr(properties, "warp_size", 32) or 32)
+        # SMs on CUDA, compute units on ROCm, Xe cores (subslices) on XPU.
+        units = next((int(value) for value in (
+            getattr(properties, attribute, None) for attribute in (
+                "multi_processor_count", "gpu_subslice_count", "max_compute_units"))
+            if value), 1)
+        # torch reports the warp size on CUDA and ROCm builds (64 on CDNA's wavefronts).
+        return DeviceInfo(name=str(properties.name), compute_units=units,
+                          warp_size=int(getattr(properties, "warp_size", 32) or 32))
 
     def current_device(self) -> torch.device | None:
         # Once a decode step: torch.accelerator's index is a C++ call, the device module's
@@ -188,49 +180,28 @@ class AcceleratorBackend(Backend):
             event.synchronize()
 
     # --- kernels -------------------------------------------------------------------------
-    def swap_in_kernel(self) -> SwapInFn:
-        return bind_triton_kernel("swap_in_triton")
-
-    def copy_planned_kernel(self) -> CopyPlannedFn:
-        return bind_triton_kernel("copy_planned_triton")
-
-    def backup_kernel(self) -> BackupFn:
-        # A launcher per call (per cache): it binds its launch to that cache's buffers once.
-        launcher = bind_triton_kernel("BackupLauncher")
-        if launcher is None:  # no triton: the reference, as for every kernel
-            return backup_reference.backup_newest_reference
-        return launcher(direct=self.direct_kernel_launch)
-
-    def newest_writer(self, device_kv: torch.Tensor, newest_rows: torch.Tensor,
-                      newest_rows_long: torch.Tensor) -> Any:
-        # The Triton writer only where its bound launches go straight to the driver (about
-        # 5 us): through triton's dispatch (15-30 us) it would cost more than the index_copy_.
-        writer = bind_triton_kernel("NewestWriterTriton") if self.direct_kernel_launch else None
-        if writer is None:  # no triton, or no direct launches: the reference's index_copy_
-            return super().newest_writer(device_kv, newest_rows, newest_rows_long)
-        return writer(device_kv, newest_rows, newest_rows_long,
-                      direct=self.direct_kernel_launch)
-
-    def batch_advance(self, batch_slots: torch.Tensor, num_real: torch.Tensor,
-                      newest_host_rows: torch.Tensor, new_seq_lens: torch.Tensor,
-                      seq_lens: torch.Tensor) -> Any:
-        # As the newest writer: one bound launch where it goes straight to the driver.
-        advance = bind_triton_kernel("AdvanceTriton") if self.direct_kernel_launch else None
-        if advance is None:
-            return super().batch_advance(batch_slots, num_real, newest_host_rows,
-                                         new_seq_lens, seq_lens)
-        return advance(batch_slots, num_real, newest_host_rows, new_seq_lens, seq_lens,
-                       direct=self.direct_kernel_launch)
-
-    def swap_in_launcher(self, tables: Any, req_slots: torch.Tensor, num_real: torch.Tensor,
-                         out: torch.Tensor, *, plans: Any = None, skip_io: bool = False,
-                         newest_rows: torch.Tensor | None = None,
-                         newest_host_rows: torch.Tensor | None = None, union: Any = None) -> Any:
+    @property
+    def kernels(self) -> KernelSet:
+        swap_in = bind_triton_kernel("swap_in_triton")
+        copy_planned = bind_triton_kernel("copy_planned_triton")
+        reference = reference_kernels(swap_in, copy_planned)
         launcher = bind_triton_kernel("SwapInLauncher")
         if launcher is None:  # no triton: the reference, as for every kernel
-            return super().swap_in_launcher(tables, req_slots, num_real, out,
-                                            plans=plans, skip_io=skip_io)
-        return launcher(tables, req_slots, num_real, out, traits=self.kernel_traits(
-            tables.last_use.device), plans=plans, skip_io=skip_io, newest_rows=newest_rows,
-            newest_host_rows=newest_host_rows, union=union)
+            return reference
+        direct = self.direct_kernel_launch
 
+        def swap_in_launcher(tables: Any, *args: Any, **options: Any) -> Any:
+            return launcher(tables, *args, traits=self.kernel_traits(tables.last_use.device),
+                            **options)
+
+        # The newest writer and the batch advance are Triton only where their bound launches
+        # go straight to the driver (about 5 us): through triton's dispatch (15-30 us) they
+        # would cost more than the torch ops they replace.
+        return dataclasses.replace(
+            reference, swap_in_launcher=swap_in_launcher,
+            backup_launcher=functools.partial(bind_triton_kernel("BackupLauncher"),
+                                              direct=direct),
+            newest_writer=functools.partial(bind_triton_kernel("NewestWriterTriton"),
+                                            direct=direct) if direct else reference.newest_writer,
+            batch_advance=functools.partial(bind_triton_kernel("AdvanceTriton"),
+                                            direct=direct) if direct else reference.batch_advance)

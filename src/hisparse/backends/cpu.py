@@ -9,9 +9,8 @@ import torch
 
 from hisparse.backends._host_memory import LiveBuffers
 from hisparse.backends._host_register import allocate_plain
-from hisparse.backends.base import Backend, CopyPlannedFn, SwapInFn
+from hisparse.backends.base import Backend
 from hisparse.backends.features import Feature, FeatureTable, supported, unsupported
-from hisparse.kernels.swap_in.reference import copy_planned_reference, swap_in_reference
 
 CPU_FEATURES = FeatureTable({
     Feature.PROGRAMMATIC_DEPENDENT_LAUNCH: unsupported(
@@ -23,12 +22,11 @@ CPU_FEATURES = FeatureTable({
     ),
     Feature.ZERO_COPY_SWAP_IN: unsupported(
         "there is no fused zero-copy kernel for the host",
-        "swap-in runs the torch reference (swap_in_kernel()), which copies with torch ops",
+        "swap-in runs the torch reference (backend.kernels.swap_in), which copies with torch ops",
     ),
-    Feature.BATCHED_SWAP_IN: supported("torch reference"),
     Feature.GRAPH_CAPTURE: unsupported(
         "the CPU has no graphs to capture",
-        "run swap-in eagerly (graph_capture: false)",
+        "run the decode step eagerly",
     ),
     Feature.ASYNC_BACKUP: unsupported(
         "the CPU backend has no side streams",
@@ -59,9 +57,3 @@ class CpuBackend(Backend):
 
     def free_host(self, buffer: torch.Tensor) -> None:
         self._live.remove(buffer)
-
-    def swap_in_kernel(self) -> SwapInFn:
-        return swap_in_reference
-
-    def copy_planned_kernel(self) -> CopyPlannedFn:
-        return copy_planned_reference

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from hisparse.backends._accelerator import AcceleratorBackend
 from hisparse.backends._host_register import HostRegistry
+from hisparse.backends.base import DeviceInfo
 from hisparse.backends.features import Feature, FeatureTable, supported
 
 CUDA_FEATURES = FeatureTable({
     Feature.REGISTER_HOST_MEMORY: supported("cudaHostRegister, exact size, chunked"),
     Feature.ZERO_COPY_SWAP_IN: supported("Triton reads registered host rows directly"),
-    Feature.BATCHED_SWAP_IN: supported(),
     Feature.GRAPH_CAPTURE: supported("torch.cuda.CUDAGraph"),
     Feature.ASYNC_BACKUP: supported("side stream"),
     Feature.SHARED_INDEX_PREFETCH: supported("replay on a side stream"),
@@ -57,11 +59,14 @@ class CudaBackend(AcceleratorBackend):
             )
         return None
 
-    def device_has_pdl(self, device: torch.device) -> bool:
+    def describe(self, index: int | None = None) -> DeviceInfo:
         from hisparse.kernels.swap_in.pdl import triton_launches_dependents
 
-        return torch.cuda.get_device_capability(device) >= (9, 0) and (
-            triton_launches_dependents())
+        info = super().describe(index)
+        pdl = (self.features.supports(Feature.PROGRAMMATIC_DEPENDENT_LAUNCH)
+               and torch.cuda.get_device_capability(index) >= (9, 0)
+               and triton_launches_dependents())
+        return dataclasses.replace(info, pdl=pdl)
 
     def runtime_versions(self) -> dict[str, str | None]:
         return {"cuda_runtime": torch.version.cuda, "cuda_driver": _cuda_driver_version()}
@@ -73,24 +78,18 @@ class CudaBackend(AcceleratorBackend):
     def free_host(self, buffer: torch.Tensor) -> None:
         self.host_registry.free(buffer)
 
-    def register_host(self, buffer: torch.Tensor) -> None:
-        self.require(Feature.REGISTER_HOST_MEMORY)
-        self.host_registry.register(buffer)
-
-    def unregister_host(self, buffer: torch.Tensor) -> None:
-        self.require(Feature.REGISTER_HOST_MEMORY)
-        self.host_registry.unregister(buffer)
-
     # --- graphs --------------------------------------------------------------------------
-    def new_graph(self) -> Any:
+    def graph_capture(self, stream: Any | None = None) -> contextlib.AbstractContextManager[Any]:
         self.require(Feature.GRAPH_CAPTURE)
-        return torch.cuda.CUDAGraph()
+        return _capture(stream)
 
-    def graph_capture(
-        self, graph: Any, stream: Any | None = None
-    ) -> contextlib.AbstractContextManager[Any]:
-        self.require(Feature.GRAPH_CAPTURE)
-        return torch.cuda.graph(graph, stream=stream)
+
+@contextlib.contextmanager
+def _capture(stream: Any | None) -> Iterator[Any]:
+    """A new CUDA graph holding the block's launches (on `stream`, else a side stream)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        yield graph
 
 
 def _cuda_driver_version() -> str | None:

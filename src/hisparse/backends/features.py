@@ -12,8 +12,11 @@ class Feature(str, enum.Enum):
     """The rows of the feature table (host pool allocation is part of every backend)."""
 
     REGISTER_HOST_MEMORY = "register_host_memory"
+    # The swap-in reads missing rows straight out of host memory (the fused Triton kernel):
+    # a fact the benchmarks report, not a switch; the backend binds the kernel it has.
     ZERO_COPY_SWAP_IN = "zero_copy_swap_in"
-    BATCHED_SWAP_IN = "batched_swap_in"
+    # The caller may capture its decode step, swap-in included, in a graph (hisparse never
+    # captures one itself): `Backend.graph_capture` raises where the table says no.
     GRAPH_CAPTURE = "graph_capture"
     ASYNC_BACKUP = "async_backup"
     SHARED_INDEX_PREFETCH = "shared_index_prefetch"
@@ -33,9 +36,9 @@ class Feature(str, enum.Enum):
 # A config that asks for one of these on a backend that lacks it must fail, not be turned off:
 # turning the skip-IO probe off would silently time the copy it exists to leave out.
 RAISE_WHEN_REQUESTED = frozenset({Feature.SKIP_IO_PROBE})
-# Features no caller asks for, so they have no raising entry point: the launch plan uses them
-# where the backend has them (Backend.kernel_traits), and goes without them elsewhere.
-LAUNCH_OPTIONS = frozenset({Feature.PROGRAMMATIC_DEPENDENT_LAUNCH})
+# Features no caller asks for, so they have no raising entry point: facts the launch plan
+# (Backend.kernel_traits) and the benchmarks read, going without them where they are missing.
+FACTS = frozenset({Feature.PROGRAMMATIC_DEPENDENT_LAUNCH, Feature.ZERO_COPY_SWAP_IN})
 
 
 class Status(str, enum.Enum):
@@ -91,6 +94,10 @@ class FeatureTable(Mapping[Feature, Support]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def supports(self, feature: Feature) -> bool:
+        """Whether `feature` works here (its entry is SUPPORTED)."""
+        return self[feature].usable
 
     def to_dict(self) -> dict[str, dict[str, str]]:
         return {

@@ -27,10 +27,9 @@ XPU_FEATURES = FeatureTable({
         "allocate the buffer with backend.alloc_host(), which returns USM host memory",
     ),
     Feature.ZERO_COPY_SWAP_IN: supported("USM host memory is device-readable; unverified"),
-    Feature.BATCHED_SWAP_IN: supported(),
     Feature.GRAPH_CAPTURE: disabled(
         "XPU graph capture of swap-in has not been verified on hardware",
-        "swap-in runs eagerly; set graph_capture: false to silence this",
+        "run the decode step eagerly (backend.graph_capture raises here)",
     ),
     Feature.ASYNC_BACKUP: supported("side stream"),
     Feature.SHARED_INDEX_PREFETCH: disabled(

@@ -281,6 +281,8 @@ def to_document(backend: Any, quick: bool, kernel: str, sizes: Any, cells: list[
                 copies: list[Any]) -> dict[str, Any]:
     import torch
 
+    from hisparse.backends.base import device_names
+
     try:
         import triton
 
@@ -309,7 +311,7 @@ def to_document(backend: Any, quick: bool, kernel: str, sizes: Any, cells: list[
         "command": "bench",
         "backend": backend.name,
         "device": str(backend.device()),
-        "device_names": backend.device_names(),
+        "device_names": device_names(backend),
         "versions": {"torch": torch.__version__, "triton": triton_version},
         "quick": quick,
         "cpu_numbers": on_cpu,

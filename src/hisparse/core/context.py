@@ -61,7 +61,7 @@ class DecodeContext:
         buffers = BatchBuffers(capacity, config.top_k, num_groups, padding_row,
                                tables.resident.dtype, device, backend)
         plans = miss_plans(schedule, capacity, config.top_k, device)
-        kernels = DecodeKernels(backend, config.skip_io, config.zero_copy_swap_in, tables,
+        kernels = DecodeKernels(backend, config.skip_io, tables,
                                 buffers.req_slots, buffers.num_real, buffers.out, plans,
                                 (buffers.newest_rows, buffers.newest_rows_long),
                                 (buffers.field("batch_slots"), buffers.num_real,
@@ -70,9 +70,9 @@ class DecodeContext:
                                 # shared writer's plan waits for readers at the begin.
                                 newest_host_rows=(buffers.newest_host_rows
                                                   if pool.writes_rows else None))
-        backup_stream = backend.backup_stream() if config.async_backup else None
+        backup_stream = backend.new_stream() if config.async_backup else None
         prefetch = config.shared_index_prefetch and schedule.shares
-        prefetch_stream = backend.prefetch_stream() if prefetch else None
+        prefetch_stream = backend.new_stream() if prefetch else None
         order = DecodeOrdering(backend, device, backup_stream)
         replays = group_replays(schedule, plans, tables, kernels, backend, device,
                                 prefetch_stream)

@@ -378,6 +378,6 @@ class HostPool:
         segment, self.segment = self.segment, None
         if segment is not None and not segment.closed:
             try:
-                self.backend.unregister_shared_host(segment.mapping)
+                self.backend.unregister_host(segment.mapping, shared=True)
             finally:
                 segment.close()

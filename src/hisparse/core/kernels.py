@@ -1,10 +1,10 @@
 """Every kernel the decode path launches, bound once from the backend.
 
 This is the one place that knows the kernels' interfaces, so that they can be re-pointed
-without touching the step: the backend's swap-in launcher (`backend.swap_in_launcher`: its
+without touching the step: the backend's swap-in launcher (`backend.kernels.swap_in_launcher`: its
 `swap_in(layer, group, rows, top_k)` and `replay(layer, group, rows)`, bound to the tables,
 the batch buffers and the groups' miss plans once), `backup(tables, newest_rows,
-host_rows, num_real)` and `write_newest(layer, rows)` (`backend.newest_writer`, bound to the
+host_rows, num_real)` and `write_newest(layer, rows)` (`kernels.newest_writer`, bound to the
 batch buffers' newest rows) (`hisparse.backends.base`).
 """
 
@@ -30,7 +30,7 @@ class DecodeKernels:
     `failure` keeps the reason and every decode call but a cancel refuses from then on.
     """
 
-    def __init__(self, backend: Backend, skip_io: bool, zero_copy: bool, tables: CacheTables,
+    def __init__(self, backend: Backend, skip_io: bool, tables: CacheTables,
                  req_slots: torch.Tensor, num_real: torch.Tensor, out: torch.Tensor,
                  plans: Sequence[MissPlan | None],
                  newest_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -38,19 +38,15 @@ class DecodeKernels:
                  swap_in_writes_newest: bool = True,
                  newest_host_rows: torch.Tensor | None = None,
                  union: DraftUnion | None = None) -> None:
-        self.skip_io = skip_io
-        # Asked for by name so that a backend without the feature raises here.
-        if skip_io:
-            backend.skip_io_swap_in_kernel()
-        elif zero_copy:
-            backend.zero_copy_swap_in_kernel()
+        self.skip_io = skip_io  # a backend without the probe refused it in resolve_features
+        kernels = backend.kernels
         # `swap_in_writes_newest`: one newest row per batch row, which the swap-in may write
         # itself (a verify width's S rows per request are the union's business: False), and
         # with `newest_host_rows` (a private host pool's) back them up as well.
         folds = swap_in_writes_newest and newest_rows is not None
         # `union` (a verify width's): the launcher may de-duplicate the flattened rows itself
         # (Triton's); `fuses_union` says whether it took them.
-        self.launcher: Any = backend.swap_in_launcher(
+        self.launcher: Any = kernels.swap_in_launcher(
             tables, req_slots, num_real, out, plans=plans, skip_io=skip_io,
             newest_rows=newest_rows[0] if folds else None,
             newest_host_rows=newest_host_rows if folds else None, union=union)
@@ -60,15 +56,15 @@ class DecodeKernels:
         self._swap_in_writes_newest = self.capabilities.writes_newest
         self._swap_in_backs_up_newest = self.capabilities.backs_up_newest
         # The GPU backends bind the fused kernel; `Backend` gives every other the reference.
-        self.backup: BackupFn = backend.backup_kernel()
+        self.backup: BackupFn = kernels.backup_launcher()
         # `write_newest(layer, rows)`: the new tokens' rows into the batch's newest device rows
         # (int32 rows and their int64 twin); a torch op, so a failure leaves the tables alone.
         # None for a launcher that writes no newest rows (a verify step's union widths).
-        self.write_newest = (backend.newest_writer(tables.device_kv, *newest_rows)
+        self.write_newest = (kernels.newest_writer(tables.device_kv, *newest_rows)
                              if newest_rows is not None else None)
         # A quiet step's `advance(rows)` of the batch buffers `(batch_slots, num_real,
         # newest_host_rows, new_seq_lens)` and the tables' lengths (core.batch.QuietRun).
-        self._advance = (backend.batch_advance(*advance, tables.seq_lens)
+        self._advance = (kernels.batch_advance(*advance, tables.seq_lens)
                          if advance is not None else None)
         self.failure: str | None = None
 

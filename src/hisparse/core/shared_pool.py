@@ -120,8 +120,8 @@ def build_host_pool(backend: Backend, config: HiSparseConfig, spec: SharedPoolSp
         raise InvalidInputError(
             f"shared_pool must be a SharedPoolSpec or None, got {type(spec).__name__} "
             f"{spec!r:.80}; build one with SharedPoolSpec(name, rank, ranks)")
-    if spec is not None and not backend.supports(Feature.SHARED_HOST_POOL):
-        support = backend.support(Feature.SHARED_HOST_POOL)
+    if spec is not None and not backend.features.supports(Feature.SHARED_HOST_POOL):
+        support = backend.features[Feature.SHARED_HOST_POOL]
         warnings.warn(
             f"shared_pool was requested but {Feature.SHARED_HOST_POOL} is {support.status} on "
             f"the {backend.name} backend: {support.reason}; turning it off. Instead, "
@@ -149,7 +149,7 @@ def open_segment(spec: SharedPoolSpec, backend: Backend, layout: SegmentLayout
     else:
         segment = SharedSegment.attach(spec.name, layout, spec.rank, spec.attach_timeout_s)
     try:
-        backend.register_shared_host(segment.mapping)
+        backend.register_host(segment.mapping, shared=True)
     except BaseException:
         segment.close()
         raise

@@ -8,11 +8,11 @@ held in one slot, and the LRU sees one step's use; the misses take slots in that
 and its `[B, U]` rows are scattered back to `[B, S, K]` through the inverse index. The
 step's own tokens (its draft positions) never enter the union: they are served from the
 request's draft slots. The union plan and the scatter are torch ops on the device with no
-host sync (`kernels.union_reference`, bound per width through `backend.union_launcher`), so a
+host sync (`kernels.union_reference`, bound per width through `kernels.union_launcher`), so a
 captured graph replays them; one graph per (batch bucket, S), since U is part of every shape.
 
 Each S gets its own swap-in launcher bound to an out buffer of width U
-(`backend.swap_in_launcher`), its own miss plans and group replays. The Triton launcher
+(`backend.kernels.swap_in_launcher`), its own miss plans and group replays. The Triton launcher
 (the GPU backends') de-duplicates the flattened `[B, S * K]` rows inside its own lookup and
 selection instead (`layout.tables.DraftUnion`; it `fuses_union`): then there is no union row,
 plan or scatter, and its out buffer is the result. The misses take their slots in the same
@@ -99,7 +99,7 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
                 req_slots: torch.Tensor, num_real: torch.Tensor, first: torch.Tensor,
                 draft_base: torch.Tensor, draft_rows: tuple[torch.Tensor, torch.Tensor],
                 top_k: int, schedule: IndexSchedule,
-                skip_io: bool, zero_copy: bool, prefetch_stream: Any | None,
+                skip_io: bool, prefetch_stream: Any | None,
                 table: Callable[[], torch.Tensor]) -> UnionWidth:
     """The launchers, buffers, miss plans and group replays for verify steps of `tokens`;
     `first` and `draft_base` are the begin block's persistent `[Bcap]` int64 fields,
@@ -113,7 +113,7 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
     i32 = {"dtype": torch.int32, "device": device}
     union_out = torch.full((num_groups, capacity, width), -1, **i32)
     plans = miss_plans(schedule, capacity, width, device)
-    kernels = _UnionKernels(main, backend, skip_io, zero_copy, tables, req_slots, num_real,
+    kernels = _UnionKernels(main, backend, skip_io, tables, req_slots, num_real,
                             union_out, plans, draft_rows, swap_in_writes_newest=False,
                             union=DraftUnion(tokens, top_k, first, draft_base, table))
     replays = group_replays(schedule, plans, tables, kernels, backend, device, prefetch_stream)
@@ -124,7 +124,7 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
     else:
         union_top_k = torch.full((capacity, width), -1, **i32)
         rows = torch.full((num_groups, capacity, tokens, top_k), -1, **i32)
-        kernels.union = backend.union_launcher(
+        kernels.union = backend.kernels.union_launcher(
             tokens, top_k, first, draft_base, num_real, union_top_k, union_out, rows,
             tables.counters, request_counts=(tables.request_counters, req_slots))
     return UnionWidth(tokens=tokens, union_top_k=union_top_k, union_out=union_out, rows=rows,

@@ -46,7 +46,6 @@ class VerifyContext:
     top_k: int
     schedule: IndexSchedule
     skip_io: bool
-    zero_copy: bool
     begin_block: DeviceBlock
     end_block: DeviceBlock
     # (Bcap, positions): the presence table's, a column for every position a request's page
@@ -76,7 +75,7 @@ class VerifyContext:
         ], c.device, backend)
         return cls(backend=backend, max_draft_tokens=D, top_k=config.top_k,
                    schedule=config.index_schedule, skip_io=config.skip_io,
-                   zero_copy=bool(config.zero_copy_swap_in), begin_block=begin, end_block=end,
+                   begin_block=begin, end_block=end,
                    table_shape=(cap, max(c.max_seq_len + D, c.tables.positions_per_request)))
 
     def table(self) -> torch.Tensor:
@@ -95,7 +94,7 @@ class VerifyContext:
                 c.buffers.num_real, block.field("first"), block.field("draft_base"),
                 (block.field("draft_rows", c.batch_capacity * tokens),
                  block.field("draft_rows_long", c.batch_capacity * tokens)),
-                self.top_k, self.schedule, self.skip_io, self.zero_copy,
+                self.top_k, self.schedule, self.skip_io,
                 c.prefetch_stream, self.table)
         return width
 

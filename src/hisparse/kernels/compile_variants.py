@@ -297,7 +297,7 @@ class _Recorder:
 
 def _target_traits(target: Target) -> Any:
     """The `DeviceTraits` the target's backend would state on such a device: PDL from its
-    feature table and, on NVIDIA, from the compute capability (as `CudaBackend.device_has_pdl`
+    feature table and, on NVIDIA, from the compute capability (as `CudaBackend.describe`
     reads it) and triton; the warp width from the target."""
     from hisparse.backends.features import Feature
     from hisparse.kernels.swap_in.pdl import triton_launches_dependents

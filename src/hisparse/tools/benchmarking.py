@@ -149,11 +149,9 @@ class StepTimer:
 
 
 def swap_in_kernel(backend: Backend) -> tuple[Callable[..., None], str]:
-    """The kernel the engine would run by default, and its name."""
-    if backend.supports(Feature.ZERO_COPY_SWAP_IN):
-        kernel = backend.zero_copy_swap_in_kernel()
-    else:
-        kernel = backend.swap_in_kernel()
+    """The kernel the engine runs (the fused zero-copy one where the backend has it), and its
+    name."""
+    kernel = backend.kernels.swap_in
     return kernel, f"{kernel.__module__}.{kernel.__name__}"
 
 
@@ -315,7 +313,7 @@ def sw1_cell(
     trace = ChurnTrace(batch, sizes, churn, rng)
     steps = sizes.warmup_steps + sizes.timed_steps
     planned = sizes.timed_steps if skip_io else 0
-    graphs = backend.supports(Feature.GRAPH_CAPTURE)
+    graphs = backend.features.supports(Feature.GRAPH_CAPTURE)
     timer = StepTimer(backend, backend.device(), queued=graphs)
     cell = CellSteps(backend, tables, host_rows, trace, batch, capacity, sizes.top_k, mirror,
                      graphs, timer, CacheFlusher(backend.device(), flush), 1 + steps + planned)
@@ -511,7 +509,7 @@ def scattered_gather(
     try:
         pool = raw.view(rows_in_pool, row_bytes)
         fill_pool(pool)
-        copy = backend.copy_planned_kernel()
+        copy = backend.kernels.copy_planned
         timer = StepTimer(backend, device)
         results = []
         for count in row_counts:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import hisparse
-from hisparse.backends.base import Backend
+from hisparse.backends.base import Backend, device_names
 from hisparse.backends.features import Feature
 from hisparse.backends.registry import (
     available_backends,
@@ -97,7 +97,7 @@ def probe(device: str | torch.device | Backend | None = None, run_checks: bool =
         report["kernel_targets"] = _kernel_targets(builds, None)
         return report
     report["versions"] = _versions(backend)
-    report["devices"] = [{"index": i, "name": n} for i, n in enumerate(backend.device_names())]
+    report["devices"] = [{"index": i, "name": n} for i, n in enumerate(device_names(backend))]
     if run_checks:
         report["checks"] = _run_checks(backend, index, config)
     report["kernel_targets"] = _kernel_targets(builds, _ran_here(backend, report["checks"]))
@@ -230,7 +230,7 @@ def _ran_here(backend: Backend, checks: list[dict[str, Any]]) -> dict[str, Any] 
     """The target whose device just ran the Triton kernels in the swap-in check, if any."""
     passed = any(c["name"] == "swap_in_roundtrip" and c["status"] == "passed" for c in checks)
     if not passed or backend.device().type == "cpu" or (
-            backend.swap_in_kernel().__module__ == swap_in_reference.__name__):
+            backend.kernels.swap_in.__module__ == swap_in_reference.__name__):
         return None
     try:
         import triton
@@ -239,7 +239,7 @@ def _ran_here(backend: Backend, checks: list[dict[str, Any]]) -> dict[str, Any] 
 
         current = triton.runtime.driver.active.get_current_target()
         device = backend.device()
-        name = backend.device_names()[device.index or 0]
+        name = backend.describe(device.index or 0).name
     except Exception:  # a device the kernels ran on but triton cannot name: claim nothing
         return None
     return {"target": target_name(current.backend, current.arch), "backend": backend.name,
@@ -408,7 +408,7 @@ def _check_host_buffer(backend: Backend) -> str:
         if not torch.equal(_read_back(backend, buffer), expected):
             raise AssertionError("bytes read from the device differ from those written")
         pinned = ""
-        if backend.supports(Feature.REGISTER_HOST_MEMORY):
+        if backend.features.supports(Feature.REGISTER_HOST_MEMORY):
             pinned = f", is_pinned={buffer.is_pinned()}"
             if not buffer.is_pinned():
                 raise AssertionError("alloc_host returned memory the runtime sees as unpinned")
@@ -419,7 +419,7 @@ def _check_host_buffer(backend: Backend) -> str:
 
 
 def _check_register_host(backend: Backend) -> str:
-    support = backend.support(Feature.REGISTER_HOST_MEMORY)
+    support = backend.features[Feature.REGISTER_HOST_MEMORY]
     if not support.usable:
         raise _Skip(f"register_host_memory is {support.status} here: {support.reason}")
     expected = _random_bytes((HOST_CHECK_BYTES,), _generator())
@@ -441,7 +441,7 @@ def _check_shared_host_pool(backend: Backend) -> str:
     through the second."""
     from hisparse.core.shared_segment import SegmentLayout, SharedSegment, segment_path
 
-    support = backend.support(Feature.SHARED_HOST_POOL)
+    support = backend.features[Feature.SHARED_HOST_POOL]
     if not support.usable:
         raise _Skip(f"shared_host_pool is {support.status} here: {support.reason}")
     name = f"probe-{os.getpid()}-{int.from_bytes(os.urandom(4), 'little')}"
@@ -451,17 +451,18 @@ def _check_shared_host_pool(backend: Backend) -> str:
     try:
         reader = SharedSegment.attach(name, layout, 1, timeout_s=5.0)
         for segment in (writer, reader):
-            backend.register_shared_host(segment.mapping)
+            backend.register_host(segment.mapping, shared=True)
         try:
             expected = _random_bytes((layout.num_rows, 64), _generator())
             writer.layers[0].copy_(expected)
-            if backend.supports(Feature.REGISTER_HOST_MEMORY) and not reader.layers[0].is_pinned():
+            if (backend.features.supports(Feature.REGISTER_HOST_MEMORY)
+                    and not reader.layers[0].is_pinned()):
                 raise AssertionError("the second mapping is not registered (is_pinned False)")
             if not torch.equal(_read_back(backend, reader.layers[0]), expected):
                 raise AssertionError("bytes read through the second mapping differ")
         finally:
             for segment in (writer, reader):
-                backend.unregister_shared_host(segment.mapping)
+                backend.unregister_host(segment.mapping, shared=True)
     finally:
         for segment in (reader, writer):
             if segment is not None:
@@ -512,7 +513,7 @@ def _check_swap_in(backend: Backend, config: HiSparseConfig | None = None) -> st
 
 
 def _kernel_name(backend: Backend) -> str:
-    kernel = backend.swap_in_kernel()
+    kernel = backend.kernels.swap_in
     return f"{kernel.__module__.rsplit('.', 1)[-1]}.{kernel.__name__}"
 
 

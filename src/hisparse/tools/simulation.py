@@ -401,8 +401,8 @@ def _measure_planning(
     planning: list[float | None] = [None] * len(main)
     if not measure_planning:
         note = "not measured (--no-split)"
-    elif not backend.supports(Feature.SKIP_IO_PROBE):
-        support = backend.support(Feature.SKIP_IO_PROBE)
+    elif not backend.features.supports(Feature.SKIP_IO_PROBE):
+        support = backend.features[Feature.SKIP_IO_PROBE]
         note = f"not measured: the {backend.name} backend has no skip-IO probe ({support.reason})"
     else:
         with HiSparseCache(config.replace(skip_io=True), device=target) as probe_cache:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from hisparse.backends.features import Feature
 from hisparse.layout.tables import CacheTables
 
 if TYPE_CHECKING:
@@ -61,8 +62,7 @@ class CellSteps:
 
         if not self.graphs:
             return call
-        graph = self.backend.new_graph()
-        with self.backend.graph_capture(graph):
+        with self.backend.graph_capture() as graph:
             call()
         return graph.replay
 
@@ -101,7 +101,8 @@ class CellSteps:
 
     def time_planning(self, first: int, count: int) -> float:
         """Median seconds of `count` skip-IO steps: planned, no bytes moved."""
-        run_planning = self.step_for(self.backend.skip_io_swap_in_kernel(), skip_io=True)
+        self.backend.require(Feature.SKIP_IO_PROBE)
+        run_planning = self.step_for(self.backend.kernels.swap_in, skip_io=True)
         planning = []
         for index in range(first, first + count):
             self.next_top_k(index)

@@ -4,8 +4,10 @@ A tiny random `DeepseekV4ForCausalLM` (a sliding-window, a compressed sparse-att
 a heavily compressed (HCA) and a second CSA layer; CSA rate 4, HCA rate 16, window 8, indexer
 top-k 4) decoded with transformers' own cache pins down what a hisparse cache of CSA entries
 relies on: how many entries T tokens make, which decode step appends one, that an entry never
-changes once emitted, what the indexer returns, and that attention reads only the selected
-entries (plus the raw window), so that the others may live in host memory.
+changes once emitted, what the indexer returns, that attention reads only the selected
+entries (plus the raw window), so that the others may live in host memory, and that the
+integration's hooks (entries held aside, the compressor's output replaced by the gathered
+selected entries) generate transformers' own tokens.
 """
 
 from __future__ import annotations
@@ -179,3 +181,68 @@ def test_left_padding_shares_the_window_phase(model) -> None:
     for layer in csa_layers(model):
         assert entries(cache, layer) == (23 + 5) // RATE  # the last new token is not fed back
         assert cache.layers[layer].compressed_kv["compressor"].shape[0] == 3
+
+
+class _SideEntries(transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4CSACache):
+    """A CSA cache layer that keeps its compressed entries aside (where hisparse will) and,
+    in a one-token pass, hands the compressor a zero-stride placeholder of their shape."""
+
+    _layer_type = None  # not transformers' default CSA layer (subclasses register themselves)
+
+    def update(self, key_states: torch.Tensor, *args, **kwargs):
+        self.pass_tokens = key_states.shape[-2]
+        return super().update(key_states, *args, **kwargs)
+
+    def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
+        if name != "compressor":
+            return super().update_compressor_states(name, compressed)
+        held = getattr(self, "entries", None)
+        self.entries = compressed if held is None else torch.cat([held, compressed], dim=1)
+        self.entry_count[name] += compressed.shape[1]
+        # What the layer holds (hisparse's rows stand aside): a placeholder of their shape.
+        self.compressed_kv[name] = self.entries.new_zeros(()).expand(self.entries.shape)
+        return self.entries if self.pass_tokens != 1 else self.compressed_kv[name]
+
+
+@pytest.mark.parametrize("shift", [0, 1], ids=["selected", "control-shifted"])
+def test_attention_over_the_gathered_entries_gives_the_same_tokens(model, rng, shift) -> None:
+    """The integration's mechanics: CSA layers whose entries live aside, and hooks that replace
+    the compressor's output by the indexer's selected entries (gathered, [B, 1, K, D]) with a
+    0 / -inf bias, generate transformers' own greedy tokens over 48 steps from ragged
+    left-padded prompts; gathering the entry after each selected one (the control) does not."""
+    ids = torch.randint(1, 128, (3, 41), generator=rng)
+    mask = torch.ones_like(ids)
+    mask[0, :4], mask[1, :11] = 0, 0
+    ids[mask == 0] = 0
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=48, do_sample=False,
+                              past_key_values=transformers.DynamicCache(config=model.config))
+    cache = transformers.DynamicCache(config=model.config)
+    top_k: dict[int, torch.Tensor] = {}
+    hooks = []
+    for layer in csa_layers(model):
+        cache.layers[layer] = _SideEntries(model.config)
+        compressor = model.model.layers[layer].self_attn.compressor
+
+        def replace(module, args, out, layer=layer):
+            if args[0].shape[1] != 1:
+                return out  # a prefill attends densely over the pass's entries
+            entries, picked = cache.layers[layer].entries, top_k[layer][:, 0]
+            assert out[0].stride() == (0, 0, 0, 0)  # the placeholder: no entry on the side
+            if shift:
+                picked = torch.where(picked >= 0, (picked + 1) % entries.shape[1], picked)
+            valid = picked >= 0
+            rows = entries.gather(1, picked.clamp(min=0)[..., None].expand(
+                -1, -1, entries.shape[-1])) * valid[..., None]
+            bias = torch.zeros(valid.shape).masked_fill(~valid, float("-inf"))
+            return rows[:, None], bias[:, None, None, :]
+
+        hooks.append(compressor.indexer.register_forward_hook(
+            lambda module, args, out, layer=layer: top_k.__setitem__(layer, out)))
+        hooks.append(compressor.register_forward_hook(replace))
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=48, do_sample=False,
+                             past_key_values=cache)
+    for hook in hooks:
+        hook.remove()
+    assert torch.equal(got, want) != bool(shift)

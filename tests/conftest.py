@@ -175,3 +175,21 @@ def fake_env(monkeypatch: pytest.MonkeyPatch, isolated_registry: None):
     if made:
         release_fake_registrations()
     registry._reset_for_tests()
+
+
+@pytest.fixture
+def pool_name(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh shared-pool name per test; a segment file it leaves is an assertion failure,
+    not litter (a gated run's reader posts are removed without one: a failed run leaves
+    them)."""
+    from fakes.gated_writer import ReaderPosts
+    from hisparse.core.shared_segment import segment_path
+
+    name = f"t{os.getpid()}-{request.node.name}"[:120].replace("[", "-").replace("]", "")
+    yield name
+    ReaderPosts(name, 1).unlink()
+    path = segment_path(name)
+    leaked = os.path.exists(path)
+    if leaked:
+        os.unlink(path)
+    assert not leaked, f"{path} was left behind"

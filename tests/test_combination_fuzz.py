@@ -16,16 +16,12 @@ Long mode (a GPU, where CUDA's asynchrony is what exposes ordering holes):
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shared_pool_workers as workers
-from fakes.gated_writer import ReaderPosts
-from hisparse.core.shared_segment import segment_path
 from hisparse.tools.combination_fuzz import FUZZ_CONFIG, FuzzRank
 from hisparse.tools.shared_pool_run import _cache, describe_failure, run_group
 
@@ -51,17 +47,6 @@ def test_every_step_of_every_kind_is_byte_exact_on_a_private_pool(
     assert counts["mismatches"] == 0, (shape, seed, fuzz.mismatch_details)
     assert counts["verify_steps"] and counts["cancels"] and counts["rejected_drafts"], counts
     assert counts.get("leaked_extents", 0) == 0, counts
-
-
-@pytest.fixture
-def pool_name(request: pytest.FixtureRequest) -> str:
-    name = f"fuzz-{os.getpid()}-{request.node.name}"[:120].replace("[", "-").replace("]", "")
-    yield name
-    ReaderPosts(name, 1).unlink()
-    leaked = os.path.exists(segment_path(name))
-    if leaked:
-        os.unlink(segment_path(name))
-    assert not leaked, f"{segment_path(name)} was left behind"
 
 
 @pytest.mark.parametrize(("ranks", "shape"), [

@@ -34,18 +34,6 @@ CONFIG = dict(num_layers=3, top_k=8, hot_slots=16, index_group_size=1, max_reque
               max_seq_len=256, host_pool_tokens=512, extent_tokens=16)
 
 
-@pytest.fixture
-def pool_name(request: pytest.FixtureRequest, tmp_path: object) -> str:
-    """A fresh pool name per test; any file it leaves is an assertion failure, not litter."""
-    name = f"test-{os.getpid()}-{request.node.name}"[:120].replace("[", "-").replace("]", "")
-    yield name
-    path = shared_segment.segment_path(name)
-    leaked = os.path.exists(path)
-    if leaked:
-        os.unlink(path)
-    assert not leaked, f"{path} was left behind"
-
-
 def group(name: str, ranks: int, device: object = "cpu", **overrides: object
           ) -> list[HiSparseCache]:
     config = HiSparseConfig.from_preset("tiny", **{**CONFIG, **overrides})

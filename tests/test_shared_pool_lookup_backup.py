@@ -15,7 +15,6 @@ token should be; with it, never.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -26,7 +25,6 @@ import torch
 from fakes.interpreted_triton import InterpretedTritonCpu
 from hisparse import HiSparseCache, HiSparseConfig
 from hisparse.core import plan as plan_module
-from hisparse.core import shared_segment
 from hisparse.core.shared_pool import SharedPoolSpec
 from hisparse.tools.shared_pool_run import kv_at, prompt_rows
 
@@ -35,17 +33,6 @@ pytestmark = pytest.mark.interpreter
 CONFIG = dict(num_layers=2, top_k=4, hot_slots=8, index_group_size=1, max_requests=2,
               max_seq_len=64, host_pool_tokens=64, extent_tokens=16)
 PICKS = [0, 1, 16, 17]  # A's oldest rows: on the host only
-
-
-@pytest.fixture
-def pool_name(request: pytest.FixtureRequest) -> str:
-    name = f"lookup-{os.getpid()}-{request.node.name}"[:120].replace("[", "-").replace("]", "")
-    yield name
-    path = shared_segment.segment_path(name)
-    leaked = os.path.exists(path)
-    if leaked:
-        os.unlink(path)
-    assert not leaked, f"{path} was left behind"
 
 
 def _prefill(cache: HiSparseCache, request: str, seed: int, length: int) -> None:

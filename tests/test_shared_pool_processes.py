@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import shared_pool_workers as workers
-from fakes.gated_writer import ReaderPosts
 from hisparse.core.shared_segment import segment_path
 from hisparse.tools.combination_fuzz import FUZZ_CONFIG, FuzzRank, fuzz_rank
 from hisparse.tools.shared_pool_run import _cache, describe_failure, memory_rank, run_group
@@ -23,17 +22,6 @@ from hisparse.tools.shared_pool_timing import PHASES, _shared_first, paired_rank
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                    reason="needs a CUDA GPU (several ranks share one)")
-
-
-@pytest.fixture
-def pool_name(request: pytest.FixtureRequest) -> str:
-    name = f"proc-{os.getpid()}-{request.node.name}"[:120].replace("[", "-").replace("]", "")
-    yield name
-    ReaderPosts(name, 1).unlink()  # a gated run whose ranks failed leaves its posts behind
-    leaked = os.path.exists(segment_path(name))
-    if leaked:
-        os.unlink(segment_path(name))
-    assert not leaked, f"{segment_path(name)} was left behind"
 
 
 def ranks_of(name: str, ranks: int, **args: object) -> list[dict[str, object]]:

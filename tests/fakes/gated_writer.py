@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hisparse.backends.base import BackupFn
+from hisparse.backends.base import BackupFn, KernelSet
 from hisparse.backends.cpu import CpuBackend
+from hisparse.backends.kernel_set import reference_kernels
 from hisparse.layout.tables import CacheTables
 
 OPEN_ALL = 1 << 62  # a reader that posts this lets every landing through (it reads no more)
@@ -97,7 +98,11 @@ class GatedBackupBackend(CpuBackend):
         for landing in list(self._landings):
             landing.join()
 
-    def backup_kernel(self) -> BackupFn:
+    @property
+    def kernels(self) -> KernelSet:
+        return reference_kernels(backup=self._gated_backup())
+
+    def _gated_backup(self) -> BackupFn:
         def gated_backup(tables: CacheTables, newest_rows: torch.Tensor,
                          host_rows: torch.Tensor, num_real: torch.Tensor) -> None:
             count = int(num_real[0])

@@ -626,7 +626,10 @@ def test_the_fuzzer_finds_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None
         real(tables, layer, *args, **kwargs)
         tables.last_use.fill_(-1)  # forget every use: hot slots are evicted like cold ones
 
-    monkeypatch.setattr(hisparse.backends.cpu, "swap_in_reference", forgetful)
+    from hisparse.backends.kernel_set import reference_kernels
+
+    monkeypatch.setattr(hisparse.backends.cpu.CpuBackend, "kernels",
+                        property(lambda self: reference_kernels(swap_in=forgetful)))
     counts = fuzz("cpu", decode_steps=20, seed=5, run_steps=20)
     assert counts.mismatches >= 1
     assert "replay: shape=" in counts.failures[0]

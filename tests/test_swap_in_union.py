@@ -82,7 +82,8 @@ def union_path(t: CacheTables, layer: int, group: int, req_slots: torch.Tensor,
     union_rows = torch.full_like(union_top_k, POISON)
     swap_in_reference(t, layer, group, req_slots, union_top_k, num_real, union_rows)
     out = torch.full_like(top_k, POISON)
-    union_scatter_reference(inverse, union_rows, draft_base, out, t.counters[layer])
+    union_scatter_reference(inverse, union_rows, draft_base, out, t.counters[layer],
+                            t.request_counters, req_slots, num_real)
     return out
 
 

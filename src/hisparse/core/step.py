@@ -79,6 +79,7 @@ class DecodeStep:
         self._records = records
         self._grew = grew  # (single-token path) the records that took an extent
         self._extents_before = extents_before  # (union path) extents held before the step
+        self._width: Any = None  # (union path) the per-S launchers and buffers
         if plan.union:
             self._width = verify.width(context, plan.num_tokens)
             self._kernels, self._replays = self._width.kernels, self._width.replays
@@ -401,7 +402,7 @@ class DecodeStep:
     def abandon(self) -> None:
         """The cache is closing under an open step: refuse every verb from now on."""
         self._state = StepState.CLOSED
-        self._context = None
+        self._let_go()
 
     def _mark_end(self, c: DecodeContext) -> None:
         """Mark where the step's device work ends (what slot release, reseeding, host-row
@@ -415,9 +416,13 @@ class DecodeStep:
         for replay in self._anchored:
             replay.forget(self)
         self._state = state
-        # An old step object the caller keeps must not keep the cache's tables alive.
-        self._context = None
+        self._let_go()
         self._records, self._anchored = [], []
+
+    def _let_go(self) -> None:
+        """An old step object the caller keeps must not keep the cache's tables alive."""
+        self._context = None
+        self._kernels = self._replays = self._width = self._verify = None
 
     def _restore_newest_slots(self, c: DecodeContext) -> None:
         """Give slot H of each request that was long before the step its newest token back

@@ -204,4 +204,6 @@ class AcceleratorBackend(Backend):
             newest_writer=functools.partial(bind_triton_kernel("NewestWriterTriton"),
                                             direct=direct) if direct else reference.newest_writer,
             batch_advance=functools.partial(bind_triton_kernel("AdvanceTriton"),
-                                            direct=direct) if direct else reference.batch_advance)
+                                            direct=direct) if direct else reference.batch_advance,
+            implementation=("triton, direct launches" if direct else
+                            "triton through its dispatch; newest writer and advance in torch"))

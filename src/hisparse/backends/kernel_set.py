@@ -55,6 +55,9 @@ class KernelSet:
     # `(batch_slots, num_real, newest_host_rows, new_seq_lens, seq_lens)` -> a quiet step's
     # `advance(rows)` of the batch buffers and the tables' lengths.
     batch_advance: Callable[..., Any]
+    # Which kernels these are and how their launches reach the device, as the step plan
+    # prints it (`StepPlan.kernels`).
+    implementation: str = "torch reference"
 
 
 def reference_kernels(swap_in: SwapInFn = swap_in_reference,

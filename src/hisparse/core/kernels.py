@@ -40,6 +40,7 @@ class DecodeKernels:
                  union: DraftUnion | None = None) -> None:
         self.skip_io = skip_io  # a backend without the probe refused it in resolve_features
         kernels = backend.kernels
+        self.implementation = kernels.implementation  # (the step plan prints it)
         # `swap_in_writes_newest`: one newest row per batch row, which the swap-in may write
         # itself (a verify width's S rows per request are the union's business: False), and
         # with `newest_host_rows` (a private host pool's) back them up as well.

@@ -59,6 +59,9 @@ class StepPlan:
     # Where an index group's followers replay the anchor's misses: "side stream", "inline"
     # or "none" (every layer runs its own indexer).
     follower_replay: str
+    # The kernels bound and how their launches reach the device (the backend's KernelSet:
+    # Triton with direct launches, Triton through its dispatch, or the torch reference).
+    kernels: str
 
     def __str__(self) -> str:
         rows = [(name, getattr(self, name)) for name in self.__dataclass_fields__]
@@ -71,12 +74,12 @@ class StepPlan:
 def plan_step(batch_size: int, num_tokens: int, dedupe: bool, role: PoolRole,
               single: LauncherCapabilities, union: LauncherCapabilities | None,
               *, advance: bool, async_backup: bool, shares_index: bool,
-              side_stream_replay: bool) -> StepPlan:
+              side_stream_replay: bool, kernels: str) -> StepPlan:
     """The plan of one step. `single` / `union`: what the single-token launcher and the
     verify width's launcher (None: not built, S = 1 without dedupe) can do; `advance`: the
     backend binds a batch advance; `async_backup`: the backup has a side stream;
     `shares_index`: some index group has followers; `side_stream_replay`: they replay on the
-    prefetch stream."""
+    prefetch stream; `kernels`: the bound kernels' implementation."""
     is_union = num_tokens > 1 or dedupe
     caps = union if is_union and union is not None else single
     writes = role is not PoolRole.READER
@@ -92,6 +95,7 @@ def plan_step(batch_size: int, num_tokens: int, dedupe: bool, role: PoolRole,
         backup=("none" if not writes else "side stream" if async_backup else "compute stream"),
         follower_replay=("none" if not shares_index else
                          "side stream" if side_stream_replay else "inline"),
+        kernels=kernels,
     )
 
 
@@ -126,5 +130,6 @@ class StepPlanner:
             batch_size, num_tokens, dedupe, self.role, d.kernels.capabilities, union,
             advance=d.kernels.can_advance, async_backup=d.order.backup.stream is not None,
             shares_index=any(replay is not None for replay in d.replays),
-            side_stream_replay=d.prefetch_stream is not None)
+            side_stream_replay=d.prefetch_stream is not None,
+            kernels=d.kernels.implementation)
         return made

@@ -268,6 +268,27 @@ BAD_CALLS: dict[str, BadCall] = {
                                             lambda c, w: c.begin_decode_step(["long"])),
     "begin twice": BadCall("in_step", RequestStateError, "already open",
                            lambda c, w: c.begin_decode_step(["parked"])),
+    # ragged appends (0 or 1 rows a request)
+    "begin appending 2 rows": BadCall(
+        "idle", InvalidInputError, r"appends\[0\] = 2",
+        lambda c, w: c.begin_decode_step(["long", "short"], appends=[2, 0])),
+    "begin appending True": BadCall(
+        "idle", InvalidInputError, r"appends\[1\] = True",
+        lambda c, w: c.begin_decode_step(["long", "short"], appends=[0, True])),
+    "begin appends for 1 of 2": BadCall(
+        "idle", InvalidInputError, "appends has 1 entries for a batch of 2",
+        lambda c, w: c.begin_decode_step(["long", "short"], appends=[1])),
+    "begin appends a float tensor": BadCall(
+        "idle", InvalidInputError, "1-D integer tensor, got torch.float32",
+        lambda c, w: c.begin_decode_step(["long", "short"], appends=torch.ones(2))),
+    "begin appends a set": BadCall(
+        "idle", InvalidInputError, "appends must be a list, tuple or 1-D int tensor, got set",
+        lambda c, w: c.begin_decode_step(["long", "short"], appends={0, 1})),
+    "begin appends with dedupe": BadCall(
+        "idle", InvalidInputError, "appends is for single-token steps.*dedupe=True",
+        lambda c, w: c.begin_decode_step(["long", "short"], dedupe=True, appends=[1, 0])),
+    "plan appends 'some'": BadCall("idle", InvalidInputError, "'every' or 'ragged', got 'some'",
+                                   lambda c, w: c.step_plan(1, appends="some")),
     # out of order
     "write_newest outside a step": BadCall("idle", RequestStateError, "write_newest needs",
                                            lambda c, w: c.write_newest(0, w.noise(2, 32))),

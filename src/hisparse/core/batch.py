@@ -254,27 +254,40 @@ class BatchPlan:
     the batch repeats), their lengths and pages its per-slot arrays, so the plan is a few
     numpy operations over the batch whatever its size. A token that starts an extent has no
     host row until the extent is allocated: `place_new_extents` fills it in. `full` lists
-    the requests at `max_seq_len` already.
+    the requests at `max_seq_len` already. `appends` (a ragged step): a request whose count
+    is 0 keeps its length, page and slots; its new row goes to the sink row, host row -1.
     """
 
     def __init__(self, records: Sequence[RequestRecord], slots: SlotAllocator,
-                 tables: CacheTables, max_seq_len: int) -> None:
+                 tables: CacheTables, max_seq_len: int, appends: np.ndarray | None = None
+                 ) -> None:
         self._tables = tables
         E = tables.extent_tokens
         self.slots = slots.slots_of(records)
         self._positions = positions = slots.lengths[self.slots]
         self.positions = tuple(positions.tolist())
-        self._shortest = min(self.positions)
+        # None: every request appends a token; else each one's count (0 or 1, a ragged step).
+        self._appends = appends
+        appending = self.positions if appends is None else positions[appends > 0].tolist()
+        self._shortest = min(appending, default=tables.hot_slots)
         self.grow: list[tuple[RequestRecord, int]] = []  # (record, its batch row)
-        self.full = ([records[b].request_id for b in np.flatnonzero(positions >= max_seq_len)]
-                     if max(self.positions) >= max_seq_len else [])
-        if self.full:
+        self.full: list[Any] = []  # ids of requests at max_seq_len that would append
+        if max(appending, default=0) >= max_seq_len:
+            at_limit = positions >= max_seq_len
+            if appends is not None:
+                at_limit &= appends > 0
+            self.full = [records[b].request_id for b in np.flatnonzero(at_limit)]
             return  # (past max_seq_len there is no page to look up)
         # Few numpy calls (each costs more than its work at these sizes; benchmarks/NOTES.md).
         page, offset = np.divmod(positions, E)
+        if appends is not None:  # (a full request appending nothing has no page there)
+            np.minimum(page, slots.pages.shape[1] - 1, out=page)
         extent = slots.pages[self.slots, page]
         self.host_rows = host_rows = extent * E
         host_rows += offset
+        if appends is not None:  # nothing to back up, and no extent to take, where idle
+            host_rows[appends == 0] = -1
+            extent = np.where(appends > 0, extent, 0)
         if extent.min() < 0:  # a token that starts an extent: no page yet
             starts = np.flatnonzero(extent < 0)
             host_rows[starts] = -1
@@ -286,7 +299,7 @@ class BatchPlan:
         """How many steps after this one are this one moved on by a token (`QuietRun`): none
         while a request is short (its new token takes a slot of its own), else until a row's
         token starts the next extent or reaches max_seq_len."""
-        if self._shortest < self._tables.hot_slots:
+        if self._shortest < self._tables.hot_slots or self._appends is not None:
             return 0
         E = self._tables.extent_tokens
         return min(E - 1 - int(self._offsets.max()),
@@ -303,10 +316,14 @@ class BatchPlan:
         H, S = self._tables.hot_slots, self._tables.slots_per_request
         newest = self.slots * S
         newest += H if self._shortest >= H else np.minimum(self._positions, H)  # short: own slot
+        lengths = self._positions + 1
+        if self._appends is not None:  # an idle request's new row goes to the sink row
+            newest[self._appends == 0] = self._tables.device_kv.shape[1] - 1
+            lengths = self._positions + self._appends
         return {"req_slots": self.slots, "batch_slots": self.slots,
                 "num_real": [len(self.positions)], "newest_rows": newest,
                 "newest_rows_long": newest, "newest_host_rows": self.host_rows,
-                "new_seq_lens": self._positions + 1}
+                "new_seq_lens": lengths}
 
     def updates(self) -> dict[str, np.ndarray]:
         """The other fields of `BatchBuffers`, those this step has (see `place_new_extents`)."""
@@ -320,6 +337,8 @@ class BatchPlan:
         # step, whose requests are all long).
         if self._shortest < t.hot_slots:
             short = self._positions < t.hot_slots
+            if self._appends is not None:
+                short &= self._appends > 0
             slot, hot = self.slots[short], self._positions[short]
             # host_row: a new token lands in an extent of its request's own, whose key rows
             # are its host rows (aliases name only shared extents, which nobody writes).

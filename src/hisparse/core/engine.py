@@ -36,6 +36,7 @@ from hisparse.core.slot_tables import build_tables, clear_slot, seed_slot
 from hisparse.core.stats import CacheStats, TrafficCounters, occupancy_of, request_stats
 from hisparse.core.step import DecodeStep, wait_at_begin
 from hisparse.core.validation import (
+    as_appends,
     as_batch_ids,
     check_current_device,
     check_layer,
@@ -259,27 +260,30 @@ class HiSparseCache(PrefixSharing, RequestQueries):
 
     # --- decode: the open step's verbs, through the cache --------------------------------
     def begin_decode_step(self, request_ids: Sequence[Hashable], num_tokens: int = 1, *,
-                          dedupe: bool = False) -> DecodeStep:
+                          dedupe: bool = False, appends: Any = None) -> DecodeStep:
         """Append `num_tokens` tokens to each request and open the step that decodes them.
 
         `num_tokens=S` in 2..max_draft_tokens opens a verify step (kv `[B, S, W]`, top-k
         `[B, S, K]` swapped in as one union per request, `end(accepted=...)`); `dedupe=True`
-        with S = 1 takes the union path so that a position repeated in a row is loaded once.
-        `step_plan(B, S, dedupe)` shows the path. Returns the open step (`write_newest`,
-        `swap_in`, `end`, `cancel`; the cache's own verbs below delegate to it).
+        with S = 1 takes the union path so that a position repeated in a row is loaded once;
+        `appends` (S = 1: 0 or 1 rows per request, a list or int tensor): one given 0 keeps
+        its length and only looks up (docs/deepseek-v4.md). `step_plan` shows the path.
+        Returns the open step (its verbs: the cache's own below delegate to it).
 
         Raises:
             RequestStateError: a step is open, or a request is not running.
             InvalidInputError: empty, duplicated or over-capacity batch, max_seq_len reached,
-                num_tokens outside 1..max_draft_tokens, or another current device.
+                num_tokens outside 1..max_draft_tokens, bad appends, or another device.
             PoolExhaustedError: a request needs a new extent and the pool has too few free.
         """
         check_current_device(self.backend.current_device(), self.device)  # once a step
-        return self._begin_decode_step(request_ids, num_tokens, dedupe)
+        if appends is not None:  # (read once, before the step: a tuple every rank hashes)
+            appends = as_appends(appends, len(as_batch_ids(request_ids)), num_tokens, dedupe)
+        return self._begin_decode_step(request_ids, num_tokens, dedupe, appends)
 
     @_operation
-    def _begin_decode_step(self, request_ids: Sequence[Hashable], num_tokens: int,
-                           dedupe: bool) -> DecodeStep:
+    def _begin_decode_step(self, request_ids: Sequence[Hashable], num_tokens: int, dedupe: bool,
+                           appends: tuple[int, ...] | None) -> DecodeStep:
         self._check_open()
         check_num_tokens(num_tokens, dedupe, self.max_draft_tokens)
         self._decode.kernels.check_usable("begin a decode step")
@@ -289,20 +293,20 @@ class HiSparseCache(PrefixSharing, RequestQueries):
             )
         ids = as_batch_ids(request_ids)
         records = _batch_records(self._requests, ids, self.batch_capacity, self.config.validate)
-        self._unshare_writers(records, num_tokens)
-        plan = self._planner.plan(len(ids), num_tokens, dedupe)
+        self._unshare_writers(records, num_tokens, appends)
+        plan = self._planner.plan(len(ids), num_tokens, dedupe, appends is not None)
         wait_at_begin(plan, self._shared)
         self._last_step = DecodeStep.begin(self._decode, self._verify, plan, tuple(ids),
-                                           records)
+                                           records, appends)
         return self._last_step
 
-    def step_plan(self, batch_size: int, num_tokens: int = 1, dedupe: bool = False
-                  ) -> StepPlan:
+    def step_plan(self, batch_size: int, num_tokens: int = 1, dedupe: bool = False,
+                  appends: str = "every") -> StepPlan:
         """The path a decode step of `batch_size` requests and `num_tokens` tokens each takes
-        on this cache: a frozen `core.plan.StepPlan`; `print()` it to read every choice."""
+        (`appends="ragged"`: per-request appends): a frozen `core.plan.StepPlan`."""
         self._check_open()
         check_num_tokens(num_tokens, dedupe, self.max_draft_tokens)
-        return self._planner.checked_plan(batch_size, num_tokens, dedupe)
+        return self._planner.checked_plan(batch_size, num_tokens, dedupe, appends)
 
     def write_newest(self, layer: int, kv: torch.Tensor) -> None:
         """The open step's `write_newest`: the new token's row of `layer` for every request,

@@ -1,10 +1,11 @@
 """The step plan: every choice of a decode step's path, made once, in one function.
 
-`plan_step` takes what a step's path depends on (the batch size, S, `dedupe`, the pool's
-role, the config, and what the bound swap-in launchers can do, as frozen records) and returns
-a frozen, printable `StepPlan`; `HiSparseCache.step_plan(batch_size, num_tokens)` shows it.
-The cache computes each plan once per (batch size, S, dedupe) and the step reads its fields;
-one level down, `kernels.swap_in.plan.LaunchPlan` holds the kernels' own launch choices.
+`plan_step` takes what a step's path depends on (the batch size, S, `dedupe`, whether the
+requests append 0 or 1 rows each, the pool's role, the config, and what the bound swap-in
+launchers can do, as frozen records) and returns a frozen, printable `StepPlan`;
+`HiSparseCache.step_plan(batch_size, num_tokens)` shows it. The cache computes each plan once
+per (batch size, S, dedupe, ragged) and the step reads its fields; one level down,
+`kernels.swap_in.plan.LaunchPlan` holds the kernels' own launch choices.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class StepPlan:
     batch_size: int
     num_tokens: int
     dedupe: bool
+    # "every": each request appends `num_tokens` rows; "ragged": each appends 0 or 1 (S = 1,
+    # `begin_decode_step(appends=...)`): always planned and uploaded, never a quiet advance.
+    appends: str
     pool_role: PoolRole
     # S > 1 or dedupe: the top-k rows are swapped in as one de-duplicated union per request
     # (core/verify.py); else one row per request (core/step.py).
@@ -73,10 +77,11 @@ class StepPlan:
 
 def plan_step(batch_size: int, num_tokens: int, dedupe: bool, role: PoolRole,
               single: LauncherCapabilities, union: LauncherCapabilities | None,
-              *, advance: bool, async_backup: bool, shares_index: bool,
+              *, ragged: bool = False, advance: bool, async_backup: bool, shares_index: bool,
               side_stream_replay: bool, kernels: str) -> StepPlan:
     """The plan of one step. `single` / `union`: what the single-token launcher and the
-    verify width's launcher (None: not built, S = 1 without dedupe) can do; `advance`: the
+    verify width's launcher (None: not built, S = 1 without dedupe) can do; `ragged`: the
+    requests append 0 or 1 rows each (S = 1, no dedupe); `advance`: the
     backend binds a batch advance; `async_backup`: the backup has a side stream;
     `shares_index`: some index group has followers; `side_stream_replay`: they replay on the
     prefetch stream; `kernels`: the bound kernels' implementation."""
@@ -86,9 +91,10 @@ def plan_step(batch_size: int, num_tokens: int, dedupe: bool, role: PoolRole,
     fold = caps.writes_newest and not is_union
     lookup_backup = fold and caps.backs_up_newest and writes
     return StepPlan(
-        batch_size=batch_size, num_tokens=num_tokens, dedupe=dedupe, pool_role=role,
+        batch_size=batch_size, num_tokens=num_tokens, dedupe=dedupe,
+        appends="ragged" if ragged else "every", pool_role=role,
         union=is_union, fused_union=is_union and caps.fuses_union,
-        quiet_advance=advance and not is_union,
+        quiet_advance=advance and not is_union and not ragged,
         wait_for_writer=role is PoolRole.READER,
         wait_for_readers_at_begin=lookup_backup and role is PoolRole.WRITER,
         writes_host_rows=writes, fold_newest=fold, backup_in_lookup=lookup_backup,
@@ -100,26 +106,37 @@ def plan_step(batch_size: int, num_tokens: int, dedupe: bool, role: PoolRole,
 
 
 class StepPlanner:
-    """A cache's plans, each computed once per (batch size, S, dedupe) from its decode
+    """A cache's plans, each computed once per (batch size, S, dedupe, ragged) from its decode
     context (`core.step.DecodeContext`), its verify context and its pool's role."""
 
     def __init__(self, shared: Any | None, decode: Any, verify: Any) -> None:
         self.role = (PoolRole.PRIVATE if shared is None else
                      PoolRole.WRITER if shared.is_writer else PoolRole.READER)
         self._decode, self._verify = decode, verify
-        self._plans: dict[tuple[int, int, bool], StepPlan] = {}
+        self._plans: dict[tuple[int, int, bool, bool], StepPlan] = {}
 
-    def checked_plan(self, batch_size: object, num_tokens: int, dedupe: bool) -> StepPlan:
+    def checked_plan(self, batch_size: object, num_tokens: int, dedupe: bool,
+                     appends: object = "every") -> StepPlan:
         """`plan` for a caller's batch size, refused unless it is one a step can take."""
         capacity = self._decode.batch_capacity
         if type(batch_size) is not int or not 1 <= batch_size <= capacity:
             raise InvalidInputError(
                 f"batch_size must be an int in 1..{capacity} (max_batch), got {batch_size!r}; "
                 "pass the number of requests the step decodes")
-        return self.plan(batch_size, num_tokens, dedupe)
+        if appends not in ("every", "ragged") or type(appends) is not str:
+            raise InvalidInputError(
+                f"appends must be 'every' or 'ragged', got {appends!r}; pass 'ragged' for a "
+                "step whose requests append 0 or 1 rows each")
+        ragged = appends == "ragged"
+        if ragged and (num_tokens != 1 or dedupe):
+            raise InvalidInputError(
+                f"a ragged step appends 0 or 1 rows a request, got num_tokens={num_tokens}, "
+                f"dedupe={dedupe}; pass num_tokens=1 and dedupe=False with appends='ragged'")
+        return self.plan(batch_size, num_tokens, dedupe, ragged)
 
-    def plan(self, batch_size: int, num_tokens: int, dedupe: bool) -> StepPlan:
-        key = (batch_size, num_tokens, dedupe)
+    def plan(self, batch_size: int, num_tokens: int, dedupe: bool, ragged: bool = False
+             ) -> StepPlan:
+        key = (batch_size, num_tokens, dedupe, ragged)
         found = self._plans.get(key)
         if found is not None:
             return found
@@ -128,7 +145,8 @@ class StepPlanner:
                  if num_tokens > 1 or dedupe else None)
         made = self._plans[key] = plan_step(
             batch_size, num_tokens, dedupe, self.role, d.kernels.capabilities, union,
-            advance=d.kernels.can_advance, async_backup=d.order.backup.stream is not None,
+            ragged=ragged, advance=d.kernels.can_advance,
+            async_backup=d.order.backup.stream is not None,
             shares_index=any(replay is not None for replay in d.replays),
             side_stream_replay=d.prefetch_stream is not None,
             kernels=d.kernels.implementation)

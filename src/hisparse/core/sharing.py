@@ -68,11 +68,15 @@ class PrefixSharing:
         step = self._step
         return step is not None and step.holds(record)
 
-    def _unshare_writers(self, records: list[RequestRecord], num_tokens: int) -> None:
-        """Before a step appends `num_tokens` tokens to `records`: every one whose next token
-        would land in an extent a retained prefix holds moves to a private copy of it. Checks
-        first that the pool has the copies and the step's new extents (nothing moved else);
-        a step its checks then refuse keeps the copies, which hold the same rows."""
+    def _unshare_writers(self, records: list[RequestRecord], num_tokens: int,
+                         appends: tuple[int, ...] | None = None) -> None:
+        """Before a step appends `num_tokens` tokens to `records` (a ragged step: to those
+        whose `appends` count is 1): every one whose next token would land in an extent a
+        retained prefix holds moves to a private copy of it. Checks first that the pool has
+        the copies and the step's new extents (nothing moved else); a step its checks then
+        refuse keeps the copies, which hold the same rows."""
+        if appends is not None:
+            records = [r for r, a in zip(records, appends, strict=True) if a]
         writers = self._prefixes.writers_in(records)
         E = self.extent_tokens
         if not writers or any(r.num_tokens + num_tokens > self.max_seq_len for r in records):

@@ -16,11 +16,12 @@ from hisparse.core.requests import RequestRecord, host_row_of, slot_of
 from hisparse.errors import InvalidInputError
 
 
-def append_one(c: DecodeContext, records: list[RequestRecord], quiet: bool
-               ) -> tuple[np.ndarray, list[RequestRecord]]:
+def append_one(c: DecodeContext, records: list[RequestRecord], quiet: bool,
+               appends: np.ndarray | None = None) -> tuple[np.ndarray, list[RequestRecord]]:
     """Append one token to each record and upload the step's batch and table updates; the
     new tokens' positions and the records that took an extent for theirs. `quiet`: the
-    plan allows an unchanged batch to move on by one device launch instead.
+    plan allows an unchanged batch to move on by one device launch instead. `appends` (a
+    ragged step, always planned): each record's count, 0 or 1; one of 0 appends nothing.
 
     The records change only once the updates are on their way to the device: a failed
     upload (a device out of memory) leaves nothing changed and the step retryable.
@@ -29,7 +30,7 @@ def append_one(c: DecodeContext, records: list[RequestRecord], quiet: bool
     if run is not None and run.holds_for(records, c.buffers.block):
         return _move_on(c, run, records), []
     c.quiet = None
-    batch = BatchPlan(records, c.slots, c.tables, c.max_seq_len)
+    batch = BatchPlan(records, c.slots, c.tables, c.max_seq_len, appends)
     if batch.full:
         raise InvalidInputError(
             f"requests {batch.full!r} already hold max_seq_len={c.max_seq_len} tokens; "
@@ -55,7 +56,8 @@ def append_one(c: DecodeContext, records: list[RequestRecord], quiet: bool
     for record, extent in zip(grew, new_extents, strict=True):
         record.extents.append(extent)
         c.slots.sync_pages(record)
-    c.slots.lengths[batch.slots] += 1  # every record's num_tokens (they read this array)
+    # every record's num_tokens (they read this array)
+    c.slots.lengths[batch.slots] += 1 if appends is None else appends
     _install_table_updates(c, len(records), updates)
     c.quiet = QuietRun.after(batch, records, c.buffers.block)
     return batch.positions, grew
@@ -82,8 +84,10 @@ def back_up_newest(c: DecodeContext) -> None:
 
 def undo_one(c: DecodeContext, records: list[RequestRecord], grew: list[RequestRecord]
              ) -> None:
-    """A cancel: every record and table back at the length before the step (`grew`: the
-    records that took an extent for their new token)."""
+    """A cancel: every record and table back at the length before the step (`records`: those
+    that appended a token; `grew`: those that took an extent for it)."""
+    if not records:
+        return
     t = c.tables
     H, E = t.hot_slots, t.extent_tokens
     short = [(slot_of(r), r.num_tokens - 1, host_row_of(r, r.num_tokens - 1, E))

@@ -53,7 +53,8 @@ class DecodeStep:
     """One decode step of a batch of running requests, `num_tokens` (S) tokens each.
 
     Public: `plan`, `request_ids`, `num_tokens`, `positions` (each request's new token's, or
-    when S > 1 a tuple of its S tokens'), `batch_size`, and the persistent device buffers its
+    when S > 1 a tuple of its S tokens'), `appends` (the rows each request appends: S, or
+    in a ragged step 0 or 1), `batch_size`, and the persistent device buffers its
     kernels read: `req_slots` `[Bcap]`, `num_real` `[1]`, `newest_rows` (`[Bcap]` int32
     device rows of the new tokens; `[Bcap, S]` when S > 1). It owns its records, the layers
     `write_newest` wrote (a cancel restores them), and the index groups whose anchor swapped
@@ -64,10 +65,12 @@ class DecodeStep:
     def __init__(self, context: DecodeContext, verify: VerifyContext, plan: StepPlan,
                  request_ids: tuple[Hashable, ...], records: list[RequestRecord],
                  first: np.ndarray, grew: list[RequestRecord],
-                 extents_before: list[int] | None = None) -> None:
+                 extents_before: list[int] | None = None,
+                 appends: tuple[int, ...] | None = None) -> None:
         self.plan = plan  # every choice of this step's path (core/plan.py)
         self.num_tokens = plan.num_tokens
         self.request_ids = request_ids
+        self._appends = appends  # (a ragged step) each request's count; None: S each
         self._first = first  # each request's first new position (an array, or a quiet run's)
         self._positions: tuple[Any, ...] | None = None  # made only if read
         buffers = context.buffers
@@ -106,6 +109,19 @@ class DecodeStep:
         return self._positions
 
     @property
+    def appends(self) -> tuple[int, ...]:
+        """The rows each request appends (S each, or 0 or 1 in a ragged step)."""
+        if self._appends is None:
+            return (self.num_tokens,) * len(self.request_ids)
+        return self._appends
+
+    def _appending(self) -> list[RequestRecord]:
+        """The records that append rows in this step."""
+        if self._appends is None:
+            return self._records
+        return [r for r, a in zip(self._records, self._appends, strict=True) if a]
+
+    @property
     def batch_size(self) -> int:
         return len(self.request_ids)
 
@@ -119,16 +135,19 @@ class DecodeStep:
     # --- opening --------------------------------------------------------------------------
     @classmethod
     def begin(cls, c: DecodeContext, v: VerifyContext, plan: StepPlan,
-              request_ids: tuple[Hashable, ...], records: list[RequestRecord]) -> DecodeStep:
-        """Append `plan.num_tokens` tokens to each record and upload the step's batch and
-        table updates, by the plan's path; a failure leaves nothing changed."""
+              request_ids: tuple[Hashable, ...], records: list[RequestRecord],
+              appends: tuple[int, ...] | None = None) -> DecodeStep:
+        """Append `plan.num_tokens` tokens to each record (a ragged plan: `appends[b]`, 0 or
+        1) and upload the step's batch and table updates, by the plan's path; a failure
+        leaves nothing changed."""
         if c.validate:
             c.slots.check(records)
         if plan.union:
             first, before = append_union(c, v, plan.num_tokens, records)
             return cls(c, v, plan, request_ids, records, first, [], before.tolist())
-        first, grew = append_one(c, records, plan.quiet_advance)
-        return cls(c, v, plan, request_ids, records, first, grew)
+        counts = None if appends is None else np.array(appends, dtype=np.int64)
+        first, grew = append_one(c, records, plan.quiet_advance, counts)
+        return cls(c, v, plan, request_ids, records, first, grew, appends=appends)
 
     # --- per layer ------------------------------------------------------------------------
     def write_newest(self, layer: int, kv: torch.Tensor) -> None:
@@ -324,7 +343,8 @@ class DecodeStep:
                 else:
                     c.order.backup.issue(lambda: back_up_newest(c), c.order.step_end)
                     stream = c.order.backup.stream
-                c.traffic.backed_up_tokens += self.batch_size
+                c.traffic.backed_up_tokens += (self.batch_size if self._appends is None
+                                               else sum(self._appends))
             self._close(c, StepState.ENDED)
             # (a union step's accept counts are part of the operation every rank hashes)
             self._exit_shared(c, shared, f"end{counts}" if self.plan.union else "end",
@@ -350,7 +370,7 @@ class DecodeStep:
             if self.plan.union:
                 self._settle(c, [0] * self.batch_size)
             else:
-                undo_one(c, self._records, self._grew)
+                undo_one(c, self._appending(), self._grew)
             self._mark_end(c)
             self._close(c, StepState.CANCELLED)
             self._exit_shared(c, shared, "cancel", wrote=False)
@@ -427,11 +447,13 @@ class DecodeStep:
     def _restore_newest_slots(self, c: DecodeContext) -> None:
         """Give slot H of each request that was long before the step its newest token back
         from the host, in the layers `write_newest` overwrote (slot H is the new token's on
-        the single-token path, draft slot 0 on the union path)."""
+        the single-token path, draft slot 0 on the union path; a request of a ragged step
+        that appended nothing kept it)."""
         H, SPR, E = c.tables.hot_slots, c.tables.slots_per_request, c.tables.extent_tokens
         first = np.asarray(self._first).tolist()
         pairs = [(slot_of(r) * SPR + H, host_row_of(r, n - 1, E))
-                 for r, n in zip(self._records, first, strict=True) if n > H]
+                 for r, n, a in zip(self._records, first, self.appends, strict=True)
+                 if n > H and a]
         if not pairs or not self._written:
             return
         c.order.host_rows.drain()  # that row's backup may still be landing from a side stream

@@ -97,7 +97,7 @@ class FuzzRank:
         self.counts = dict(steps=0, cancels=0, checked_rows=0, mismatches=0, admits=0, pd=0,
                            finishes=0, aborts=0, preempts=0, resumes=0, exhausted=0,
                            folded_steps=0, verify_steps=0, dedupe_steps=0,
-                           rejected_drafts=0)
+                           ragged_steps=0, rejected_drafts=0)
         # For a mismatch's report: the last actions, and the first mismatches themselves.
         self.recent: deque[tuple[int, str]] = deque(maxlen=16)
         self.mismatch_details: list[dict[str, Any]] = []
@@ -275,8 +275,9 @@ class FuzzRank:
 
     def decode(self) -> None:
         """One decode step drawn from every kind: S tokens (a verify step when S > 1, with
-        random accept counts) or a de-duplicated single token, folded or two-call newest
-        rows, and one step in ten cancelled after a random layer."""
+        random accept counts), a de-duplicated single token, or a ragged single token (each
+        request appends 0 or 1), folded or two-call newest rows, and one step in ten
+        cancelled after a random layer."""
         cache, rng = self.cache, self.rng
         tokens = rng.randint(1, cache.max_draft_tokens)
         full = [r for r in self.ids("running") if self.length[r] + tokens > cache.max_seq_len]
@@ -288,16 +289,21 @@ class FuzzRank:
             return
         batch = rng.sample(running, rng.randint(1, len(running)))
         dedupe = tokens == 1 and rng.random() < 0.25
+        # A ragged step (a compressed layer): a request that appends 0 gets no new token.
+        ragged = tokens == 1 and not dedupe and rng.random() < 0.3
+        appends = [rng.randint(0, 1) for _ in batch] if ragged else None
         if self.sharing:  # (requests the step is about to move to a private copy)
             writers = cache._prefixes.writers
             self.counts["private_copies"] += sum(
                 id(cache._requests.get(r, "x")) in writers for r in batch)
-        step = cache.begin_decode_step(batch, num_tokens=tokens, dedupe=dedupe)
+        step = cache.begin_decode_step(batch, num_tokens=tokens, dedupe=dedupe, appends=appends)
         first = np.array([self.length[r] for r in batch])
+        own = np.array(step.appends)  # tokens each request's queries may read of its own
         positions = first[:, None] + np.arange(tokens)  # [B, S]
         # The step's own tokens' bytes come from fresh seeds: a rejected draft's never match.
         step_seeds = np.array([[rng.getrandbits(40) for _ in range(tokens)] for _ in batch])
-        top_k = self._draw_top_k(positions, repeats=tokens > 1 or dedupe)  # [B, S, K]
+        top_k = self._draw_top_k(positions - 1 + (own[:, None] > 0),
+                                 repeats=tokens > 1 or dedupe)  # [B, S, K]
         top = torch.from_numpy(top_k.astype(np.int32)).to(cache.device)
         if tokens == 1:
             top = top[:, 0]
@@ -306,8 +312,9 @@ class FuzzRank:
         self.counts["folded_steps"] += folded
         self.counts["verify_steps"] += tokens > 1
         self.counts["dedupe_steps"] += dedupe
+        self.counts["ragged_steps"] += ragged
         self.recent.append((self.counts["steps"], f"S={tokens} dedupe={dedupe} folded={folded}"
-                            f" cancel_after={cancel_after}"))
+                            f" cancel_after={cancel_after} appends={appends}"))
         for layer in range(self.L):
             kv = torch.from_numpy(kv_at(step_seeds, positions, layer, self.W)).to(cache.device)
             kv = kv[:, 0] if tokens == 1 else kv
@@ -329,7 +336,8 @@ class FuzzRank:
             accepted = [rng.randint(1, tokens) for _ in batch]
             step.end(accepted if tokens > 1 else None)
             for b, request in enumerate(batch):
-                self._keep(request, first[b], step_seeds[b, : accepted[b]])
+                if own[b]:
+                    self._keep(request, first[b], step_seeds[b, : accepted[b]])
                 self.counts["rejected_drafts"] += tokens - accepted[b]
         self.counts["steps"] += 1
 

@@ -17,7 +17,8 @@ from hisparse.config import HiSparseConfig, preset_dirs, preset_paths
 from hisparse.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = {"default", "deepseek-v3.2", "glm-5", "glm-5.1", "glm-5.2", "glm-5.3", "tiny"}
+SHIPPED = {"default", "deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro", "glm-5", "glm-5.1",
+           "glm-5.2", "glm-5.3", "tiny"}
 
 
 def test_every_shipped_yaml_loads() -> None:
@@ -145,7 +146,8 @@ def test_bad_values_name_the_key_and_the_fix(change: dict, named: str) -> None:
 
 
 def test_unknown_preset_and_bad_files(tmp_path: Path) -> None:
-    available = "available presets: deepseek-v3.2, default, glm-5, glm-5.1, glm-5.2, glm-5.3, tiny"
+    available = ("available presets: deepseek-v3.2, deepseek-v4-flash, deepseek-v4-pro, default, "
+                 "glm-5, glm-5.1, glm-5.2, glm-5.3, tiny")
     with pytest.raises(ConfigError, match=rf"unknown preset 'gpt'; {available}"):
         HiSparseConfig.from_preset("gpt")
     with pytest.raises(ConfigError, match="cannot read config file"):

@@ -426,7 +426,7 @@ def test_the_backend_contract_stays_narrow() -> None:
     assert len(members) <= MAX_BACKEND_MEMBERS, sorted(members)
     assert {f.name for f in dataclasses.fields(KernelSet)} == {
         "swap_in", "copy_planned", "backup_launcher", "swap_in_launcher", "union_launcher",
-        "newest_writer", "batch_advance"}
+        "newest_writer", "batch_advance", "implementation"}
     with pytest.raises(dataclasses.FrozenInstanceError):
         CpuBackend().kernels.swap_in = None  # type: ignore[misc]
 

@@ -28,7 +28,7 @@ CSA, HCA, SLIDING = ("compressed_sparse_attention", "heavily_compressed_attentio
                      "sliding_attention")
 LAYERS = [SLIDING, CSA, HCA, CSA, CSA]
 RATE, HCA_RATE, WINDOW, TOP_K, NEW_TOKENS = 4, 16, 8, 4, 48
-CACHE = dict(hot_slots=8, extent_tokens=4, max_requests=4, max_seq_len=32,
+CACHE = dict(hot_slots=6, extent_tokens=4, max_requests=4, max_seq_len=32,
              host_pool_tokens=4 * 32)
 
 

@@ -52,14 +52,15 @@ TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora
             index_topk=16, index_head_dim=32, index_n_heads=2)
 
 
-def build(family: str, layers: int, tiny: bool, device: torch.device) -> torch.nn.Module:
+def build(family: str, layers: int, tiny: bool, device: torch.device,
+          dtype: torch.dtype | None = None) -> torch.nn.Module:
     spec = dict(FAMILIES[family])
     kind = spec.pop("cls")
     if tiny:
         spec.update(TINY)
     config = getattr(transformers, f"{kind}Config")(
         num_hidden_layers=layers, first_k_dense_replace=layers, **SMALL, **spec)
-    dtype = torch.float32 if tiny else torch.bfloat16
+    dtype = dtype or (torch.float32 if tiny else torch.bfloat16)
     model = getattr(transformers, f"{kind}ForCausalLM")(config).to(device=device, dtype=dtype)
     model.set_attn_implementation("eager")
     return model.eval()
@@ -159,7 +160,8 @@ def measured(run: Any, *inputs: Any) -> dict[str, Any]:
 
 def family_run(family: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(args.seed)
-    model = build(family, args.layers, args.tiny, device)
+    model = build(family, args.layers, args.tiny, device,
+                  getattr(torch, args.dtype) if args.dtype else None)
     report: dict[str, Any] = {"layers": args.layers, "context": args.context,
                               "hot_slots": args.hot_slots,
                               "index_topk": model.config.index_topk, "runs": []}
@@ -197,6 +199,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--hot-slots", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                        help="the model's dtype (default: bfloat16, float32 with --tiny); "
+                             "float32 checks token identity without bf16 rounding, where the "
+                             "two caches' attention sums in another order")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     defaults = ({"context": 256, "batch": 2, "oom_batch": [], "new_tokens": 6,

@@ -89,3 +89,8 @@ class DecodeContext:
         self.row_bytes = t.row_bytes
         self.top_k_columns = self.buffers.out.shape[2]
         self.page_entries = t.page_table.view(-1)  # for one flat index_copy_ per step
+
+    def back_up_newest(self) -> None:
+        """A single-token step's end: the batch's newest rows to their host rows."""
+        b = self.buffers
+        self.kernels.launch_backup(self.tables, b.newest_rows, b.newest_host_rows, b.num_real)

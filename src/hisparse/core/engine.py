@@ -71,11 +71,9 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         >>> cache.admit("r0", 100); cache.write_prefill("r0", kv); cache.commit_prefill("r0")
     """
 
-    # Every table is a normal tensor even when the cache is built under torch.inference_mode():
-    # inference mode is per thread, and an inference tensor refuses in-place updates outside
-    # it, so a cache built on a model thread in inference mode could not be driven from a
-    # scheduler thread (begin_decode_step failed halfway through). Normal tensors may be
-    # updated in place inside inference mode too.
+    # Every table is a normal tensor even under torch.inference_mode() (which is per thread):
+    # an inference tensor refuses in-place updates outside it, so a scheduler thread could not
+    # drive a cache a model thread built; normal tensors may be updated inside it too.
     @torch.inference_mode(False)
     def __init__(self, config: Any, device: str | torch.device | Backend | None = None,
                  shared_pool: SharedPoolSpec | None = None) -> None:
@@ -295,7 +293,8 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         records = _batch_records(self._requests, ids, self.batch_capacity, self.config.validate)
         self._unshare_writers(records, num_tokens, appends)
         plan = self._planner.plan(len(ids), num_tokens, dedupe, appends is not None)
-        wait_at_begin(plan, self._shared)
+        if self._shared is not None:
+            wait_at_begin(plan, self._shared)
         self._last_step = DecodeStep.begin(self._decode, self._verify, plan, tuple(ids),
                                            records, appends)
         return self._last_step

@@ -114,6 +114,8 @@ class StepPlanner:
                      PoolRole.WRITER if shared.is_writer else PoolRole.READER)
         self._decode, self._verify = decode, verify
         self._plans: dict[tuple[int, int, bool, bool], StepPlan] = {}
+        # The single-token plans by batch size (most steps'): read without a key.
+        self._single: list[StepPlan | None] = [None] * (decode.batch_capacity + 1)
 
     def checked_plan(self, batch_size: object, num_tokens: int, dedupe: bool,
                      appends: object = "every") -> StepPlan:
@@ -136,6 +138,10 @@ class StepPlanner:
 
     def plan(self, batch_size: int, num_tokens: int, dedupe: bool, ragged: bool = False
              ) -> StepPlan:
+        if num_tokens == 1 and not (dedupe or ragged):  # the usual step: a list index
+            found = self._single[batch_size]
+            if found is not None:
+                return found
         key = (batch_size, num_tokens, dedupe, ragged)
         found = self._plans.get(key)
         if found is not None:
@@ -150,4 +156,6 @@ class StepPlanner:
             shares_index=any(replay is not None for replay in d.replays),
             side_stream_replay=d.prefetch_stream is not None,
             kernels=d.kernels.implementation)
+        if key[1:] == (1, False, False):
+            self._single[batch_size] = made
         return made

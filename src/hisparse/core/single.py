@@ -1,7 +1,7 @@
 """The single-token path's executors: append one token to each request (planned and uploaded,
-or, for an unchanged batch, moved on by one device launch), take it back (a cancel), and back
-the newest rows up at the end. The step (core/step.py) runs them where its plan says
-`union` is False; core/verify.py holds the union path's.
+or, for an unchanged batch, moved on by one device launch) and take it back (a cancel); the
+end's backup is `DecodeContext.back_up_newest`. The step (core/step.py) runs them where its
+plan says `union` is False; core/verify.py holds the union path's.
 """
 
 from __future__ import annotations
@@ -16,19 +16,16 @@ from hisparse.core.requests import RequestRecord, host_row_of, slot_of
 from hisparse.errors import InvalidInputError
 
 
-def append_one(c: DecodeContext, records: list[RequestRecord], quiet: bool,
+def append_one(c: DecodeContext, records: list[RequestRecord],
                appends: np.ndarray | None = None) -> tuple[np.ndarray, list[RequestRecord]]:
     """Append one token to each record and upload the step's batch and table updates; the
-    new tokens' positions and the records that took an extent for theirs. `quiet`: the
-    plan allows an unchanged batch to move on by one device launch instead. `appends` (a
-    ragged step, always planned): each record's count, 0 or 1; one of 0 appends nothing.
+    new tokens' positions and the records that took an extent for theirs (a quiet batch,
+    where the plan allows it, takes `move_on` instead). `appends` (a ragged step, always
+    planned): each record's count, 0 or 1; one of 0 appends nothing.
 
     The records change only once the updates are on their way to the device: a failed
     upload (a device out of memory) leaves nothing changed and the step retryable.
     """
-    run = c.quiet if quiet else None
-    if run is not None and run.holds_for(records, c.buffers.block):
-        return _move_on(c, run, records), []
     c.quiet = None
     batch = BatchPlan(records, c.slots, c.tables, c.max_seq_len, appends)
     if batch.full:
@@ -63,8 +60,9 @@ def append_one(c: DecodeContext, records: list[RequestRecord], quiet: bool,
     return batch.positions, grew
 
 
-def _move_on(c: DecodeContext, run: QuietRun, records: list[RequestRecord]) -> np.ndarray:
-    """`append_one` of a quiet step: the last step's batch buffers moved on on the device."""
+def move_on(c: DecodeContext, run: QuietRun, records: list[RequestRecord]) -> np.ndarray:
+    """One token for each record of a quiet step (`run.holds_for` them): the last step's
+    batch buffers moved on on the device; the new tokens' positions."""
     expected = BatchPlan(records, c.slots, c.tables, c.max_seq_len) if c.validate else None
     c.order.backup.wait()  # the last backup reads the host rows this moves on
     c.order.tables_changed.wait()
@@ -74,12 +72,6 @@ def _move_on(c: DecodeContext, run: QuietRun, records: list[RequestRecord]) -> n
     if expected is not None:
         _check_moved_on(c, expected, len(records))
     return positions
-
-
-def back_up_newest(c: DecodeContext) -> None:
-    """The end's copy of the batch's newest rows to their host rows."""
-    b = c.buffers
-    c.kernels.launch_backup(c.tables, b.newest_rows, b.newest_host_rows, b.num_real)
 
 
 def undo_one(c: DecodeContext, records: list[RequestRecord], grew: list[RequestRecord]

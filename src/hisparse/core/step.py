@@ -22,7 +22,7 @@ from hisparse.core.context import DecodeContext
 from hisparse.core.plan import StepPlan
 from hisparse.core.replay import GroupReplay
 from hisparse.core.requests import RequestRecord, host_row_of, slot_of
-from hisparse.core.single import append_one, back_up_newest, undo_one
+from hisparse.core.single import append_one, move_on, undo_one
 from hisparse.core.validation import (
     as_rows,
     check_batch_rows,
@@ -62,6 +62,15 @@ class DecodeStep:
     raises `RequestStateError`.
     """
 
+    # What most steps leave as it is, as class defaults: each instance attribute a begin sets
+    # costs it host time (a single-token step sets none of these).
+    _appends: tuple[int, ...] | None = None  # (a ragged step) each request's count
+    _positions: tuple[Any, ...] | None = None  # made only if read
+    _grew: list[RequestRecord] | tuple[()] = ()  # (single-token path) records that took an extent
+    _extents_before: list[int] | None = None  # (union path) extents held before the step
+    _width: Any = None  # (union path) the per-S launchers and buffers
+    _verify: VerifyContext | None = None  # (union path) what every union step shares
+
     def __init__(self, context: DecodeContext, verify: VerifyContext, plan: StepPlan,
                  request_ids: tuple[Hashable, ...], records: list[RequestRecord],
                  first: np.ndarray, grew: list[RequestRecord],
@@ -70,20 +79,21 @@ class DecodeStep:
         self.plan = plan  # every choice of this step's path (core/plan.py)
         self.num_tokens = plan.num_tokens
         self.request_ids = request_ids
-        self._appends = appends  # (a ragged step) each request's count; None: S each
+        if appends is not None:
+            self._appends = appends
         self._first = first  # each request's first new position (an array, or a quiet run's)
-        self._positions: tuple[Any, ...] | None = None  # made only if read
         buffers = context.buffers
         self.req_slots = buffers.req_slots  # [Bcap] int32 request slot per row (0: padding)
         self.num_real = buffers.num_real  # [1] int32
         self._context: DecodeContext | None = context
-        self._verify = verify
         self._lock = context.lock
         self._records = records
-        self._grew = grew  # (single-token path) the records that took an extent
-        self._extents_before = extents_before  # (union path) extents held before the step
-        self._width: Any = None  # (union path) the per-S launchers and buffers
+        if grew:
+            self._grew = grew
+        if extents_before is not None:
+            self._extents_before = extents_before
         if plan.union:
+            self._verify = verify
             self._width = verify.width(context, plan.num_tokens)
             self._kernels, self._replays = self._width.kernels, self._width.replays
             cap, S = context.batch_capacity, plan.num_tokens
@@ -145,8 +155,11 @@ class DecodeStep:
         if plan.union:
             first, before = append_union(c, v, plan.num_tokens, records)
             return cls(c, v, plan, request_ids, records, first, [], before.tolist())
+        run = c.quiet if plan.quiet_advance else None
+        if run is not None and run.holds_for(records, c.buffers.block):
+            return cls(c, v, plan, request_ids, records, move_on(c, run, records), [])
         counts = None if appends is None else np.array(appends, dtype=np.int64)
-        first, grew = append_one(c, records, plan.quiet_advance, counts)
+        first, grew = append_one(c, records, counts)
         return cls(c, v, plan, request_ids, records, first, grew, appends=appends)
 
     # --- per layer ------------------------------------------------------------------------
@@ -161,23 +174,38 @@ class DecodeStep:
 
     def _newest_rows(self, c: DecodeContext, kv: object) -> torch.Tensor:
         """`kv` checked as the step's new rows, `[B * S, W]` uint8 on the device."""
+        # The usual call (a single-token step's dense uint8 rows on our device) passes a few
+        # attribute reads; every other goes through `_checked_rows`.
+        if (self.num_tokens == 1
+                and is_plain_tensor(kv, torch.uint8, 2, c.device, contiguous=False)
+                and kv.shape[1] == c.row_bytes
+                and self.batch_size <= kv.shape[0] <= c.batch_capacity):
+            return kv
+        return self._checked_rows(c, kv)
+
+    def _checked_rows(self, c: DecodeContext, kv: object) -> torch.Tensor:
+        """`_newest_rows` for any call: S > 1 rows, other dtypes viewed as bytes (`as_rows`),
+        or the error that says what is wrong."""
         S, W = self.num_tokens, c.row_bytes
-        shape = (S, W) if S > 1 else (W,)
-        # The usual call (dense uint8 rows on our device) passes attribute reads; any other
-        # goes through `as_rows`, which views other dtypes as bytes or says what is wrong.
-        if (is_plain_tensor(kv, torch.uint8, len(shape) + 1, c.device, contiguous=False)
-                and tuple(kv.shape[1:]) == shape):
+        if S > 1 and is_plain_tensor(kv, torch.uint8, 3, c.device, contiguous=False) and \
+                kv.shape[1] == S and kv.shape[2] == W:
             rows = kv
         else:
-            rows = as_rows("kv", kv, W, len(shape) + 1, device=c.device)
-            if S > 1 and rows.shape[1] != S:
-                raise InvalidInputError(
-                    f"kv has {rows.shape[1]} tokens per request, the step appends "
-                    f"num_tokens={S}; pass kv as [B, {S}, W]")
+            rows = self._coerced_rows(c, kv)
         count = rows.shape[0]
         if not self.batch_size <= count <= c.batch_capacity:
             check_batch_rows("kv", count, self.batch_size, c.batch_capacity)
         return rows if S == 1 else rows.reshape(count * S, W)
+
+    def _coerced_rows(self, c: DecodeContext, kv: object) -> torch.Tensor:
+        """`kv` of another dtype viewed as rows of bytes, or the error that says why not."""
+        S = self.num_tokens
+        rows = as_rows("kv", kv, c.row_bytes, 2 if S == 1 else 3, device=c.device)
+        if S > 1 and rows.shape[1] != S:
+            raise InvalidInputError(
+                f"kv has {rows.shape[1]} tokens per request, the step appends "
+                f"num_tokens={S}; pass kv as [B, {S}, W]")
+        return rows
 
     def swap_in(self, layer: int, top_k: torch.Tensor | None = None,
                 newest_kv: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,25 +240,22 @@ class DecodeStep:
         if top_k is None:
             raise _anchor_needs_top_k(layer, replay, self.num_tokens)
         rows = self._check_top_k(c, top_k)
-        union = self.plan.union
-        # (the union path checks its new rows in write_newest, before its own launches)
-        newest = self._newest_rows(c, newest_kv) if newest_kv is not None and not union else None
+        if self.plan.union:
+            if c.validate:
+                self._validate_positions(top_k)
+            if replay is not None:
+                replay.begin_plan()
+            out = self._swap_in_union(layer, group, rows, top_k, newest_kv)
+            self._finish_anchor(replay, top_k, out)
+            return out
+        # The single-token path, inline (a call more is 4% of its host time): the kernels
+        # run over the B rows the caller passed (a caller that captures a graph per batch
+        # size gets small grids for small batches) and read its top-k in place.
+        newest = self._newest_rows(c, newest_kv) if newest_kv is not None else None
         if c.validate:
             self._validate_positions(top_k)
         if replay is not None:
             replay.begin_plan()
-        if union:
-            out = self._swap_in_union(layer, group, rows, top_k, newest_kv)
-        else:
-            out = self._swap_in_rows(c, layer, group, rows, top_k, newest)
-        self._finish_anchor(replay, top_k, out)
-        return out
-
-    def _swap_in_rows(self, c: DecodeContext, layer: int, group: int, rows: int,
-                      top_k: torch.Tensor, newest: torch.Tensor | None) -> torch.Tensor:
-        """The single-token path: the kernels run over the B rows the caller passed (a caller
-        that captures a graph per batch size gets small grids for small batches) and read
-        its top-k in place; `newest`: the checked new rows, written in the same call."""
         out = c.buffers.views(rows).out[group]
         if c.kernels.launch_swap_in(layer, group, rows, top_k, newest):
             self._backed_up.add(layer)
@@ -238,6 +263,7 @@ class DecodeStep:
             self._backed_up.discard(layer)
         if newest is not None:
             self._written.add(layer)
+        self._finish_anchor(replay, top_k, out)
         return out
 
     def _swap_in_union(self, layer: int, group: int, rows: int, top_k: torch.Tensor,
@@ -293,12 +319,21 @@ class DecodeStep:
 
     def _check_top_k(self, c: DecodeContext, top_k: object) -> int:
         """The batch rows of a well-formed `top_k` (`[B, K]`, S > 1: `[B, S, K]` int32)."""
-        S, K = self.num_tokens, c.top_k_columns
-        shape = (S, K) if S > 1 else (K,)
-        if is_plain_tensor(top_k, torch.int32, len(shape) + 1, c.device):
-            rows = top_k.shape[0]
-            if tuple(top_k.shape[1:]) == shape and self.batch_size <= rows <= c.batch_capacity:
+        if self.num_tokens == 1 and is_plain_tensor(top_k, torch.int32, 2, c.device):
+            rows, columns = top_k.shape  # (the usual call: attribute reads, as above)
+            if columns == c.top_k_columns and self.batch_size <= rows <= c.batch_capacity:
                 return rows
+        return self._checked_top_k(c, top_k)
+
+    def _checked_top_k(self, c: DecodeContext, top_k: object) -> int:
+        """`_check_top_k` for any call, or the error that says what is wrong."""
+        S, K = self.num_tokens, c.top_k_columns
+        if S > 1 and is_plain_tensor(top_k, torch.int32, 3, c.device):
+            rows = top_k.shape[0]
+            if top_k.shape[1] == S and top_k.shape[2] == K and \
+                    self.batch_size <= rows <= c.batch_capacity:
+                return rows
+        shape = (S, K) if S > 1 else (K,)
         top_k = check_tensor("top_k", top_k, dtype=torch.int32, device=c.device,
                              ndim=len(shape) + 1)
         rows = top_k.shape[0]
@@ -320,15 +355,16 @@ class DecodeStep:
         supported) and roll the rejected ones back. A device tensor is read once (a sync)."""
         with self._lock:
             c = self._usable("end_decode_step")
+            plan = self.plan
             counts = (check_accepted(accepted, self.num_tokens, self.batch_size)
-                      if accepted is not None or self.plan.union else None)
+                      if accepted is not None or plan.union else None)
             self._prepare_end(c)
             shared = self._enter_shared(c, "end")
             stream = None  # where this step's host-row writes run (None: compute)
-            if self.plan.union:
+            if plan.union:
                 backups, commits = self._settle(c, counts)
                 self._mark_end(c)
-                writes = self.plan.writes_host_rows
+                writes = plan.writes_host_rows
                 c.order.backup.issue(
                     lambda: launch_union_commit(c, self._verify, writes, commits),
                     c.order.step_end)
@@ -336,19 +372,20 @@ class DecodeStep:
                 stream = c.order.backup.stream
             else:
                 self._mark_end(c)
-                if not self.plan.writes_host_rows:
+                if not plan.writes_host_rows:
                     pass  # a shared pool's reader leaves its host rows to the writer
                 elif len(self._backed_up) == c.num_layers:
                     c.order.backup.covered()  # every layer's lookup wrote its host row
                 else:
-                    c.order.backup.issue(lambda: back_up_newest(c), c.order.step_end)
+                    c.order.backup.issue(c.back_up_newest, c.order.step_end)
                     stream = c.order.backup.stream
                 c.traffic.backed_up_tokens += (self.batch_size if self._appends is None
                                                else sum(self._appends))
             self._close(c, StepState.ENDED)
-            # (a union step's accept counts are part of the operation every rank hashes)
-            self._exit_shared(c, shared, f"end{counts}" if self.plan.union else "end",
-                              wrote=True, stream=stream)
+            if shared is not None:
+                # (a union step's accept counts are part of the operation every rank hashes)
+                self._exit_shared(c, shared, f"end{counts}" if plan.union else "end",
+                                  wrote=True, stream=stream)
 
     def cancel(self) -> None:
         """Undo the step's tokens, for a forward pass that failed part way.
@@ -422,7 +459,7 @@ class DecodeStep:
     def abandon(self) -> None:
         """The cache is closing under an open step: refuse every verb from now on."""
         self._state = StepState.CLOSED
-        self._let_go()
+        self._context = self._kernels = self._replays = self._width = self._verify = None
 
     def _mark_end(self, c: DecodeContext) -> None:
         """Mark where the step's device work ends (what slot release, reseeding, host-row
@@ -436,13 +473,9 @@ class DecodeStep:
         for replay in self._anchored:
             replay.forget(self)
         self._state = state
-        self._let_go()
+        # An old step object the caller keeps must not keep the cache's tables alive.
+        self._context = self._kernels = self._replays = self._width = self._verify = None
         self._records, self._anchored = [], []
-
-    def _let_go(self) -> None:
-        """An old step object the caller keeps must not keep the cache's tables alive."""
-        self._context = None
-        self._kernels = self._replays = self._width = self._verify = None
 
     def _restore_newest_slots(self, c: DecodeContext) -> None:
         """Give slot H of each request that was long before the step its newest token back

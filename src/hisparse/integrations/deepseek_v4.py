@@ -47,6 +47,7 @@ from hisparse.attention import gather_rows, pad_top_k
 from hisparse.config import HiSparseConfig
 from hisparse.core.engine import HiSparseCache
 from hisparse.footprint import device_bytes
+from hisparse.integrations._engine_cache import EngineCache
 
 CSA = "compressed_sparse_attention"
 _SERIAL = itertools.count()
@@ -104,7 +105,7 @@ class _CSAEntries(DeepseekV4CSACache):
         return result
 
 
-class HiSparseV4Cache(DynamicCache):
+class HiSparseV4Cache(EngineCache, DynamicCache):
     """A transformers cache whose CSA entries live in hisparse (module docstring).
 
     Args:
@@ -147,29 +148,11 @@ class HiSparseV4Cache(DynamicCache):
                 "HiSparseV4Cache decodes one token per forward pass")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def crop(self, max_length: int) -> None:
-        raise _unsupported("crop")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise _unsupported("reorder_cache (beam search)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise _unsupported("batch_repeat_interleave")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise _unsupported("batch_select_indices")
-
     # --- what it holds ----------------------------------------------------------------------
     def device_bytes(self) -> int:
         """Device bytes held: hisparse's tables and hot buffers, and every tensor of
         transformers' layers (windows, HCA entries, indexer keys, buffers)."""
         return device_bytes(self.engine) + framework_bytes(self)
-
-    def hit_rate(self) -> float:
-        """Hits over lookups of every swap-in so far."""
-        stats = self.engine.stats()
-        looked_up = stats.hits + stats.misses
-        return stats.hits / looked_up if looked_up else 0.0
 
     def close(self) -> None:
         """Remove the hooks, free the requests, the host pool and the device tables."""
@@ -177,12 +160,6 @@ class HiSparseV4Cache(DynamicCache):
             hook.remove()
         self._hooks = []
         self.engine.close()
-
-    def __enter__(self) -> HiSparseV4Cache:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --- the forward pass -------------------------------------------------------------------
     def _install_hooks(self, base: nn.Module) -> list[Any]:
@@ -336,8 +313,3 @@ def _check_fits(config: HiSparseConfig, model: nn.Module) -> None:
                         f"({model_config.index_topk})")
     if problems:
         raise ConfigError([*problems, "build it with hisparse_v4_config_for(model, ...)"])
-
-
-def _unsupported(action: str) -> InvalidInputError:
-    return InvalidInputError(f"HiSparseV4Cache does not support {action}; generate without "
-                             "beam search or cache editing, or use transformers' own cache")

@@ -46,6 +46,7 @@ from hisparse.attention import gather_rows, pad_top_k
 from hisparse.config import HiSparseConfig
 from hisparse.core.engine import HiSparseCache
 from hisparse.footprint import device_bytes
+from hisparse.integrations._engine_cache import EngineCache
 from hisparse.layout.index_schedule import IndexSchedule
 
 ATTENTION = "hisparse"  # the name the attention and its mask are registered under
@@ -111,7 +112,7 @@ class _IndexedLayer(DynamicIndexedLayer):
             self.indexer_keys = self.indexer_keys[:, :indexer_length]
 
 
-class HiSparseDSACache(Cache):
+class HiSparseDSACache(EngineCache, Cache):
     """A transformers `Cache` whose main attention KV lives in hisparse (module docstring).
 
     Args:
@@ -172,18 +173,6 @@ class HiSparseDSACache(Cache):
         self._newest[layer_idx] = rows[:, 0]
         return keys, values
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise _unsupported("crop")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise _unsupported("reorder_cache (beam search)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise _unsupported("batch_repeat_interleave")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise _unsupported("batch_select_indices")
-
     def load_context(self, rows: torch.Tensor, indexer_keys: torch.Tensor) -> None:
         """Start from a context computed elsewhere (a prefill node, a benchmark's synthetic
         one) instead of a prefill pass: `rows [L, B, T, V]` latent rows in the model's dtype
@@ -213,12 +202,6 @@ class HiSparseDSACache(Cache):
                    if layer.indexer_keys is not None)
         return device_bytes(self.engine) + keys
 
-    def hit_rate(self) -> float:
-        """Hits over lookups of every swap-in so far (followers count their anchor's)."""
-        stats = self.engine.stats()
-        looked_up = stats.hits + stats.misses
-        return stats.hits / looked_up if looked_up else 0.0
-
     def close(self) -> None:
         """Free the requests, the host pool and the device tables; give the model its own
         attention back. Idempotent."""
@@ -229,12 +212,6 @@ class HiSparseDSACache(Cache):
             self._model.set_attn_implementation(self._previous_attention)
             self._model = None
         self.engine.close()
-
-    def __enter__(self) -> HiSparseDSACache:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --- the forward pass -------------------------------------------------------------------
     def _install_hooks(self, model: nn.Module, layers: nn.ModuleList) -> list[Any]:
@@ -460,8 +437,3 @@ def _check_fits(config: HiSparseConfig, model: nn.Module, model_config: Any) -> 
                         f"({model_config.index_topk})")
     if problems:
         raise ConfigError([*problems, "build it with hisparse_config_for(model, ...)"])
-
-
-def _unsupported(action: str) -> InvalidInputError:
-    return InvalidInputError(f"HiSparseDSACache does not support {action}; generate without "
-                             "beam search or cache editing, or use transformers' own cache")

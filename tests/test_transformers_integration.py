@@ -154,6 +154,18 @@ def test_a_config_of_another_shape_is_refused() -> None:
         HiSparseDSACache(torch.nn.Linear(2, 2))
 
 
+def test_beam_search_and_cache_edits_are_refused_naming_the_cache() -> None:
+    torch.manual_seed(0)
+    with HiSparseDSACache(deepseek(), **CACHE) as cache:
+        for edit, args in (("crop", (1,)), ("reorder_cache", (torch.tensor([0]),)),
+                           ("batch_repeat_interleave", (2,)),
+                           ("batch_select_indices", (torch.tensor([0]),))):
+            with pytest.raises(InvalidInputError, match=f"HiSparseDSACache does not support "
+                                                        f"{edit}"):
+                getattr(cache, edit)(*args)
+        assert cache.hit_rate() == 0.0  # nothing looked up yet
+
+
 def test_the_benchmark_runs_tiny_and_matches_the_dense_cache(tmp_path: object) -> None:
     """benchmarks/transformers_decode.py --tiny: a context loaded with `load_context` decodes
     the dense cache's tokens (the GPU run's check, at a CPU shape)."""

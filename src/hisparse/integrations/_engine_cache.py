@@ -1,11 +1,18 @@
 """What the transformers caches backed by one `HiSparseCache` (`self.engine`) share: the edits
-beam search and cache cropping would make, refused; the hit rate; the context manager."""
+beam search and cache cropping would make, refused; the hit rate; the context manager; and
+admitting a prefilled batch, all of it or none."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from hisparse.errors import InvalidInputError
+
+_SERIAL = itertools.count()  # request ids unique across the caches of one process
 
 
 class EngineCache:
@@ -42,3 +49,23 @@ class EngineCache:
         return InvalidInputError(
             f"{type(self).__name__} does not support {action}; generate without beam search "
             "or cache editing, or use transformers' own cache")
+
+
+def admit_batch(engine: Any, name: str, prompts: Sequence[torch.Tensor]) -> list[str]:
+    """Admit, prefill and commit one request per prompt (`[L, T, W]` rows each) and return
+    their ids (`hisparse-{name}-{serial}-{row}`); if any call fails, the requests admitted so
+    far are aborted, so the engine is as it was."""
+    serial = next(_SERIAL)
+    ids = [f"hisparse-{name}-{serial}-{row}" for row in range(len(prompts))]
+    admitted: list[str] = []
+    try:
+        for request, rows in zip(ids, prompts, strict=True):
+            engine.admit(request, rows.shape[1])
+            admitted.append(request)
+            engine.write_prefill(request, rows)
+            engine.commit_prefill(request)
+    except BaseException:
+        for request in admitted:
+            engine.abort(request)
+        raise
+    return ids

@@ -26,7 +26,6 @@ forward pass; not beam search, cache cropping or batch reordering.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import Any
 
@@ -47,10 +46,9 @@ from hisparse.attention import gather_rows, pad_top_k
 from hisparse.config import HiSparseConfig
 from hisparse.core.engine import HiSparseCache
 from hisparse.footprint import device_bytes
-from hisparse.integrations._engine_cache import EngineCache
+from hisparse.integrations._engine_cache import EngineCache, admit_batch
 
 CSA = "compressed_sparse_attention"
-_SERIAL = itertools.count()
 
 
 def csa_layers(model: nn.Module) -> list[int]:
@@ -248,21 +246,8 @@ class HiSparseV4Cache(EngineCache, DynamicCache):
             raise InvalidInputError(
                 f"the prompt of {entries.shape[2]} entries made no compressed entry (shorter "
                 "than one window of the CSA rate); pass a prompt of at least that many tokens")
-        serial = next(_SERIAL)
-        ids = [f"hisparse-v4-{serial}-{row}" for row in range(entries.shape[1])]
-        admitted: list[str] = []
         rows = entries.to(self.dtype).contiguous().view(torch.uint8)
-        try:
-            for row, request in enumerate(ids):
-                self.engine.admit(request, entries.shape[2])
-                admitted.append(request)
-                self.engine.write_prefill(request, rows[:, row])
-                self.engine.commit_prefill(request)
-        except BaseException:
-            for request in admitted:
-                self.engine.abort(request)
-            raise
-        self.ids = ids
+        self.ids = admit_batch(self.engine, "v4", [rows[:, row] for row in range(rows.shape[1])])
 
 
 def framework_bytes(cache: DynamicCache) -> int:

@@ -24,7 +24,6 @@ forward pass; not beam search, cache cropping or batch reordering.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import Any
 
@@ -46,14 +45,13 @@ from hisparse.attention import gather_rows, pad_top_k
 from hisparse.config import HiSparseConfig
 from hisparse.core.engine import HiSparseCache
 from hisparse.footprint import device_bytes
-from hisparse.integrations._engine_cache import EngineCache
+from hisparse.integrations._engine_cache import EngineCache, admit_batch
 from hisparse.layout.index_schedule import IndexSchedule
 
 ATTENTION = "hisparse"  # the name the attention and its mask are registered under
 SUPPORTED_MODELS = ("deepseek_v32", "glm_moe_dsa")
 # The attention module of a layer whose cache update ran and whose attention has not yet.
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, HiSparseDSACache] = weakref.WeakKeyDictionary()
-_SERIAL = itertools.count()
 
 
 def register() -> None:
@@ -277,21 +275,9 @@ class HiSparseDSACache(EngineCache, Cache):
         left padding)."""
         if self._pads is None:
             self._pads = torch.zeros(rows.shape[1], dtype=torch.int32, device=rows.device)
-        serial = next(_SERIAL)
-        ids = [f"hisparse-{serial}-{row}" for row in range(rows.shape[1])]
         pads = self._pads.tolist()
-        admitted: list[str] = []
-        try:
-            for row, request in enumerate(ids):
-                self.engine.admit(request, rows.shape[2] - pads[row])
-                admitted.append(request)
-                self.engine.write_prefill(request, rows[:, row, pads[row]:])
-                self.engine.commit_prefill(request)
-        except BaseException:
-            for request in admitted:
-                self.engine.abort(request)
-            raise
-        self._ids = ids
+        self._ids = admit_batch(self.engine, "dsa", [rows[:, row, pad:]
+                                                     for row, pad in enumerate(pads)])
 
     def note_prefill_mask(self, attention_mask: torch.Tensor | None, batch: int,
                           device: torch.device) -> None:

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import peers_v4
 import sglang_ops
 import vllm_peer
 from hisparse.errors import InvalidInputError
@@ -89,8 +90,9 @@ def load_peers(args: argparse.Namespace) -> Peers:
 
 def prebuild(args: argparse.Namespace) -> dict[str, float]:
     """Every peer build the tables need, in parallel: SGLang's single-step module for SW-1's
-    sizes and its speculative module for each S of SW-2 (the instantiations its entry points
-    would compile on first call), and vLLM's extension. Seconds per build."""
+    sizes, its speculative module for each S of SW-2 and its V4 module for each hot size of
+    sw1-v4 (the instantiations its entry points would compile on first call), and vLLM's
+    extension. Seconds per build."""
     peers = load_peers(args)
     jobs: dict[str, Callable[[], object]] = {}
     ops, row_bytes = peers.sglang, SIZES.row_bytes
@@ -100,6 +102,10 @@ def prebuild(args: argparse.Namespace) -> dict[str, float]:
         for S in (2, 3, 4):
             jobs[f"sglang-spec-S{S}"] = lambda S=S: ops._jit_spec_module(
                 row_bytes, 64, SIZES.top_k, max(2, S) * SIZES.top_k, S, False)
+        for hot in peers_v4.GRID["hots"]:
+            jobs[f"sglang-v4-H{hot}"] = lambda hot=hot: ops._jit_sparse_module(
+                peers_v4.ENTRY_BYTES, args.sglang_block_size, 512, hot, is_mla=True,
+                is_dsv4_layout=True)
     seconds: dict[str, float] = {}
 
     def timed(name: str) -> None:
@@ -199,7 +205,8 @@ def sw1_cell(pool: Pool, layout: str, batch: int, churn: float, args: argparse.N
     steps = 1 + args.warmup + args.steps + args.eager_steps
     cell = CellSteps(backend, tables, host_rows, trace, batch, batch, sizes.top_k, pool.mirror,
                      backend.features.supports(Feature.GRAPH_CAPTURE), timer,
-                     benchmarking.CacheFlusher(backend.device()), steps)
+                     benchmarking.CacheFlusher(backend.device()), steps,
+                     device_rows=getattr(kernel, "device_rows", None))  # a peer's own layout
     cell.next_top_k(0)
     cell.call(kernel)  # compiles, allocates, and leaves the seeded state
     cell.check()
@@ -292,7 +299,9 @@ def cell_correct(cell: dict[str, Any]) -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--table", choices=("sw1", "sw2"), help="the table this process runs")
+    parser.add_argument("--table", choices=("sw1", "sw2", "sw1-v4"),
+                        help="the table this process runs (sw1-v4: DeepSeek-V4's entries "
+                        "against SGLang's V4 kernel, benchmarks/peers_v4.py)")
     parser.add_argument("--build-only", action="store_true",
                         help="build every peer the tables need (in parallel) and exit")
     parser.add_argument("--peers", type=lambda text: tuple(text.split(",")), default=PEERS,
@@ -316,6 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--churns", type=float, nargs="+")
     parser.add_argument("--tokens", type=int, nargs="+", help="SW-2's S values")
     parser.add_argument("--overlaps", type=float, nargs="+", help="SW-2's row overlaps")
+    parser.add_argument("--hots", type=int, nargs="+", help="sw1-v4's hot buffer sizes")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eager-steps", type=int, default=10)
@@ -330,7 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown peers {unknown} or layouts {bad_layouts}; peers are "
                      f"{', '.join(PEERS)}, layouts {', '.join(benchmarking.LAYOUTS)}")
     if not args.build_only and args.table is None:
-        parser.error("pass --table sw1 or --table sw2 (one table per process), or --build-only")
+        parser.error("pass --table sw1, sw2 or sw1-v4 (one table per process), or --build-only")
     if min(args.warmup, args.eager_steps) < 0 or args.steps < 1:
         parser.error("--steps must be >= 1, --warmup and --eager-steps >= 0")
     return args
@@ -357,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                         "eager_device_us": "median device time of those eager calls"}
     if args.table == "sw1":
         run_sw1(args, peers, result)
+    elif args.table == "sw1-v4":
+        peers_v4.run_sw1_v4(args, peers, result, _save)
     else:
         import peers_sw2
 

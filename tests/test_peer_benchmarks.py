@@ -20,6 +20,7 @@ from hisparse.tools import benchmarking
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import peers  # benchmark modules, not part of the package
 import peers_sw2
+import peers_v4
 import sglang_ops
 import vllm_peer
 
@@ -220,3 +221,58 @@ def test_a_sw1_cell_times_counts_and_checks_each_kernel(corrupt: bool) -> None:
     assert peer["misses_per_step"] == expected and peer["misses_counted_by"] == "trace"
     assert own["correct"] and peer["correct"] is not corrupt
     assert own["eager_host_us"] > 0 and own["device_us"] > 0
+
+
+def test_v4_pages_hold_each_entry_as_sglang_addresses_it() -> None:
+    """`paged` puts entry i's 576 value bytes at page*37440 + slot*576 and its 8 scale bytes at
+    page*37440 + 36864 + slot*8 (SGLang's get_pointer_paged); `unpaged_rows` reads them back."""
+    count = int(np.random.default_rng().integers(65, 300))
+    rows = torch.randint(0, 256, (count, peers_v4.ENTRY_BYTES), dtype=torch.uint8)
+    flat = peers_v4.paged(rows)
+    assert peers_v4.PAGE_BYTES == 37440 and flat.numel() == -(-count // 64) * 37440
+    entry = int(np.random.default_rng().integers(count))
+    page, slot = divmod(entry, 64)
+    start = page * 37440
+    assert torch.equal(flat[start + slot * 576: start + slot * 576 + 576], rows[entry, :576])
+    assert torch.equal(flat[start + 36864 + slot * 8: start + 36864 + slot * 8 + 8],
+                       rows[entry, 576:])
+    locs = torch.randint(0, count, (3, 5))
+    assert torch.equal(peers_v4.unpaged_rows(flat, locs), rows[locs])
+
+
+class PagedPeer:
+    """A stand-in for SGLang's V4 kernel on the CPU: hisparse's swap-in, then its device rows
+    repacked into pages, read back through `device_rows` (the byte check's reader)."""
+
+    def __init__(self, backend: object, corrupt: bool) -> None:
+        self.kernel, self.corrupt = benchmarking.swap_in_kernel(backend)[0], corrupt
+        self.pages = torch.empty(0, dtype=torch.uint8)
+
+    def __call__(self, tables: object, *args: object, **options: object) -> None:
+        self.kernel(tables, *args, **options)
+        self.pages = peers_v4.paged(tables.device_kv[0])
+        if self.corrupt:  # one scale byte of the first returned entry
+            entry = int(args[-1][0, 0])
+            self.pages[(entry // 64) * peers_v4.PAGE_BYTES + peers_v4.SCALES_AT
+                       + (entry % 64) * 8] ^= 0xFF
+
+    def device_rows(self, locs: torch.Tensor) -> torch.Tensor:
+        return peers_v4.unpaged_rows(self.pages, locs)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_v4_cell_checks_a_peers_rows_in_its_own_page_layout(corrupt: bool) -> None:
+    """A kernel keeping its own device layout is byte-checked through its reader: a flipped
+    scale byte (outside the 576 value bytes) fails the cell."""
+    rng = np.random.default_rng()
+    sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128,
+                                  row_bytes=peers_v4.ENTRY_BYTES)
+    backend = get_backend("cpu")
+    rows = backend.alloc_host(2 * sizes.seq_len * sizes.row_bytes).view(-1, sizes.row_bytes)
+    benchmarking.fill_pool(rows)
+    pool = peers.Pool(rows, rows, rows.clone())
+    args = peers.parse_args(["--table", "sw1-v4", "--warmup", "1", "--steps", "2",
+                             "--eager-steps", "1", "--seed", str(int(rng.integers(2**31)))])
+    cell = peers.sw1_cell(pool, "extents", 2, 0.5, args, lambda tables, host_rows: (
+        PagedPeer(backend, corrupt), lambda: None), backend=backend, sizes=sizes)
+    assert cell["correct"] is not corrupt and cell["misses_per_step"] == 2 * 32

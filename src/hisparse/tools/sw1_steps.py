@@ -24,14 +24,18 @@ if TYPE_CHECKING:
 
 class CellSteps:
     """One SW-1 cell's state: rows of the batch buffers past the batch are padding (request
-    slot 0, top-k -1); `mirror` (the pool on the device) checks every step's rows there."""
+    slot 0, top-k -1); `mirror` (the pool on the device) checks every step's rows there.
+    `device_rows(out)` reads the rows a kernel returned (default: `tables.device_kv[0]` at
+    `out`; a peer keeping its own device layout passes its own reader)."""
 
     def __init__(self, backend: Backend, tables: CacheTables, host_rows: np.ndarray,
                  trace: ChurnTrace, batch: int, capacity: int, top_k: int,
                  mirror: torch.Tensor | None, graphs: bool, timer: StepTimer,
-                 flusher: CacheFlusher, num_steps: int) -> None:
+                 flusher: CacheFlusher, num_steps: int,
+                 device_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         device = backend.device()
         self.backend, self.tables, self.batch, self.mirror = backend, tables, batch, mirror
+        self.device_rows = device_rows
         self.graphs, self.timer, self.flusher = graphs, timer, flusher
         self.req_slots = torch.zeros(capacity, dtype=torch.int32, device=device)  # pad: slot 0
         self.req_slots[:batch] = torch.arange(batch, dtype=torch.int32, device=device)
@@ -69,7 +73,7 @@ class CellSteps:
     def check(self) -> None:
         if self.host_rows_on_device is not None:
             self.wrong.add_(wrong_rows(self.tables, self.mirror, self.host_rows_on_device,
-                                       self.top_k, self.out))
+                                       self.top_k, self.out, self.device_rows))
 
     def next_top_k(self, index: int) -> None:
         self.flusher.flush()  # the rest of a model runs between two swap-ins of one layer...
@@ -97,7 +101,8 @@ class CellSteps:
     def rows_verified(self, host_rows: np.ndarray, last_step: int) -> bool:
         """Every step's rows on the device where there is a mirror, else the last step's."""
         return int(self.wrong) == 0 and (self.mirror is not None or rows_match(
-            self.tables, host_rows, self.staged[last_step].cpu().numpy(), self.out))
+            self.tables, host_rows, self.staged[last_step].cpu().numpy(), self.out,
+            self.device_rows))
 
     def time_planning(self, first: int, count: int) -> float:
         """Median seconds of `count` skip-IO steps: planned, no bytes moved."""
@@ -115,7 +120,9 @@ class CellSteps:
 
 
 def wrong_rows(tables: CacheTables, pool_rows: torch.Tensor, host_rows: torch.Tensor,
-               top_k: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+               top_k: torch.Tensor, out: torch.Tensor,
+               device_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+               ) -> torch.Tensor:
     """Scalar tensor on `pool_rows`' device: top-k entries whose returned device row differs
     from their token's host row, or that returned none (docs/ARCHITECTURE.md, swap_in semantics).
 
@@ -125,15 +132,17 @@ def wrong_rows(tables: CacheTables, pool_rows: torch.Tensor, host_rows: torch.Te
     token_rows = host_rows.to(where).gather(1, top_k.to(where, torch.int64))
     expected = pool_rows[token_rows]
     returned = out.to(where, torch.int64)
-    got = tables.device_kv[0][out.clamp(min=0).long()].to(where)
+    safe = out.clamp(min=0).long()
+    got = (tables.device_kv[0][safe] if device_rows is None else device_rows(safe)).to(where)
     return ((got != expected).any(dim=-1) | (returned < 0)).sum()
 
 
 def rows_match(tables: CacheTables, host_rows: np.ndarray, positions: np.ndarray,
-               out: torch.Tensor) -> bool:
+               out: torch.Tensor,
+               device_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
     """Every returned device row holds the host row of its token, checked on the host."""
     wrong = wrong_rows(tables, tables.host_kv[0], torch.from_numpy(host_rows),
-                       torch.from_numpy(positions), out)
+                       torch.from_numpy(positions), out, device_rows)
     return int(wrong) == 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 import hisparse
 from hisparse import config as config_module
 from hisparse.config import HiSparseConfig, preset_dirs, preset_paths
-from hisparse.errors import ConfigError
+from hisparse.errors import ConfigError, InvalidInputError
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = {"default", "deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro", "glm-5", "glm-5.1",
@@ -293,3 +294,43 @@ def test_a_removed_switch_is_refused_saying_why(tmp_path: Path, key: str, why: s
         assert why in caught.value.problems[0] and "delete the key" in caught.value.problems[0]
     assert key not in HiSparseConfig.field_names()
     assert tiny == HiSparseConfig.from_preset("tiny")  # nothing changed
+
+
+def test_managed_layers_map_model_layers_to_cache_layers_and_are_checked() -> None:
+    """`managed_layers` says which model layers the cache layers hold (DeepSeek-V4: its CSA
+    layers); a layer it does not manage is refused by name; `with_num_layers` keeps a prefix."""
+    rng = random.Random()
+    layers = sorted(rng.sample(range(64), 5))
+    config = HiSparseConfig(num_layers=5, managed_layers=layers, compress_rate=4)
+    assert config.managed_layers == tuple(layers)
+    assert [config.cache_layer(layer) for layer in layers] == [0, 1, 2, 3, 4]
+    outside = next(i for i in range(65) if i not in layers)
+    with pytest.raises(InvalidInputError, match=f"model layer {outside} is not managed"):
+        config.cache_layer(outside)
+    assert config.with_num_layers(2).managed_layers == tuple(layers[:2])
+    assert config.to_dict()["managed_layers"] == layers
+    assert HiSparseConfig(num_layers=3).cache_layer(2) == 2  # None: layers 0 .. n - 1
+    tokens = rng.randrange(1, 1 << 20)
+    assert config.rows_for_tokens(tokens) == tokens // 4
+    for bad in ([3, 1, 2, 4, 5], [1, 1, 2, 3, 4], [1, 2, 3], [-1, 0, 1, 2, 3], ["a"] * 5):
+        with pytest.raises(ConfigError, match="managed_layers: got"):
+            HiSparseConfig(num_layers=5, managed_layers=bad)
+    with pytest.raises(ConfigError, match="compress_rate: expected a positive int"):
+        HiSparseConfig(compress_rate=0)
+
+
+def test_plan_counts_a_v4_context_in_compressed_entries() -> None:
+    """`hisparse plan` on a preset with compress_rate 4 plans a context of T tokens as T // 4
+    rows, and says so."""
+    import json
+    import subprocess
+    import sys
+
+    tokens = random.choice([65536, 131072, 262144])
+    result = subprocess.run([sys.executable, "-m", "hisparse", "plan", "--preset",
+                             "deepseek-v4-flash", "--context", str(tokens), "--json"],
+                            capture_output=True, text=True, check=True)
+    document = json.loads(result.stdout)
+    assert document["compress_rate"] == 4
+    assert [(c["context_tokens"], c["context_rows"]) for c in document["contexts"]] == [
+        (tokens, tokens // 4)]

@@ -124,8 +124,10 @@ def test_a_pass_that_raises_changes_nothing(model, rng) -> None:
 def test_the_config_must_fit_the_model(model) -> None:
     config = v4.hisparse_v4_config_for(model, **CACHE)
     assert (config.num_layers, config.top_k, config.row_bytes) == (3, TOP_K, 32 * 4)
-    with pytest.raises(ConfigError, match="the model has 3 CSA layers"):
-        v4.HiSparseV4Cache(model, config.replace(num_layers=2, index_group_size=1))
+    assert (config.managed_layers, config.compress_rate) == ((1, 3, 4), RATE)
+    assert config.cache_layer(3) == 1
+    with pytest.raises(ConfigError, match=r"the model's CSA layers are \[1, 3, 4\]"):
+        v4.HiSparseV4Cache(model, config.replace(managed_layers=[0, 1, 3]))
     with pytest.raises(ConfigError, match="either a config or overrides"):
         v4.HiSparseV4Cache(model, config, hot_slots=16)
     with pytest.raises(InvalidInputError, match="model_type 'deepseek_v4'"):
@@ -135,8 +137,12 @@ def test_the_config_must_fit_the_model(model) -> None:
 @pytest.mark.parametrize(("preset", "layers", "top_k"), [("deepseek-v4-flash", 43, 512),
                                                          ("deepseek-v4-pro", 61, 1024)])
 def test_the_presets_hold_the_csa_layers_of_transformers_layout(preset, layers, top_k) -> None:
-    csa = transformers.DeepseekV4Config(num_hidden_layers=layers).layer_types.count(CSA)
+    model = transformers.DeepseekV4Config(num_hidden_layers=layers)
+    csa = [i for i, kind in enumerate(model.layer_types) if kind == CSA]
     config = HiSparseConfig.from_preset(preset)
-    assert (config.num_layers, config.top_k, config.num_index_groups) == (csa, top_k, csa)
+    assert config.managed_layers == tuple(csa)
+    assert config.compress_rate == model.compress_rates[CSA] == 4
+    assert (config.num_layers, config.top_k, config.num_index_groups) == (
+        len(csa), top_k, len(csa))
     assert config.row_bytes == 448 + 64 * 2 + 8  # fp8 values, bf16 rope, scales
     assert HiSparseConfig.from_preset(preset, kv_dtype="bf16").row_bytes == 512 * 2

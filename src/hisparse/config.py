@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from hisparse.backends.features import RAISE_WHEN_REQUESTED, Feature
-from hisparse.errors import ConfigError, FeatureDisabledWarning
+from hisparse.errors import ConfigError, FeatureDisabledWarning, InvalidInputError
 from hisparse.layout.index_schedule import IndexSchedule
 from hisparse.layout.widths import RESIDENCY_MAPS
 
@@ -63,6 +63,12 @@ class HiSparseConfig:
 
     model: str = "default"
     num_layers: int = 61
+    # The model layers the cache layers hold, in order (None: layers 0 .. num_layers - 1); a
+    # DeepSeek-V4 cache holds its compressed sparse-attention layers only.
+    managed_layers: tuple[int, ...] | None = None
+    # Tokens per row: 1, or 4 for DeepSeek-V4's compressed entries. Lengths, positions, top-k
+    # and every size here count rows; this only turns a context in tokens into rows.
+    compress_rate: int = 1
     kv_dtype: str = "fp8"
     row_bytes: int | None = None
     row_bytes_by_dtype: Mapping[str, int] | None = dataclasses.field(
@@ -115,7 +121,8 @@ class HiSparseConfig:
             )
         self._derive_row_bytes(problems, derived)
         positive = ("num_layers", "top_k", "index_group_size", "max_requests", "max_seq_len",
-                    "host_pool_tokens", "extent_tokens", "row_bytes", "max_draft_tokens")
+                    "host_pool_tokens", "extent_tokens", "row_bytes", "max_draft_tokens",
+                    "compress_rate")
         bad = set()  # fields already reported: nothing is derived or checked from them
         for name in positive:
             value = getattr(self, name)
@@ -127,6 +134,7 @@ class HiSparseConfig:
                 if value is not None or name != "row_bytes":
                     problems.append(f"{name}: expected a positive int, got {value!r}")
         self._derive_schedule(problems, derived, bad)
+        self._check_managed_layers(problems, bad)
 
         if self.hot_slots is None and not {"top_k", "max_draft_tokens"} & bad:
             # A verify step of D tokens may select D * top_k distinct positions, all of which
@@ -209,6 +217,37 @@ class HiSparseConfig:
             set_field(self, "index_anchors", schedule.anchors)
             derived.add("index_anchors")
         set_field(self, "_schedule", schedule)
+
+    def _check_managed_layers(self, problems: list[str], bad: set[str]) -> None:
+        layers = self.managed_layers
+        if layers is None or "num_layers" in bad:
+            return
+        if isinstance(layers, list):
+            layers = tuple(layers)
+            object.__setattr__(self, "managed_layers", layers)
+        if not isinstance(layers, tuple) or len(layers) != self.num_layers or not all(
+                _is_int(x) and x >= 0 for x in layers) or list(layers) != sorted(set(layers)):
+            problems.append(f"managed_layers: got {layers!r:.200}; expected num_layers "
+                            f"({self.num_layers}) distinct model layer numbers >= 0 in "
+                            "increasing order, or null (layers 0 .. num_layers - 1)")
+            bad.add("managed_layers")
+
+    def cache_layer(self, model_layer: int) -> int:
+        """The cache layer that holds model layer `model_layer` (`managed_layers`).
+
+        Raises:
+            InvalidInputError: the model layer is not one this cache manages.
+        """
+        layers = self.managed_layers or range(self.num_layers)
+        if _is_int(model_layer) and model_layer in layers:
+            return layers.index(model_layer)
+        raise InvalidInputError(
+            f"model layer {model_layer!r} is not managed by this cache: its managed_layers "
+            f"are {list(layers)!r:.200}; keep that layer's KV in the framework")
+
+    def rows_for_tokens(self, tokens: int) -> int:
+        """The rows a context of `tokens` tokens holds: one per `compress_rate` tokens."""
+        return tokens // self.compress_rate
 
     def _derive_alias_extents(self, problems: list[str], derived: set[str],
                               bad: set[str]) -> None:
@@ -436,11 +475,13 @@ class HiSparseConfig:
 
     def with_num_layers(self, num_layers: int) -> HiSparseConfig:
         """The first `num_layers` layers of this model: a uniform schedule is kept, listed
-        anchors past the new last layer are dropped."""
+        anchors past the new last layer and managed layers past the new count are dropped."""
+        managed = None if self.managed_layers is None else self.managed_layers[:num_layers]
         if "index_anchors" in self._derived:
-            return self.replace(num_layers=num_layers)
+            return self.replace(num_layers=num_layers, managed_layers=managed)
         anchors = [a for a in self.index_schedule.anchors if a < num_layers]
-        return self.replace(num_layers=num_layers, index_anchors=anchors)
+        return self.replace(num_layers=num_layers, index_anchors=anchors,
+                            managed_layers=managed)
 
     def replace(self, **changes: Any) -> HiSparseConfig:
         """A validated copy with `changes`; derived fields are derived again."""
@@ -453,8 +494,9 @@ class HiSparseConfig:
         values = {name: getattr(self, name) for name in self.field_names()}
         if values["row_bytes_by_dtype"] is not None:
             values["row_bytes_by_dtype"] = dict(values["row_bytes_by_dtype"])
-        if values["index_anchors"] is not None:
-            values["index_anchors"] = list(values["index_anchors"])
+        for name in ("index_anchors", "managed_layers"):
+            if values[name] is not None:
+                values[name] = list(values[name])
         return values
 
 

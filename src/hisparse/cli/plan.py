@@ -165,20 +165,25 @@ def run(args: argparse.Namespace) -> int:
                                     if config.residency_map == "host_row" else 1.0),
         **limits,
     )
+    # A row is `compress_rate` tokens (DeepSeek-V4's compressed entries): plan in rows.
+    rows = [config.rows_for_tokens(c) for c in contexts]
     try:
-        plans = planning.plan(shape, settings, contexts)
+        plans = planning.plan(shape, settings, rows)
     except InvalidInputError as exc:
         parser.error(str(exc))
     fits = [planning.requests_fit(shape, settings, c, args.requests)
-            for c in (contexts if args.requests else [])]
-    warnings = [f"--context {c} is longer than max_seq_len {config.max_seq_len} of "
-                f"{out.config_source(args)}; a cache for it needs max_seq_len >= {c}"
-                for c in contexts if c > config.max_seq_len]
+            for c in (rows if args.requests else [])]
+    warnings = [f"--context {c} is {r} rows, more than max_seq_len {config.max_seq_len} of "
+                f"{out.config_source(args)}; a cache for it needs max_seq_len >= {r}"
+                for c, r in zip(contexts, rows, strict=True) if r > config.max_seq_len]
     for warning in warnings:
         print(f"hisparse plan: warning: {warning}", file=sys.stderr)
 
     document = to_document(shape, config, settings, args, plans)
-    document.update(requests=[fit.to_dict() for fit in fits], warnings=warnings)
+    document.update(requests=[fit.to_dict() for fit in fits], warnings=warnings,
+                    compress_rate=config.compress_rate)
+    for entry, tokens in zip(document["contexts"], contexts, strict=True):
+        entry["context_rows"], entry["context_tokens"] = entry["context_tokens"], tokens
     if args.json:
         out.emit_json(document)
     else:
@@ -325,6 +330,9 @@ def render(
         f"device budget {out.format_bytes(settings.available_bytes)} for KV; miss rate "
         f"{settings.miss_rate:g}; link {out.format_rate(settings.link_bytes_per_s)}"
     )
+    if config.compress_rate > 1:
+        header += (f"\na row is one compressed entry of {config.compress_rate} tokens: "
+                   "contexts below are in rows (--context tokens / compress_rate)")
     sharing = settings.shared_prefix_tokens > 0
     if sharing:
         who = ("every request" if settings.sharing_requests is None

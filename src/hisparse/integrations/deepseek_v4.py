@@ -57,13 +57,16 @@ def csa_layers(model: nn.Module) -> list[int]:
 
 
 def hisparse_v4_config_for(model: nn.Module, **overrides: Any) -> HiSparseConfig:
-    """A `HiSparseConfig` of the model's CSA layers: one cache layer each, rows of `head_dim`
-    values of the model's dtype, its indexer's top-k, one index group per layer (each runs
-    its own indexer); lengths count entries. `overrides` set the rest (hot_slots,
+    """A `HiSparseConfig` of the model's CSA layers: one cache layer each (`managed_layers`,
+    at the CSA `compress_rate`), rows of `head_dim` values of the model's dtype, its
+    indexer's top-k, one index group per layer (each runs its own indexer); lengths count
+    entries. `overrides` set the rest (hot_slots,
     max_requests, max_seq_len in entries, host_pool_tokens, ...)."""
     config = _model_config(model)
+    csa = csa_layers(model)
     values: dict[str, Any] = {
-        "model": config.model_type, "num_layers": len(csa_layers(model)), "kv_dtype": "bf16",
+        "model": config.model_type, "num_layers": len(csa), "managed_layers": csa,
+        "compress_rate": int(config.compress_rates[CSA]), "kv_dtype": "bf16",
         "row_bytes": _row_bytes(model), "row_bytes_by_dtype": None,
         "top_k": config.index_topk, "index_group_size": 1}
     values.update(overrides)
@@ -124,7 +127,7 @@ class HiSparseV4Cache(EngineCache, DynamicCache):
             raise ConfigError("pass either a config or overrides of the model's, not both")
         _check_fits(config, model)
         super().__init__(config=model_config)
-        self.csa_layers = csa_layers(model)
+        self.csa_layers = list(config.managed_layers or ())
         for index, layer in enumerate(self.csa_layers):
             self.layers[layer] = _CSAEntries(model_config, self, index)
         self.dtype = next(model.parameters()).dtype
@@ -287,9 +290,9 @@ def _row_bytes(model: nn.Module) -> int:
 def _check_fits(config: HiSparseConfig, model: nn.Module) -> None:
     model_config, csa = _model_config(model), csa_layers(model)
     problems = []
-    if config.num_layers != len(csa):
-        problems.append(f"num_layers: got {config.num_layers}, the model has {len(csa)} "
-                        f"CSA layers ({csa})")
+    if config.managed_layers != tuple(csa):
+        problems.append(f"managed_layers: got {config.managed_layers}, the model's CSA "
+                        f"layers are {csa}")
     if config.row_bytes != _row_bytes(model):
         problems.append(f"row_bytes: got {config.row_bytes}, an entry is {_row_bytes(model)} "
                         "bytes (head_dim values of the model's dtype)")

@@ -538,6 +538,39 @@ HOST_OVERHEAD_SMALL = ["--top-k", "16", "--row-bytes", "64", "--seq-len", "256",
                        "--batches", "1", "3", "--churns", "0", "0.2", "--warmup", "1"]
 
 
+def test_host_overhead_ab_compares_normalized_medians_over_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The before/after table: per cell and part the median over runs of each run's
+    normalized median; the ratio is change / baseline."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import host_overhead_ab
+
+    rng = __import__("random").Random()
+
+    def run(scale: float) -> dict[str, object]:
+        parts = {p: {"median_us": scale * rng.uniform(9, 11)} for p in host_overhead_ab.PARTS}
+        raw = {p: {"median_us": 1e6} for p in host_overhead_ab.PARTS}  # not what is compared
+        return {"reference": {"median_us": 10.0}, "cells": [
+            {"batch": 16, "churn": 0.2, "newest": "folded", **raw, "normalized": parts}]}
+
+    scale = rng.choice([0.5, 2.0])
+    paths = {}
+    for side, factor in (("base", 1.0), ("change", scale)):
+        paths[side] = []
+        for index in range(3):
+            path = tmp_path / f"{side}-{index}.json"
+            path.write_text(json.dumps(run(factor)))
+            paths[side].append(str(path))
+    out = tmp_path / "ab.txt"
+    assert host_overhead_ab.main(["--baseline", *paths["base"], "--change", *paths["change"],
+                                  "--output", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2 + len(host_overhead_ab.PARTS)
+    for line in lines[1:-1]:
+        ratio = float(line.rsplit("ratio ", 1)[1])
+        assert scale * 0.8 < ratio < scale * 1.25, line
+
+
 @pytest.mark.parametrize("extra", [[], pytest.param(
     ["--ragged", "--profile", "--breakdown", "--disjoint-requests"],
     marks=needs_module("triton", "triton"))])  # --breakdown times the Triton launches

@@ -73,40 +73,22 @@ def unpaged_rows(buffer: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
     return rows.view(*locs.shape, ENTRY_BYTES)
 
 
-class SglangV4SwapIn:
-    """SGLang's V4 entry point behind hisparse's swap-in call signature: its tables are
-    `sglang_peer.PeerTables` (the same entries in the same slots and LRU order as hisparse's),
-    its host pool `host_pages` (the pool repacked by `paged`), its device buffer the hot
-    buffers repacked the same way. `device_rows` reads what it returned, for the byte check."""
+class SglangV4SwapIn(sglang_ops.SglangSwapIn):
+    """SGLang's V4 entry point behind hisparse's swap-in call signature, as its single-step
+    one (`sglang_ops.SglangSwapIn`: the same entries in the same slots and LRU order as
+    hisparse's), over its own layout: the host pool repacked by `paged` into `host_pages`,
+    the hot buffers repacked the same way. `device_rows` reads what it returned."""
 
     def __init__(self, ops: Any, tables: Any, host_rows: Any, host_pages: torch.Tensor,
                  block_size: int = sglang_ops.COORDINATOR_BLOCK_SIZE) -> None:
-        from sglang_peer import peer_tables
-
-        self.ops, self.block_size = ops, block_size
-        self.peer = peer_tables(tables, host_rows, 0)
-        device = tables.device_kv.device
-        self.host_cache = paged(tables.host_kv[0].to(device))  # repacked on the device
-        self.host_cache = host_pages[: self.host_cache.numel()].copy_(self.host_cache)
+        super().__init__(ops, tables, host_rows, 0, block_size)
+        self.entry = ops.load_cache_to_device_buffer_dsv4_mla
+        repacked = paged(tables.host_kv[0].to(tables.device_kv.device))  # on the device
+        self.host_cache = host_pages[: repacked.numel()].copy_(repacked)
         self.device_buffer = paged(tables.device_kv[0])
-        self.per_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def device_rows(self, locs: torch.Tensor) -> torch.Tensor:
         return unpaged_rows(self.device_buffer, locs)
-
-    def __call__(self, tables: Any, layer: int, group: int, req_slots: torch.Tensor,
-                 top_k: torch.Tensor, num_real: torch.Tensor, out: torch.Tensor,
-                 **options: object) -> None:
-        key = req_slots.data_ptr()
-        if key not in self.per_slots:  # the first (eager) call, outside any capture
-            self.per_slots[key] = (req_slots.to(torch.int64),
-                                   tables.seq_lens[req_slots.long()].to(torch.int32))
-        slots, seq_lens = self.per_slots[key]
-        peer = self.peer
-        self.ops.load_cache_to_device_buffer_dsv4_mla(
-            top_k, peer.buffer_tokens, peer.host_locs, peer.buffer_locs, self.host_cache,
-            self.device_buffer, out, slots, seq_lens, peer.lru, ENTRY_BYTES, top_k.shape[1],
-            tables.hot_slots, page_size=1, block_size=self.block_size, num_real_reqs=num_real)
 
 
 def run_sw1_v4(args: argparse.Namespace, peers: Any, result: dict[str, Any],

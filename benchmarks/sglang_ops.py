@@ -189,8 +189,10 @@ class SglangSwapIn:
         from sglang_peer import peer_tables
 
         self.ops, self.layer, self.block_size = ops, layer, block_size
+        self.entry = ops.load_cache_to_device_buffer_mla  # (a layout of SGLang's own: another)
         self.peer = peer_tables(tables, host_rows, layer)
         self.host_cache = tables.host_kv[layer]
+        self.device_buffer = tables.device_kv[layer]
         self.row_bytes = tables.device_kv.shape[-1]
         self.per_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -206,8 +208,8 @@ class SglangSwapIn:
                                    tables.seq_lens[req_slots.long()].to(torch.int32))
         slots, seq_lens = self.per_slots[key]
         peer = self.peer
-        self.ops.load_cache_to_device_buffer_mla(
+        self.entry(
             top_k, peer.buffer_tokens, peer.host_locs, peer.buffer_locs, self.host_cache,
-            tables.device_kv[layer], out, slots, seq_lens, peer.lru, self.row_bytes,
+            self.device_buffer, out, slots, seq_lens, peer.lru, self.row_bytes,
             top_k.shape[1], tables.hot_slots, page_size=1, block_size=self.block_size,
             num_real_reqs=num_real)

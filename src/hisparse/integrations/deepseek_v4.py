@@ -19,6 +19,8 @@ past_key_values=cache)`:
   rows.
 - The step ends after the base model's forward pass (a hook called even when the pass
   raises, which cancels the step and puts every layer's transformers-side state back).
+- `load_context(source)` starts from transformers' own cache of a batch prefilled
+  elsewhere instead of a prefill pass: its CSA entries are admitted, the rest taken over.
 
 Supported: greedy or sampled generation of a left-padded batch, one token per decode
 forward pass; not beam search, cache cropping or batch reordering.
@@ -149,6 +151,26 @@ class HiSparseV4Cache(EngineCache, DynamicCache):
                 "HiSparseV4Cache decodes one token per forward pass")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def load_context(self, source: DynamicCache) -> None:
+        """Start from a context prefilled elsewhere (a prefill node's, a benchmark's synthetic
+        one) instead of a prefill pass: `source` is transformers' own cache of this model
+        holding an unpadded batch. Each CSA layer's compressed entries (`[B, n, head_dim]` in
+        the model's dtype, on the host or the device) are admitted, one request per batch
+        row; every other state (windows, HCA entries, indexer keys, the compressors' buffers
+        and overlap state) is taken over by reference, so `source` must not decode on. The
+        next forward pass decodes every row's next token."""
+        if self.ids is not None or any(layer.is_initialized for layer in self.layers):
+            raise InvalidInputError("load_context: this cache holds a batch already; use a "
+                                    "new HiSparseV4Cache per batch")
+        self._admit(torch.stack(_source_entries(source, self)))
+        for mine, theirs in zip(self.layers, source.layers, strict=True):
+            state = _state_of(theirs)
+            if isinstance(mine, _CSAEntries):  # the entries live in hisparse now
+                held = state["compressed_kv"]["compressor"]
+                state["compressed_kv"]["compressor"] = theirs.keys.new_zeros(()).expand(
+                    held.shape)
+            mine.__dict__.update(state)
+
     # --- what it holds ----------------------------------------------------------------------
     def device_bytes(self) -> int:
         """Device bytes held: hisparse's tables and hot buffers, and every tensor of
@@ -271,6 +293,35 @@ def _state_of(layer: Any) -> dict[str, Any]:
     """A layer's attributes, its dicts copied (transformers replaces tensors, never edits
     them in place, so references are a snapshot)."""
     return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(layer).items()}
+
+
+def _source_entries(source: Any, cache: HiSparseV4Cache) -> list[torch.Tensor]:
+    """The CSA entries `[B, n, head_dim]` of each CSA layer of `source`, checked: transformers'
+    own V4 cache of the same layer layout, every layer filled, the entries of one shape in
+    the model's dtype."""
+    layers = getattr(source, "layers", None)
+    kinds = [type(layer).__name__ for layer in layers or ()]
+    want = [DeepseekV4CSACache.__name__ if isinstance(layer, _CSAEntries)
+            else type(layer).__name__ for layer in cache.layers]
+    if kinds != want:
+        raise InvalidInputError(
+            f"load_context: source must be transformers' own cache of this model (layers "
+            f"{want}), got {type(source).__name__} with layers {kinds}")
+    if not all(layer.is_initialized for layer in layers):
+        raise InvalidInputError("load_context: source holds no context (a layer was never "
+                                "filled); prefill it first")
+    entries = [layers[layer].compressed_kv["compressor"] for layer in cache.csa_layers]
+    if not all(isinstance(entry, torch.Tensor) for entry in entries):
+        raise InvalidInputError("load_context: a CSA layer of source holds no compressed "
+                                "entries; prefill it first")
+    shapes = {tuple(entry.shape) for entry in entries}
+    width = cache.engine.row_bytes // cache.dtype.itemsize
+    if (len(shapes) != 1 or len(entries[0].shape) != 3 or entries[0].shape[2] != width
+            or any(entry.dtype != cache.dtype for entry in entries)):
+        raise InvalidInputError(
+            f"load_context: every CSA layer's entries must be [B, n, {width}] {cache.dtype} "
+            f"(one shape), got {[f'{tuple(e.shape)} {e.dtype}' for e in entries]}")
+    return entries
 
 
 def _model_config(model: nn.Module) -> Any:

@@ -2,9 +2,10 @@
 every returned row checked byte for byte against the plain-Python model, on every rank.
 
 A step draws S from 1 to `max_draft_tokens` (verify steps with random accept counts),
-`dedupe`, folded or two-call newest rows and a cancel after a random layer; between steps come
-admits (whole or chunked prefill), PD reservations, preempt/resume, finish/abort in any
-order, and, where the residency map allows, retained, shared and released prefixes.
+`dedupe`, ragged appends (0..S rows a request, 0..a_b kept), folded or two-call newest rows
+and a cancel after a random layer; between steps come admits (whole or chunked prefill), PD
+reservations, preempt/resume, finish/abort in any order, and, where the residency map
+allows, retained, shared and released prefixes.
 Hypothesis draws the config (index groups, residency map, alias key extents) and the seed.
 On a shared pool the ranks are real processes and the writer's backups land late at random,
 only once the readers have read past them or wait for them (tests/fakes/gated_writer.py): a
@@ -46,6 +47,7 @@ def test_every_step_of_every_kind_is_byte_exact_on_a_private_pool(
         cache.close()
     assert counts["mismatches"] == 0, (shape, seed, fuzz.mismatch_details)
     assert counts["verify_steps"] and counts["cancels"] and counts["rejected_drafts"], counts
+    assert counts["ragged_steps"] and counts["ragged_verify_steps"], counts
     assert counts.get("leaked_extents", 0) == 0, counts
 
 
@@ -65,4 +67,5 @@ def test_every_step_of_every_kind_is_byte_exact_on_every_rank_of_a_shared_pool(
     assert all(c == counts[0] for c in counts), (seed, counts)  # the same calls, alike
     assert counts[0]["mismatches"] == 0 and results[1]["checked_rows"] > 10000, (seed, results)
     assert counts[0]["verify_steps"] and counts[0]["dedupe_steps"], counts[0]
+    assert counts[0]["ragged_verify_steps"], counts[0]
     assert counts[0]["shared_admits"] and counts[0]["cancels"], counts[0]

@@ -141,3 +141,18 @@ def test_sharing_lifecycles_through_the_triton_kernels(interpreted: InterpretedT
     # (27/29)^60; at 150 it is 1 in ~45,000, and the run still stops at 12 decode steps.)
     assert counts.mismatches == 0, counts.failures
     assert counts.shared_admits > 0, counts
+
+
+@pytest.mark.parametrize("residency_map", ["host_row", "position"])
+def test_ragged_verify_steps_through_the_triton_kernels(
+        interpreted: InterpretedTritonCpu, residency_map: str, seed: int) -> None:
+    """Ragged appends in verify steps (each request appends 0..S rows and keeps 0..a_b):
+    the lookup's bound for a ragged row is its last appended row, whichever query selects."""
+    import test_ragged_verify as ragged
+
+    ragged.test_ragged_verify_steps_keep_exactly_the_accepted_rows(
+        interpreted, seed % 2 == 1, residency_map, seed)
+    ragged.test_every_accept_case_of_one_request_and_single_token_steps_after(
+        interpreted, seed)
+    ragged.test_an_unvalidated_step_serves_every_appended_row_to_every_query_and_no_more(
+        interpreted)

@@ -47,7 +47,7 @@ class KernelSet:
     # `newest_host_rows`) and, given `union`, de-duplicates a verify width's rows itself.
     swap_in_launcher: Callable[..., Any]
     # `(tokens, top_k, first, draft_base, num_real, union_top_k, union_out, rows, counters,
-    # request_counts=)` -> a verify width's union `plan(rows, top_k)` and
+    # request_counts=, last_visible=)` -> a verify width's union `plan(rows, top_k)` and
     # `scatter(layer, group, rows)`, for a swap-in launcher that does not de-duplicate.
     union_launcher: Callable[..., Any]
     # `(device_kv, newest_rows, newest_rows_long)` -> `write_newest`'s `writer(layer, rows)`.

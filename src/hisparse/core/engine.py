@@ -264,8 +264,9 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         `num_tokens=S` in 2..max_draft_tokens opens a verify step (kv `[B, S, W]`, top-k
         `[B, S, K]` swapped in as one union per request, `end(accepted=...)`); `dedupe=True`
         with S = 1 takes the union path so that a position repeated in a row is loaded once;
-        `appends` (S = 1: 0 or 1 rows per request, a list or int tensor): one given 0 keeps
-        its length and only looks up (docs/deepseek-v4.md). `step_plan` shows the path.
+        `appends` (0..S rows per request, no `dedupe`): one given 0 only looks up; every query
+        of request b may select up to its last appended row, `end(accepted=)` keeps 0..a_b
+        (docs/deepseek-v4.md). `step_plan` shows the path.
         Returns the open step (its verbs: the cache's own below delegate to it).
 
         Raises:

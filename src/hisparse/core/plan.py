@@ -1,7 +1,7 @@
 """The step plan: every choice of a decode step's path, made once, in one function.
 
 `plan_step` takes what a step's path depends on (the batch size, S, `dedupe`, whether the
-requests append 0 or 1 rows each, the pool's role, the config, and what the bound swap-in
+requests append 0..S rows each, the pool's role, the config, and what the bound swap-in
 launchers can do, as frozen records) and returns a frozen, printable `StepPlan`;
 `HiSparseCache.step_plan(batch_size, num_tokens)` shows it. The cache computes each plan once
 per (batch size, S, dedupe, ragged) and the step reads its fields; one level down,
@@ -33,8 +33,9 @@ class StepPlan:
     batch_size: int
     num_tokens: int
     dedupe: bool
-    # "every": each request appends `num_tokens` rows; "ragged": each appends 0 or 1 (S = 1,
-    # `begin_decode_step(appends=...)`): always planned and uploaded, never a quiet advance.
+    # "every": each request appends `num_tokens` rows; "ragged": each appends 0..S rows
+    # (`begin_decode_step(appends=...)`; S > 1 takes the union path): always planned and
+    # uploaded, never a quiet advance.
     appends: str
     pool_role: PoolRole
     # S > 1 or dedupe: the top-k rows are swapped in as one de-duplicated union per request
@@ -81,7 +82,7 @@ def plan_step(batch_size: int, num_tokens: int, dedupe: bool, role: PoolRole,
               side_stream_replay: bool, kernels: str) -> StepPlan:
     """The plan of one step. `single` / `union`: what the single-token launcher and the
     verify width's launcher (None: not built, S = 1 without dedupe) can do; `ragged`: the
-    requests append 0 or 1 rows each (S = 1, no dedupe); `advance`: the
+    requests append 0..S rows each (no dedupe); `advance`: the
     backend binds a batch advance; `async_backup`: the backup has a side stream;
     `shares_index`: some index group has followers; `side_stream_replay`: they replay on the
     prefetch stream; `kernels`: the bound kernels' implementation."""
@@ -128,12 +129,12 @@ class StepPlanner:
         if appends not in ("every", "ragged") or type(appends) is not str:
             raise InvalidInputError(
                 f"appends must be 'every' or 'ragged', got {appends!r}; pass 'ragged' for a "
-                "step whose requests append 0 or 1 rows each")
+                "step whose requests append 0..num_tokens rows each")
         ragged = appends == "ragged"
-        if ragged and (num_tokens != 1 or dedupe):
+        if ragged and dedupe:
             raise InvalidInputError(
-                f"a ragged step appends 0 or 1 rows a request, got num_tokens={num_tokens}, "
-                f"dedupe={dedupe}; pass num_tokens=1 and dedupe=False with appends='ragged'")
+                f"a ragged step takes no dedupe, got dedupe={dedupe}; pass dedupe=False "
+                "with appends='ragged'")
         return self.plan(batch_size, num_tokens, dedupe, ragged)
 
     def plan(self, batch_size: int, num_tokens: int, dedupe: bool, ragged: bool = False

@@ -70,18 +70,20 @@ class PrefixSharing:
 
     def _unshare_writers(self, records: list[RequestRecord], num_tokens: int,
                          appends: tuple[int, ...] | None = None) -> None:
-        """Before a step appends `num_tokens` tokens to `records` (a ragged step: to those
-        whose `appends` count is 1): every one whose next token would land in an extent a
-        retained prefix holds moves to a private copy of it. Checks first that the pool has
-        the copies and the step's new extents (nothing moved else); a step its checks then
-        refuse keeps the copies, which hold the same rows."""
-        if appends is not None:
-            records = [r for r, a in zip(records, appends, strict=True) if a]
-        writers = self._prefixes.writers_in(records)
+        """Before a step appends `num_tokens` tokens to `records` (a ragged step: `appends[b]`
+        to record b, those appending none left out): every one whose next token would land
+        in an extent a retained prefix holds moves to a private copy of it. Checks first that
+        the pool has the copies and the step's new extents (nothing moved else); a step its
+        checks then refuse keeps the copies, which hold the same rows."""
+        if not self._prefixes.writers:
+            return  # (the usual step: no request shares the extent it appends to)
+        counts = [num_tokens] * len(records) if appends is None else list(appends)
+        appending = [(r, a) for r, a in zip(records, counts, strict=True) if a]
+        writers = self._prefixes.writers_in([r for r, _ in appending])
         E = self.extent_tokens
-        if not writers or any(r.num_tokens + num_tokens > self.max_seq_len for r in records):
+        if not writers or any(r.num_tokens + a > self.max_seq_len for r, a in appending):
             return  # (a full request: the step refuses it, and nothing may have changed)
-        need = sum(r.extents_to_grow(num_tokens, E) for r in records)
+        need = sum(r.extents_to_grow(a, E) for r, a in appending)
         self._pool.check_free(need + len(writers))
         for record in writers:
             self._give_private_tail(record)

@@ -35,6 +35,7 @@ from hisparse.core.verify import (
     VerifyContext,
     append_union,
     check_accepted,
+    check_kept,
     launch_union_commit,
     settle_union,
     validate_union_positions,
@@ -54,7 +55,7 @@ class DecodeStep:
 
     Public: `plan`, `request_ids`, `num_tokens`, `positions` (each request's new token's, or
     when S > 1 a tuple of its S tokens'), `appends` (the rows each request appends: S, or
-    in a ragged step 0 or 1), `batch_size`, and the persistent device buffers its
+    in a ragged step 0..S), `batch_size`, and the persistent device buffers its
     kernels read: `req_slots` `[Bcap]`, `num_real` `[1]`, `newest_rows` (`[Bcap]` int32
     device rows of the new tokens; `[Bcap, S]` when S > 1). It owns its records, the layers
     `write_newest` wrote (a cancel restores them), and the index groups whose anchor swapped
@@ -120,7 +121,7 @@ class DecodeStep:
 
     @property
     def appends(self) -> tuple[int, ...]:
-        """The rows each request appends (S each, or 0 or 1 in a ragged step)."""
+        """The rows each request appends (S each, or 0..S in a ragged step)."""
         if self._appends is None:
             return (self.num_tokens,) * len(self.request_ids)
         return self._appends
@@ -147,14 +148,15 @@ class DecodeStep:
     def begin(cls, c: DecodeContext, v: VerifyContext, plan: StepPlan,
               request_ids: tuple[Hashable, ...], records: list[RequestRecord],
               appends: tuple[int, ...] | None = None) -> DecodeStep:
-        """Append `plan.num_tokens` tokens to each record (a ragged plan: `appends[b]`, 0 or
-        1) and upload the step's batch and table updates, by the plan's path; a failure
+        """Append `plan.num_tokens` tokens to each record (a ragged plan: `appends[b]`, 0..S)
+        and upload the step's batch and table updates, by the plan's path; a failure
         leaves nothing changed."""
         if c.validate:
             c.slots.check(records)
         if plan.union:
-            first, before = append_union(c, v, plan.num_tokens, records)
-            return cls(c, v, plan, request_ids, records, first, [], before.tolist())
+            first, before = append_union(c, v, plan.num_tokens, records, appends)
+            return cls(c, v, plan, request_ids, records, first, [], before.tolist(),
+                       appends)
         run = c.quiet if plan.quiet_advance else None
         if run is not None and run.holds_for(records, c.buffers.block):
             return cls(c, v, plan, request_ids, records, move_on(c, run, records), [])
@@ -287,7 +289,7 @@ class DecodeStep:
         if self.plan.union:
             validate_union_positions(top_k if self.num_tokens > 1 else top_k[:, None],
                                      np.asarray(self._first).tolist(), self.num_tokens,
-                                     self.request_ids)
+                                     self.request_ids, self._appends)
         else:
             check_positions_against_lengths(
                 top_k, [r.num_tokens for r in self._records], self.request_ids)
@@ -351,17 +353,24 @@ class DecodeStep:
     # --- closing --------------------------------------------------------------------------
     def end(self, accepted: Any = None) -> None:
         """Keep the first `accepted[b]` tokens of request b (1..S; None: all S; a one-token
-        step keeps its token), back them up to their host rows (on a side stream where
-        supported) and roll the rejected ones back. A device tensor is read once (a sync)."""
+        step keeps its token; a ragged verify step: rows, 0..appends[b]), back them up to
+        their host rows (on a side stream where supported) and roll the rejected ones back
+        (a request keeping none of its rows gets its previous newest back in slot H). A
+        device tensor is read once (a sync)."""
         with self._lock:
             c = self._usable("end_decode_step")
             plan = self.plan
-            counts = (check_accepted(accepted, self.num_tokens, self.batch_size)
-                      if accepted is not None or plan.union else None)
+            if plan.union and self._appends is not None:  # a ragged verify step: 0..a_b rows
+                counts = check_kept(accepted, self._appends)
+            else:
+                counts = (check_accepted(accepted, self.num_tokens, self.batch_size)
+                          if accepted is not None or plan.union else None)
             self._prepare_end(c)
             shared = self._enter_shared(c, "end")
             stream = None  # where this step's host-row writes run (None: compute)
             if plan.union:
+                if self._appends is not None:  # (only a ragged step keeps 0 rows)
+                    self._restore_newest_slots(c, counts)
                 backups, commits = self._settle(c, counts)
                 self._mark_end(c)
                 writes = plan.writes_host_rows
@@ -414,7 +423,7 @@ class DecodeStep:
 
     def _settle(self, c: DecodeContext, accepted: list[int]) -> tuple[int, int]:
         return settle_union(c, self._verify, self._records, np.asarray(self._first).tolist(),
-                            self._extents_before, self.num_tokens, accepted)
+                            self._extents_before, self._appends or self.num_tokens, accepted)
 
     def _prepare_end(self, c: DecodeContext) -> None:
         """Before an end changes anything: (validate) every layer was written, and every
@@ -477,16 +486,17 @@ class DecodeStep:
         self._context = self._kernels = self._replays = self._width = self._verify = None
         self._records, self._anchored = [], []
 
-    def _restore_newest_slots(self, c: DecodeContext) -> None:
+    def _restore_newest_slots(self, c: DecodeContext, kept: list[int] | None = None) -> None:
         """Give slot H of each request that was long before the step its newest token back
         from the host, in the layers `write_newest` overwrote (slot H is the new token's on
         the single-token path, draft slot 0 on the union path; a request of a ragged step
-        that appended nothing kept it)."""
+        that appended nothing kept it). `kept` (an end): only those keeping no row."""
         H, SPR, E = c.tables.hot_slots, c.tables.slots_per_request, c.tables.extent_tokens
         first = np.asarray(self._first).tolist()
+        kept = kept or [0] * self.batch_size
         pairs = [(slot_of(r) * SPR + H, host_row_of(r, n - 1, E))
-                 for r, n, a in zip(self._records, first, self.appends, strict=True)
-                 if n > H and a]
+                 for r, n, a, e in zip(self._records, first, self.appends, kept, strict=True)
+                 if n > H and a and not e]
         if not pairs or not self._written:
             return
         c.order.host_rows.drain()  # that row's backup may still be landing from a side stream

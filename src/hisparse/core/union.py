@@ -97,12 +97,14 @@ class UnionWidth:
 
 def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: CacheTables,
                 req_slots: torch.Tensor, num_real: torch.Tensor, first: torch.Tensor,
-                draft_base: torch.Tensor, draft_rows: tuple[torch.Tensor, torch.Tensor],
+                draft_base: torch.Tensor, last_visible: torch.Tensor,
+                draft_rows: tuple[torch.Tensor, torch.Tensor],
                 top_k: int, schedule: IndexSchedule,
                 skip_io: bool, prefetch_stream: Any | None,
                 table: Callable[[], torch.Tensor]) -> UnionWidth:
     """The launchers, buffers, miss plans and group replays for verify steps of `tokens`;
-    `first` and `draft_base` are the begin block's persistent `[Bcap]` int64 fields,
+    `first`, `draft_base` and `last_visible` are the begin block's persistent `[Bcap]` int64
+    fields (`layout.tables.DraftUnion`),
     `draft_rows` its `[Bcap * S]` device rows of the step's tokens (int32 and int64: what the
     width's newest writer writes to), `table` hands the cache's presence table to a launcher
     that needs it."""
@@ -115,7 +117,8 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
     plans = miss_plans(schedule, capacity, width, device)
     kernels = _UnionKernels(main, backend, skip_io, tables, req_slots, num_real,
                             union_out, plans, draft_rows, swap_in_writes_newest=False,
-                            union=DraftUnion(tokens, top_k, first, draft_base, table))
+                            union=DraftUnion(tokens, top_k, first, draft_base, table,
+                                             last_visible))
     replays = group_replays(schedule, plans, tables, kernels, backend, device, prefetch_stream)
     if kernels.fuses_union:  # its swap-in reads the [B, S * K] rows and writes the result
         union_top_k = torch.empty((capacity, 0), **i32)
@@ -126,6 +129,7 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
         rows = torch.full((num_groups, capacity, tokens, top_k), -1, **i32)
         kernels.union = backend.kernels.union_launcher(
             tokens, top_k, first, draft_base, num_real, union_top_k, union_out, rows,
-            tables.counters, request_counts=(tables.request_counters, req_slots))
+            tables.counters, request_counts=(tables.request_counters, req_slots),
+            last_visible=last_visible)
     return UnionWidth(tokens=tokens, union_top_k=union_top_k, union_out=union_out, rows=rows,
                       kernels=kernels, replays=replays)

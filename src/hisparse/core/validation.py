@@ -231,37 +231,38 @@ def check_request_length(num_tokens: object, max_seq_len: int, action: str) -> N
 
 def as_appends(appends: object, batch_size: int, num_tokens: int, dedupe: bool
                ) -> tuple[int, ...] | None:
-    """`begin_decode_step`'s `appends`: None, or how many rows each request appends (0 or 1,
-    a list, tuple or 1-D int tensor of `batch_size` entries; a tensor is read once). None
-    when every request appends one: such a step takes the every-request path."""
+    """`begin_decode_step`'s `appends`: None, or how many rows each request appends (0 to
+    `num_tokens`, a list, tuple or 1-D int tensor of `batch_size` entries; a tensor is read
+    once). None when every request of a single-token step appends one: such a step takes
+    the every-request path."""
     if appends is None:
         return None
-    if num_tokens != 1 or dedupe:
+    S = num_tokens
+    if dedupe:
         raise InvalidInputError(
-            f"appends is for single-token steps, got num_tokens={num_tokens}, "
-            f"dedupe={dedupe}; pass appends=None to a verify or dedupe step, or open "
-            "single-token steps for requests that append 0 or 1 rows")
+            f"appends is for single-token steps and verify steps without dedupe, got "
+            f"dedupe={dedupe}; pass appends=None to a dedupe step, or dedupe=False")
     if isinstance(appends, torch.Tensor):
         if appends.ndim != 1 or appends.is_floating_point() or appends.is_complex():
             raise InvalidInputError(
                 f"appends must be a 1-D integer tensor, got {appends.dtype} of shape "
-                f"{tuple(appends.shape)}; pass one count (0 or 1) per request")
+                f"{tuple(appends.shape)}; pass one count (0..{S}) per request")
         values: list[object] = appends.tolist()
     elif type(appends) is list or type(appends) is tuple:
         values = list(appends)
     else:
         raise InvalidInputError(
             f"appends must be a list, tuple or 1-D int tensor, got "
-            f"{type(appends).__name__} {appends!r:.80}; pass one count (0 or 1) per request")
+            f"{type(appends).__name__} {appends!r:.80}; pass one count (0..{S}) per request")
     if len(values) != batch_size:
         raise InvalidInputError(
             f"appends has {len(values)} entries for a batch of {batch_size} requests; "
-            "pass one count (0 or 1) per request, in the batch's order")
-    bad = [(b, v) for b, v in enumerate(values) if type(v) is not int or v not in (0, 1)]
+            f"pass one count (0..{S}) per request, in the batch's order")
+    bad = [(b, v) for b, v in enumerate(values) if type(v) is not int or not 0 <= v <= S]
     if bad:
         b, v = bad[0]
         raise InvalidInputError(
-            f"appends[{b}] = {v!r}: a single-token step appends 0 or 1 rows a request; "
-            "pass plain ints 0 or 1")
+            f"appends[{b}] = {v!r}: a step of num_tokens={S} appends 0..{S} rows a request; "
+            f"pass plain ints in 0..{S}")
     counts = tuple(values)  # type: ignore[arg-type]
-    return None if all(counts) else counts
+    return None if S == 1 and all(counts) else counts

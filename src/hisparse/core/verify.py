@@ -61,7 +61,8 @@ class VerifyContext:
         i64, i32 = torch.int64, torch.int32
         begin = DeviceBlock([
             ("draft_rows_long", i64, cap * D, sink), ("first", i64, cap, 0),
-            ("draft_base", i64, cap, 0), ("page_index", i64, cap * D, 0),
+            ("draft_base", i64, cap, 0), ("last_visible", i64, cap, -1),
+            ("page_index", i64, cap * D, 0),
             ("draft_rows", i32, cap * D, sink), ("page_extent", i32, cap * D, 0),
         ], c.device, backend)
         end = DeviceBlock([
@@ -92,7 +93,7 @@ class VerifyContext:
             width = self.widths[tokens] = build_width(
                 tokens, self.backend, c.kernels, c.tables, c.buffers.req_slots,
                 c.buffers.num_real, block.field("first"), block.field("draft_base"),
-                (block.field("draft_rows", c.batch_capacity * tokens),
+                block.field("last_visible"), (block.field("draft_rows", c.batch_capacity * tokens),
                  block.field("draft_rows_long", c.batch_capacity * tokens)),
                 self.top_k, self.schedule, self.skip_io,
                 c.prefetch_stream, self.table)
@@ -100,24 +101,28 @@ class VerifyContext:
 
 
 def append_union(c: DecodeContext, v: VerifyContext, tokens: int,
-                 records: list[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
-    """Append `tokens` tokens to each record: extents first, then one upload of the batch
-    and table updates; a failure before the records change leaves nothing taken. Returns
-    each record's first new position and how many extents it held before."""
+                 records: list[RequestRecord], appends: tuple[int, ...] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Append `tokens` tokens to each record (a ragged step: `appends[b]` to record b, 0..S):
+    extents first, then one upload of the batch and table updates; a failure before the
+    records change leaves nothing taken. Returns each record's first new position and how
+    many extents it held before."""
     E = c.tables.extent_tokens
     # Numpy over the batch's slots, as a single-token step's plan (core.batch.BatchPlan):
     # per-request Python only for the requests that take extents.
     slots = c.slots.slots_of(records)
     first = c.slots.lengths[slots]
-    if int(first.max()) + tokens > c.max_seq_len:
-        full = [records[b].request_id
-                for b in np.flatnonzero(first + tokens > c.max_seq_len).tolist()]
+    count = tokens if appends is None else np.array(appends, dtype=np.int64)
+    last = first + count
+    if int(last.max()) > c.max_seq_len:
+        full = [records[b].request_id for b in np.flatnonzero(last > c.max_seq_len).tolist()]
+        left = (f"fewer than num_tokens={tokens} tokens left" if appends is None else
+                "fewer tokens left than the rows they append")
         raise InvalidInputError(
-            f"requests {full!r} have fewer than num_tokens={tokens} tokens left before "
-            f"max_seq_len={c.max_seq_len}; verify fewer tokens, finish them or raise "
-            "max_seq_len")
+            f"requests {full!r} have {left} before max_seq_len={c.max_seq_len}; verify "
+            "fewer tokens, finish them or raise max_seq_len")
     before = c.slots.held[slots]
-    need = np.maximum(0, -(-(first + tokens) // E) - before)
+    need = np.maximum(0, -(-last // E) - before)
     c.pool.check_free(int(need.sum()))
     taken: dict[int, list[int]] = {}  # batch row -> the extents it takes, in row order
     try:
@@ -125,7 +130,7 @@ def append_union(c: DecodeContext, v: VerifyContext, tokens: int,
             previous = taken.get(b - 1)
             after = previous[-1] if previous else records[b].extents[-1]
             taken[b] = c.pool.allocate(int(need[b]), after=after)
-        values = _begin_values(c, slots, first, before, taken, tokens)
+        values = _begin_values(c, slots, first, before, taken, tokens, appends)
         c.order.backup.wait()
         c.order.tables_changed.wait()
         c.buffers.upload(values.pop("columns"))
@@ -136,7 +141,7 @@ def append_union(c: DecodeContext, v: VerifyContext, tokens: int,
     for b, extents in taken.items():
         records[b].extents.extend(extents)
         c.slots.sync_pages(records[b])
-    c.slots.add_tokens(slots, tokens)
+    c.slots.add_tokens(slots, count)
     views = c.buffers.views(len(records))
     t = c.tables
     t.seq_lens.index_copy_(0, views.batch_slots, views.seq_lens)
@@ -147,33 +152,51 @@ def append_union(c: DecodeContext, v: VerifyContext, tokens: int,
     return first, before
 
 def validate_union_positions(top_k: torch.Tensor, first: Sequence[int], tokens: int,
-                             request_ids: Sequence[Any]) -> None:
+                             request_ids: Sequence[Any],
+                             appends: Sequence[int] | None = None) -> None:
     """Every real entry of `top_k [B, S, K]` is -1 or a position up to its query token's own
-    (a host sync; validate mode)."""
+    (a ragged step: any query of request b up to its last appended row, `first + a_b - 1`;
+    a host sync; validate mode)."""
     real = top_k[: len(request_ids)].cpu().long()
     first_t = torch.tensor(list(first), dtype=torch.long)[:, None, None]
-    own = first_t + torch.arange(tokens)[None, :, None]
+    if appends is None:
+        own = (first_t + torch.arange(tokens)[None, :, None]).expand(-1, -1, 1)
+    else:
+        last = first_t + torch.tensor(list(appends), dtype=torch.long)[:, None, None] - 1
+        own = last.expand(-1, tokens, 1)
     bad = (real < -1) | (real > own)
     if bool(bad.any()):
         b, s, k = (int(i) for i in bad.nonzero()[0])
+        limit = int(own[b, s, 0])
+        if appends is None:
+            raise InvalidInputError(
+                f"top_k[{b}, {s}, {k}] = {int(real[b, s, k])} is outside [-1, {limit}] for "
+                f"query token {s} of request {request_ids[b]!r} (at position {limit}); a "
+                "query token attends to positions up to its own, -1 for an empty entry")
         raise InvalidInputError(
-            f"top_k[{b}, {s}, {k}] = {int(real[b, s, k])} is outside [-1, "
-            f"{int(own[b, s, 0])}] for query token {s} of request {request_ids[b]!r} "
-            f"(at position {int(own[b, s, 0])}); a query token attends to positions up "
-            "to its own, -1 for an empty entry")
+            f"top_k[{b}, {s}, {k}] = {int(real[b, s, k])} is outside [-1, {limit}] for "
+            f"request {request_ids[b]!r}, which appends {appends[b]} rows at "
+            f"{int(first_t[b, 0, 0])} in this step; its queries select positions up to its "
+            "last appended row, -1 for an empty entry")
+
+
+def _as_counts(name: str, counts: Sequence[int] | torch.Tensor) -> list[Any]:
+    """A list or tuple's or a 1-D integer tensor's values (a tensor read once)."""
+    if isinstance(counts, torch.Tensor):
+        if counts.dim() != 1 or counts.is_floating_point() or counts.is_complex():
+            raise InvalidInputError(
+                f"{name} must be a 1-D integer tensor or a list of ints, got a "
+                f"{counts.dtype} tensor of shape {tuple(counts.shape)}")
+        counts = counts.tolist()
+    return list(counts) if isinstance(counts, list | tuple) else [counts]
+
 
 def check_accepted(accepted: Sequence[int] | torch.Tensor | None, S: int, B: int
                    ) -> list[int]:
     """`end(accepted=...)`'s counts: one int in 1..S per request (None: all S)."""
     if accepted is None:
         return [S] * B
-    if isinstance(accepted, torch.Tensor):
-        if accepted.dim() != 1 or accepted.is_floating_point() or accepted.is_complex():
-            raise InvalidInputError(
-                f"accepted must be a 1-D integer tensor or a list of ints, got a "
-                f"{accepted.dtype} tensor of shape {tuple(accepted.shape)}")
-        accepted = accepted.tolist()
-    values = list(accepted) if isinstance(accepted, list | tuple) else [accepted]
+    values = _as_counts("accepted", accepted)
     # Python ints (not bools, floats or numpy scalars) in 1..S, checked at C speed.
     if (len(values) != B or set(map(type, values)) != {int}
             or min(values) < 1 or max(values) > S):
@@ -189,11 +212,31 @@ def check_accepted(accepted: Sequence[int] | torch.Tensor | None, S: int, B: int
     return values
 
 
+def check_kept(accepted: Sequence[int] | torch.Tensor | None, appends: Sequence[int]
+               ) -> list[int]:
+    """A ragged verify step's `end(accepted=...)`: the rows each request keeps, an int in
+    0..appends[b] (None: all it appended)."""
+    if accepted is None:
+        return list(appends)
+    values = _as_counts("accepted", accepted)
+    if len(values) != len(appends):
+        raise InvalidInputError(
+            f"accepted must list one int per request of the step ({len(appends)} requests), "
+            f"got {values!r:.200}; pass the rows each request keeps, in the batch's order")
+    for b, (value, appended) in enumerate(zip(values, appends, strict=True)):
+        if type(value) is not int or not 0 <= value <= appended:
+            raise InvalidInputError(
+                f"accepted[{b}] = {value!r}: request {b} of the step appended {appended} "
+                f"rows, so it keeps an int in 0..{appended}; pass the rows it keeps")
+    return values
+
+
 def settle_union(c: DecodeContext, v: VerifyContext, records: list[RequestRecord],
-                 first_positions: Sequence[int], extents_before: Sequence[int], tokens: int,
-                 accepted: list[int]) -> tuple[int, int]:
-    """Table and record updates for `accepted` of the step's `tokens` tokens per request (0:
-    a cancel). Returns how many rows to back up and to move, uploaded to the end block."""
+                 first_positions: Sequence[int], extents_before: Sequence[int],
+                 appended: int | Sequence[int], accepted: list[int]) -> tuple[int, int]:
+    """Table and record updates for `accepted` of the rows each request appended
+    (`appended`: S each, or a ragged step's counts; accepted 0: a cancel). Returns how many
+    rows to back up and to move, uploaded to the end block."""
     slots = c.slots.slots_of(records)
     kept = np.asarray(accepted, dtype=np.int64)
     first = np.asarray(first_positions, dtype=np.int64)
@@ -219,7 +262,9 @@ def settle_union(c: DecodeContext, v: VerifyContext, records: list[RequestRecord
         t.slot_key[:, slot, hot] = block.field("short_key_i32", short)
         t.resident[:, block.field("short_key", short)] = block.field(
             "short_hot_resident", short)
-    c.slots.add_tokens(slots, kept - tokens)  # first + kept each
+    if type(appended) is not int:
+        appended = np.asarray(appended, dtype=np.int64)
+    c.slots.add_tokens(slots, kept - appended)  # first + kept each
     for record, extents in zip(records, released, strict=True):
         if extents:
             del record.extents[-len(extents):]
@@ -256,15 +301,20 @@ def check_num_tokens(num_tokens: object, dedupe: object, max_draft_tokens: int) 
 
 
 def _begin_values(c: DecodeContext, slots: np.ndarray, first: np.ndarray, before: np.ndarray,
-                  taken: dict[int, list[int]], tokens: int) -> dict[str, Any]:
+                  taken: dict[int, list[int]], tokens: int,
+                  appends: tuple[int, ...] | None) -> dict[str, Any]:
     """The begin block's fields and the batch buffers' columns for a verify step: each
-    request's draft slots, its first token's host row, and the page entries it takes."""
+    request's draft slots, its first token's host row, and the page entries it takes. In a
+    ragged step a request's rows past its count go to the sink row, and every query may
+    select up to its last appended row (`last_visible`; -1: each up to its own)."""
     t = c.tables
     H, SPR, E = t.hot_slots, t.slots_per_request, t.extent_tokens
     P = int(t.page_table.shape[1])
     base = slots * SPR + H
-    draft = (base[:, None] + np.arange(tokens)).reshape(-1)
+    draft = base[:, None] + np.arange(tokens)
     page = first // E
+    if appends is not None:  # (a full request appending nothing has no page there)
+        np.minimum(page, c.slots.pages.shape[1] - 1, out=page)
     extent = c.slots.pages[slots, page]  # -1 where the first token starts a taken extent
     page_index, page_extent = [], []
     for b, extents in taken.items():
@@ -274,11 +324,22 @@ def _begin_values(c: DecodeContext, slots: np.ndarray, first: np.ndarray, before
         if page[b] >= held:
             extent[b] = extents[page[b] - held]
     host = extent * E + first % E
+    lengths = first + tokens
+    if appends is not None:
+        count = np.array(appends, dtype=np.int64)
+        draft[np.arange(tokens) >= count[:, None]] = int(t.device_kv.shape[1]) - 1
+        host[count == 0] = -1
+        lengths = first + count
     columns = {"req_slots": slots, "batch_slots": slots, "num_real": [len(slots)],
                "newest_rows": base, "newest_rows_long": base, "newest_host_rows": host,
-               "new_seq_lens": first + tokens}
-    return {"columns": columns, "draft_rows_long": draft, "draft_rows": draft, "first": first,
-            "draft_base": base, "page_index": page_index, "page_extent": page_extent}
+               "new_seq_lens": lengths}
+    draft = draft.reshape(-1)
+    values = {"columns": columns, "draft_rows_long": draft, "draft_rows": draft,
+              "first": first, "draft_base": base, "page_index": page_index,
+              "page_extent": page_extent}
+    if appends is not None:  # (else every row keeps its padding, -1)
+        values["last_visible"] = lengths - 1
+    return values
 
 
 def _long_end_values(c: DecodeContext, records: list[RequestRecord], slots: np.ndarray,

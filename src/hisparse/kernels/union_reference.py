@@ -39,16 +39,21 @@ class Union:
     invalid: torch.Tensor  # [B, S, K] bool: below -1, or after the query token's own position
 
 
-def build_union(top_k: torch.Tensor, first: torch.Tensor, real: torch.Tensor) -> Union:
+def build_union(top_k: torch.Tensor, first: torch.Tensor, real: torch.Tensor,
+                last_visible: torch.Tensor | None = None) -> Union:
     """Reduce `top_k [B, S, K]` to each request's distinct positions before `first [B]`.
 
     Query token s of row b is at position `first[b] + s` and may select any position up to
-    its own; rows where `real [B]` is False (padding) select nothing.
+    its own, or, where `last_visible [B]` is not -1 (a ragged step), up to that; rows where
+    `real [B]` is False (padding) select nothing.
     """
     B, S, K = top_k.shape
     U = S * K
     pos = top_k.long()
     own = first[:, None, None] + torch.arange(S, device=pos.device)[None, :, None]
+    if last_visible is not None:
+        last = last_visible[:, None, None]
+        own = torch.where(last >= 0, last, own)
     real = real[:, None, None]
     selected = real & (pos >= 0) & (pos <= own)
     older = selected & (pos < first[:, None, None])
@@ -89,13 +94,15 @@ def union_plan_reference(
     num_real: torch.Tensor,  # [1] int32 device scalar: rows >= num_real are padding
     union_top_k: torch.Tensor,  # [>= R, U] int32 out: the union rows the swap-in reads
     inverse: torch.Tensor,  # [>= R, U] int32 out: each entry's code (module docstring)
+    last_visible: torch.Tensor | None = None,  # [>= R] int64 (build_union; None: all -1)
 ) -> None:
     """Write the first R union rows and inverse codes of `top_k`."""
     rows, S, K = top_k.shape
     U = S * K
     start = first[:rows]
     real = torch.arange(rows, device=top_k.device) < num_real.long()
-    union = build_union(top_k, start, real)
+    union = build_union(top_k, start, real,
+                        None if last_visible is None else last_visible[:rows])
     union_top_k[:rows].copy_(union.positions)
     code = torch.where(union.invalid, U + 1, union.inverse.view(rows, S, K))
     code = torch.where(union.draft, -2 - (top_k.long() - start[:, None, None]), code)
@@ -142,9 +149,10 @@ class ReferenceUnionLauncher:
     def __init__(self, tokens: int, top_k: int, first: torch.Tensor, draft_base: torch.Tensor,
                  num_real: torch.Tensor, union_top_k: torch.Tensor, union_out: torch.Tensor,
                  rows: torch.Tensor, counters: torch.Tensor,
-                 request_counts: tuple[torch.Tensor | None, torch.Tensor] | None = None
-                 ) -> None:
+                 request_counts: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+                 last_visible: torch.Tensor | None = None) -> None:
         self.tokens, self.top_k = tokens, top_k
+        self._last_visible = last_visible
         self._request_counters, self._req_slots = request_counts or (None, None)
         self._first, self._draft_base, self._num_real = first, draft_base, num_real
         self._union_top_k, self._union_out, self._rows = union_top_k, union_out, rows
@@ -154,7 +162,8 @@ class ReferenceUnionLauncher:
     def plan(self, rows: int, top_k: torch.Tensor) -> None:
         """The union rows and inverse codes of `top_k [rows, S, K]` (`[rows, K]` when S = 1)."""
         union_plan_reference(top_k.view(rows, self.tokens, self.top_k), self._first,
-                             self._num_real, self._union_top_k, self.inverse)
+                             self._num_real, self._union_top_k, self.inverse,
+                             self._last_visible)
 
     def scatter(self, layer: int, group: int, rows: int) -> None:
         """`rows[group][:rows]` from the union's rows of `group`; `layer`'s counters."""

@@ -163,13 +163,20 @@ class DraftUnion:
     and missed at most once): the step's `[Bcap]` int64 first token positions and draft slot
     0 device rows, and `table()`, which hands over the cache's `[Bcap, positions_per_request]`
     int32 presence table (made at the first call that asks; all SENTINEL between calls,
-    `kernels.union_reference.presence_table`)."""
+    `kernels.union_reference.presence_table`). `last_visible` `[Bcap]` int64: in a ragged
+    verify step, the last position any query of the row may select (its last appended
+    row); -1 (None: every row) where query token s selects up to its own, `first + s`."""
 
     tokens: int  # S
     top_k: int  # K, entries per query token
     first: torch.Tensor
     draft_base: torch.Tensor
     table: Callable[[], torch.Tensor]
+    last_visible: torch.Tensor = None  # type: ignore[assignment]  (None: all -1)
+
+    def __post_init__(self) -> None:
+        if self.last_visible is None:
+            object.__setattr__(self, "last_visible", torch.full_like(self.first, -1))
 
 
 def word_rows(rows: torch.Tensor) -> bool:

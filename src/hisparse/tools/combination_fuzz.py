@@ -2,7 +2,8 @@
 together, checked byte for byte against a plain-Python model of what each row must hold.
 
 Each step draws from the whole cross product: S from 1 to `max_draft_tokens` (verify steps,
-with random accept counts), `dedupe` single-token steps, the folded (`swap_in(...,
+with random accept counts), `dedupe` single-token steps, ragged steps (each request appends
+0..S rows and a verify step keeps 0..a_b of them), the folded (`swap_in(...,
 newest_kv=)`) and the two-call newest rows, cancels at a random layer, admits with whole or
 chunked prefills, PD reservations, preempt and resume, finish and abort in any order, and,
 where the residency map allows it, prefixes retained, shared and released; index groups and
@@ -97,7 +98,7 @@ class FuzzRank:
         self.counts = dict(steps=0, cancels=0, checked_rows=0, mismatches=0, admits=0, pd=0,
                            finishes=0, aborts=0, preempts=0, resumes=0, exhausted=0,
                            folded_steps=0, verify_steps=0, dedupe_steps=0,
-                           ragged_steps=0, rejected_drafts=0)
+                           ragged_steps=0, ragged_verify_steps=0, rejected_drafts=0)
         # For a mismatch's report: the last actions, and the first mismatches themselves.
         self.recent: deque[tuple[int, str]] = deque(maxlen=16)
         self.mismatch_details: list[dict[str, Any]] = []
@@ -275,9 +276,10 @@ class FuzzRank:
 
     def decode(self) -> None:
         """One decode step drawn from every kind: S tokens (a verify step when S > 1, with
-        random accept counts), a de-duplicated single token, or a ragged single token (each
-        request appends 0 or 1), folded or two-call newest rows, and one step in ten
-        cancelled after a random layer."""
+        random accept counts), a de-duplicated single token, or a ragged step (each request
+        appends 0..S rows; a verify step keeps 0..a_b of them, and any query of a request may
+        read all it appended), folded or two-call newest rows, and one step in ten cancelled
+        after a random layer."""
         cache, rng = self.cache, self.rng
         tokens = rng.randint(1, cache.max_draft_tokens)
         full = [r for r in self.ids("running") if self.length[r] + tokens > cache.max_seq_len]
@@ -290,8 +292,8 @@ class FuzzRank:
         batch = rng.sample(running, rng.randint(1, len(running)))
         dedupe = tokens == 1 and rng.random() < 0.25
         # A ragged step (a compressed layer): a request that appends 0 gets no new token.
-        ragged = tokens == 1 and not dedupe and rng.random() < 0.3
-        appends = [rng.randint(0, 1) for _ in batch] if ragged else None
+        ragged = not dedupe and rng.random() < 0.3
+        appends = [rng.randint(0, tokens) for _ in batch] if ragged else None
         if self.sharing:  # (requests the step is about to move to a private copy)
             writers = cache._prefixes.writers
             self.counts["private_copies"] += sum(
@@ -302,8 +304,11 @@ class FuzzRank:
         positions = first[:, None] + np.arange(tokens)  # [B, S]
         # The step's own tokens' bytes come from fresh seeds: a rejected draft's never match.
         step_seeds = np.array([[rng.getrandbits(40) for _ in range(tokens)] for _ in batch])
-        top_k = self._draw_top_k(positions - 1 + (own[:, None] > 0),
-                                 repeats=tokens > 1 or dedupe)  # [B, S, K]
+        # What each query may select up to: its own position, or in a ragged step, for every
+        # query, the request's last appended row.
+        limits = (np.repeat((first + own - 1)[:, None], tokens, axis=1) if ragged
+                  else positions)
+        top_k = self._draw_top_k(limits, repeats=tokens > 1 or dedupe)  # [B, S, K]
         top = torch.from_numpy(top_k.astype(np.int32)).to(cache.device)
         if tokens == 1:
             top = top[:, 0]
@@ -313,6 +318,7 @@ class FuzzRank:
         self.counts["verify_steps"] += tokens > 1
         self.counts["dedupe_steps"] += dedupe
         self.counts["ragged_steps"] += ragged
+        self.counts["ragged_verify_steps"] += ragged and tokens > 1
         self.recent.append((self.counts["steps"], f"S={tokens} dedupe={dedupe} folded={folded}"
                             f" cancel_after={cancel_after} appends={appends}"))
         for layer in range(self.L):
@@ -333,17 +339,21 @@ class FuzzRank:
             step.cancel()
             self.counts["cancels"] += 1
         else:
-            accepted = [rng.randint(1, tokens) for _ in batch]
+            # (a single-token step keeps what it appended; a ragged verify step 0..a_b rows)
+            accepted = (own.tolist() if tokens == 1 else
+                        [rng.randint(0, int(a)) for a in own] if ragged else
+                        [rng.randint(1, tokens) for _ in batch])
             step.end(accepted if tokens > 1 else None)
             for b, request in enumerate(batch):
-                if own[b]:
+                if accepted[b]:
                     self._keep(request, first[b], step_seeds[b, : accepted[b]])
-                self.counts["rejected_drafts"] += tokens - accepted[b]
+                self.counts["rejected_drafts"] += int(own[b]) - accepted[b]
         self.counts["steps"] += 1
 
     def _draw_top_k(self, positions: np.ndarray, repeats: bool) -> np.ndarray:
-        """`[B, S, K]`: row s of request b picks among positions up to its own query token's,
-        -1 padded; with `repeats` (a union step) some positions are listed twice."""
+        """`[B, S, K]`: row s of request b picks among positions up to `positions[b, s]`
+        (its query token's own, or a ragged step's last appended row), -1 padded; with
+        `repeats` (a union step) some positions are listed twice."""
         rng, K = self.rng, self.cache.top_k
         B, S = positions.shape
         top_k = np.full((B, S, K), -1, dtype=np.int64)

@@ -190,10 +190,11 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
             host_rows, host_words = newest.host_rows, host_layer
             addresses = {_HOST_WORDS_ARG: _host_address(t, layer)}
     # Placeholders again, unless the call de-duplicates a verify row.
-    first, draft_base, presence = req_slots, req_slots, req_slots
+    first, draft_base, last_visible, presence = req_slots, req_slots, req_slots, req_slots
     dedup = {"DEDUP": False, "CANDIDATES": False}
     if union is not None:
         first, draft_base, presence = union.first, union.draft_base, union.table()
+        last_visible = union.last_visible
         _check_presence_table(presence, rows, t.positions_per_request, device)
         dedup = {"DEDUP": True, "CANDIDATES": plan.first_candidates}
     presence_stride = presence.stride(0) if union is not None else 0
@@ -204,7 +205,7 @@ def _bind(tables: CacheTables, plan: LaunchPlan, layer: int, group: int,
             bucket_count, scratch.hit_count, new_kv, new_rows, layer_words, host_rows,
             host_words, num_requests, t.slots_per_request, k, hot_slots, t.extent_tokens,
             max_pages, n_rows, positions, resident.shape[0], device_rows, first, draft_base,
-            presence, presence_stride),
+            last_visible, presence, presence_stride),
             {**shared, "COUNTER_SEM": plan.counter_sem, "CHUNK_K": plan.classify_chunk,
              "num_warps": plan.classify_warps, **write, **dedup,
              "TOKEN_K": union.top_k if union is not None else 1}, device=device,
@@ -483,7 +484,7 @@ def _check_union(union: DraftUnion, batch_cap: int, width: int, device: torch.de
         raise fail("a verify union's launcher reads S x K entries per row",
                    f"out width {width} for S={union.tokens}, K={union.top_k}",
                    "bind it to a [G, Bcap, S * K] out")
-    for name in ("first", "draft_base"):
+    for name in ("first", "draft_base", "last_visible"):
         field = getattr(union, name)
         if field.dtype != torch.int64 or tuple(field.shape) != (batch_cap,) or (
                 field.device != device):

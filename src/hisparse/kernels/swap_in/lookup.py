@@ -65,10 +65,12 @@ def _entry_regime(pos, n, base, H):
 
 @triton.jit
 def _verify_regime(pos, k_offsets, valid, invalid, result, candidate, first, draft_base,
-                   TOKEN_K: tl.constexpr):
+                   last_visible, TOKEN_K: tl.constexpr):
     """`_entry_regime` for a verify row: the step's own tokens come from their draft slots,
-    and a query token may select positions up to its own only (union_reference.build_union)."""
-    after_own = valid & (pos > first + k_offsets // TOKEN_K)
+    and a query token may select positions up to its own only, or in a ragged step's row
+    (`last_visible` >= 0) up to its last appended row (union_reference.build_union)."""
+    own = tl.where(last_visible >= 0, last_visible, first + k_offsets // TOKEN_K)
+    after_own = valid & (pos > own)
     draft = valid & (pos >= first) & ~after_own
     result = tl.where(draft, draft_base + (pos - first), tl.where(after_own, -1, result))
     return valid & ~after_own, invalid | after_own, result, candidate & (pos < first)
@@ -87,6 +89,7 @@ def _lookup_chunk(
     NUM_KEYS,  # entries of resident (N, unless keyed by position or by key extents)
     first,  # a verify step's first token position (DEDUP only)
     draft_base,  # the device row of its draft slot 0 (DEDUP only)
+    last_visible,  # a ragged verify row's last appended position, else -1 (DEDUP only)
     EARLY_LOADS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,
     KEY_EXTENTS: tl.constexpr,  # the page table holds key extents (host_row with aliases)
@@ -113,7 +116,8 @@ def _lookup_chunk(
     valid, invalid, result, candidate = _entry_regime(pos, n, base, H)
     if DEDUP:
         valid, invalid, result, candidate = _verify_regime(
-            pos, k_offsets, valid, invalid, result, candidate, first, draft_base, TOKEN_K)
+            pos, k_offsets, valid, invalid, result, candidate, first, draft_base,
+            last_visible, TOKEN_K)
     if POSITION_KEYED:
         # A hit needs no host row; a position the page table cannot map is lost (below).
         lost = candidate & (pos >= T)
@@ -264,9 +268,9 @@ def classify_kernel(
     host_words_ptr,  # [N, ROW_WORDS] int32 the layer's host rows (BACKUP_NEWEST only)
     R, S, K, H, E, P, N, T, NUM_KEYS,
     D,  # device rows of the layer (the sink row included)
-    # DEDUP only: [Bcap] int64 each request's first token position of the step and device row
-    # of its draft slot 0, and the [Bcap, presence_stride] int32 presence table (all SENTINEL)
-    first_ptr, draft_base_ptr, presence_ptr, presence_stride,
+    # DEDUP only: [Bcap] int64 first token position, draft slot 0's device row and last
+    # visible position (DraftUnion), and the [Bcap, stride] int32 presence table (SENTINEL)
+    first_ptr, draft_base_ptr, last_visible_ptr, presence_ptr, presence_stride,
     EARLY_LOADS: tl.constexpr,
     POSITION_KEYED: tl.constexpr,  # resident is indexed by r * T + position, not by host row
     KEY_EXTENTS: tl.constexpr,  # resident is indexed by key row, the page table by key extent
@@ -288,14 +292,15 @@ def classify_kernel(
     real, r, n, base = _row_context(b, num_real_ptr, req_slots_ptr, seq_lens_ptr, R, S,
                                     EARLY_LOADS)
     clock = tl.load(lru_clock_ptr + r)
-    first, draft_base = 0, 0
+    first, draft_base, last_visible = 0, 0, -1
     if DEDUP:
-        first, draft_base = tl.load(first_ptr + b), tl.load(draft_base_ptr + b)
+        first, draft_base, last_visible = (tl.load(first_ptr + b), tl.load(draft_base_ptr + b),
+                                           tl.load(last_visible_ptr + b))
     k_offsets = tl.program_id(1) * CHUNK_K + tl.arange(0, CHUNK_K)
     in_k, result, hit, slot, miss, row, code, pos = _lookup_chunk(
         b, k_offsets, real, r, n, base, top_k_ptr, page_table_ptr, resident_ptr,
-        key_host_extent_ptr, K, H, E, P, N, T, NUM_KEYS, first, draft_base, EARLY_LOADS,
-        POSITION_KEYED, KEY_EXTENTS, DEDUP, TOKEN_K,
+        key_host_extent_ptr, K, H, E, P, N, T, NUM_KEYS, first, draft_base, last_visible,
+        EARLY_LOADS, POSITION_KEYED, KEY_EXTENTS, DEDUP, TOKEN_K,
     )
     code, unique, result = _deduplicate(b, k_offsets, in_k, pos, miss, row, code, result,
                                         presence_ptr, presence_stride, COUNTER_SEM, DEDUP,

@@ -19,6 +19,7 @@ them). Then greedy decoding of `--new-tokens` tokens with each cache at `--batch
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -93,8 +94,10 @@ def dense_cache(model: torch.nn.Module, rows: torch.Tensor,
 
 
 def decode(model: torch.nn.Module, cache: Any, first: torch.Tensor, tokens: int,
-           steps: int) -> dict[str, Any]:
-    """Greedy decode `steps` tokens after a context of `tokens`; per-step seconds."""
+           steps: int, forced: torch.Tensor | None = None) -> dict[str, Any]:
+    """Greedy decode `steps` tokens after a context of `tokens`; per-step seconds. `forced`
+    `[B, steps]`: feed those tokens instead of the argmax (teacher forcing), so that every
+    step's logits compare with another run's at the same inputs."""
     device = first.device
     batch = first.shape[0]
     token, out, logits, times = first, [], [], []
@@ -111,20 +114,23 @@ def decode(model: torch.nn.Module, cache: Any, first: torch.Tensor, tokens: int,
             step_logits = result.logits[:, -1].float()
             token = step_logits.argmax(-1)
             out.append(token)
+            if forced is not None:
+                token = forced[:, step]
             logits.append(step_logits)
     return {"tokens": torch.stack(out, 1), "logits": torch.stack(logits, 1),
             "step_seconds": times}
 
 
 def run_hisparse(model: torch.nn.Module, rows: torch.Tensor, keys: torch.Tensor,
-                 first: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+                 first: torch.Tensor, args: argparse.Namespace,
+                 forced: torch.Tensor | None = None) -> dict[str, Any]:
     batch, tokens = rows.shape[1], rows.shape[2]
     room = tokens + args.new_tokens + 64
     with HiSparseDSACache(model, hot_slots=args.hot_slots, max_requests=batch,
                           max_seq_len=room, host_pool_tokens=batch * room,
                           extent_tokens=64) as cache:
         cache.load_context(rows, keys)
-        result = decode(model, cache, first, tokens, args.new_tokens)
+        result = decode(model, cache, first, tokens, args.new_tokens, forced)
         stats = cache.engine.stats()
         result["device_bytes"] = cache.device_bytes()
         result["hit_rate"] = stats.hits / max(stats.hits + stats.misses, 1)
@@ -133,9 +139,10 @@ def run_hisparse(model: torch.nn.Module, rows: torch.Tensor, keys: torch.Tensor,
 
 
 def run_dense(model: torch.nn.Module, rows: torch.Tensor, keys: torch.Tensor,
-              first: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+              first: torch.Tensor, args: argparse.Namespace,
+              forced: torch.Tensor | None = None) -> dict[str, Any]:
     cache = dense_cache(model, rows, keys)
-    result = decode(model, cache, first, rows.shape[2], args.new_tokens)
+    result = decode(model, cache, first, rows.shape[2], args.new_tokens, forced)
     result["device_bytes"] = dense_cache_bytes(cache)
     del cache
     return result
@@ -158,6 +165,29 @@ def measured(run: Any, *inputs: Any) -> dict[str, Any]:
     return result
 
 
+def against_float32(model: torch.nn.Module, rows: torch.Tensor, keys: torch.Tensor,
+                    first: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    """How far each low-precision cache is from a float32 run of the same weights and context
+    (hisparse in float32, whose tokens equal the dense cache's there): both caches are fed the
+    reference's tokens (teacher forcing), so each step compares logits at equal inputs. The
+    same distance for both says the caches differ by rounding, not by the rows they read."""
+    exact = copy.deepcopy(model).float()
+    reference = run_hisparse(exact, rows.float(), keys.float(), first, args)
+    del exact
+    forced = reference["tokens"]
+    report: dict[str, Any] = {"reference": "hisparse, float32 copy of the weights"}
+    for name, run in (("hisparse", run_hisparse), ("dense", run_dense)):
+        result = measured(run, model, rows, keys, first, args, forced)
+        if result["out_of_memory"]:
+            report[name] = {"out_of_memory": True}
+            continue
+        error = (result["logits"] - reference["logits"]).abs()
+        report[name] = {"argmax_agreement": float((result["tokens"] == forced).float().mean()),
+                        "max_logit_error": float(error.max()),
+                        "mean_logit_error": float(error.mean())}
+    return report
+
+
 def family_run(family: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     model = build(family, args.layers, args.tiny, device,
@@ -170,7 +200,6 @@ def family_run(family: str, args: argparse.Namespace, device: torch.device) -> d
         first = torch.randint(1, SMALL["vocab_size"], (batch,), device=device)
         hs = measured(run_hisparse, model, rows, keys, first, args)
         dense = measured(run_dense, model, rows, keys, first, args)
-        del rows, keys
         entry: dict[str, Any] = {"batch": batch}
         for name, result in (("hisparse", hs), ("dense", dense)):
             entry[name] = {k: v for k, v in result.items()
@@ -181,6 +210,9 @@ def family_run(family: str, args: argparse.Namespace, device: torch.device) -> d
             entry["token_match_fraction"] = float(same.float().mean())
             first_step = hs["logits"][:, 0] - dense["logits"][:, 0]
             entry["first_step_max_logit_diff"] = float(first_step.abs().max())
+            if args.reference and model.dtype != torch.float32:
+                entry["against_float32"] = against_float32(model, rows, keys, first, args)
+        del rows, keys
         report["runs"].append(entry)
         print(json.dumps({family: entry}), flush=True)
     return report
@@ -203,6 +235,9 @@ def main() -> None:
                         help="the model's dtype (default: bfloat16, float32 with --tiny); "
                              "float32 checks token identity without bf16 rounding, where the "
                              "two caches' attention sums in another order")
+    parser.add_argument("--no-reference", dest="reference", action="store_false",
+                        help="skip the teacher-forced comparison of a bfloat16 run with a "
+                             "float32 one (against_float32)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     defaults = ({"context": 256, "batch": 2, "oom_batch": [], "new_tokens": 6,

@@ -166,9 +166,13 @@ def test_beam_search_and_cache_edits_are_refused_naming_the_cache() -> None:
         assert cache.hit_rate() == 0.0  # nothing looked up yet
 
 
-def test_the_benchmark_runs_tiny_and_matches_the_dense_cache(tmp_path: object) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_benchmark_runs_tiny_and_matches_the_dense_cache(tmp_path: object,
+                                                             dtype: str) -> None:
     """benchmarks/transformers_decode.py --tiny: a context loaded with `load_context` decodes
-    the dense cache's tokens (the GPU run's check, at a CPU shape)."""
+    the dense cache's tokens (the GPU run's check, at a CPU shape). In bfloat16 both caches
+    are also fed a float32 run's tokens: on the CPU they compute alike, so they are as far
+    from it as each other."""
     import json
     import subprocess
     import sys
@@ -179,7 +183,7 @@ def test_the_benchmark_runs_tiny_and_matches_the_dense_cache(tmp_path: object) -
     env = {"PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     result = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "transformers_decode.py"), "--tiny",
-         "--new-tokens", "4", "--output", str(output)],
+         "--new-tokens", "4", "--dtype", dtype, "--output", str(output)],
         capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(output.read_text())
@@ -188,3 +192,9 @@ def test_the_benchmark_runs_tiny_and_matches_the_dense_cache(tmp_path: object) -
         [run] = document["families"][family]["runs"]
         assert run["tokens_identical"], run
         assert run["hisparse"]["device_bytes"] < run["dense"]["device_bytes"]
+        if dtype == "bfloat16":
+            against = run["against_float32"]
+            assert against["hisparse"] == against["dense"], against
+            assert 0 < against["hisparse"]["max_logit_error"] < 1.0, against
+        else:
+            assert "against_float32" not in run

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hisparse
-from test_reliability_state import check_table_invariants, row_pattern
+from test_reliability_state import check_table_invariants, prefill_patterned, row_pattern
 
 LAYERS, WIDTH, TOP_K, HOT, EXTENT, GROUP = 4, 32, 4, 8, 4, 2
 # Request -> (uid, prompt length): the new token of each lands in another regime.
@@ -34,11 +34,7 @@ def build(backend: Any, prefetch: bool | None) -> hisparse.HiSparseCache:
     )
     cache = hisparse.HiSparseCache(config, device=backend)
     for name, (uid, tokens) in REQUESTS.items():
-        cache.admit(name, tokens)
-        cache.write_prefill(name, torch.stack([
-            row_pattern(uid, layer, torch.arange(tokens), WIDTH) for layer in range(LAYERS)
-        ]).to(cache.device))
-        cache.commit_prefill(name)
+        prefill_patterned(cache, name, uid, tokens, LAYERS, WIDTH)
     return cache
 
 
@@ -129,10 +125,7 @@ def test_a_cancelled_request_can_be_dropped_and_its_rows_reused(backend: Any,
     cache.preempt("short")
     check_table_invariants(cache)
     uid, tokens = 9, 23
-    cache.admit("new", tokens)
-    cache.write_prefill("new", torch.stack([row_pattern(uid, layer, torch.arange(tokens), WIDTH)
-                                            for layer in range(LAYERS)]).to(cache.device))
-    cache.commit_prefill("new")
+    prefill_patterned(cache, "new", uid, tokens, LAYERS, WIDTH)
     cache.resume("short")
     uids = {"new": uid, "short": REQUESTS["short"][0], "switch": REQUESTS["switch"][0]}
     for _ in range(3):

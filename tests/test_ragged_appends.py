@@ -17,7 +17,7 @@ import torch
 
 import hisparse
 from test_cancel_step import EXTENT, GROUP, HOT, LAYERS, TOP_K, WIDTH, random_top_k
-from test_reliability_state import check_table_invariants, row_pattern
+from test_reliability_state import check_table_invariants, prefill_patterned, row_pattern
 
 # Request -> (uid, prompt length): one of each regime, and two short ones (one may append
 # into its own slot while the other appends nothing).
@@ -34,11 +34,7 @@ def build(backend: Any, residency_map: str = "host_row") -> hisparse.HiSparseCac
         residency_map=residency_map)
     cache = hisparse.HiSparseCache(config, device=backend)
     for name, (uid, tokens) in REQUESTS.items():
-        cache.admit(name, tokens)
-        cache.write_prefill(name, torch.stack([
-            row_pattern(uid, layer, torch.arange(tokens), WIDTH) for layer in range(LAYERS)
-        ]).to(cache.device))
-        cache.commit_prefill(name)
+        prefill_patterned(cache, name, uid, tokens, LAYERS, WIDTH)
     return cache
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hisparse
-from test_reliability_state import check_table_invariants, row_pattern
+from test_reliability_state import check_table_invariants, prefill_patterned, row_pattern
 
 LAYERS, WIDTH, TOP_K, HOT, EXTENT, GROUP, D = 3, 32, 4, 16, 4, 2, 4
 # Request -> prompt length: short ones, one about to switch to the newest slot, a long one
@@ -36,11 +36,7 @@ def build(backend: Any, residency_map: str = "host_row", validate: bool = True
         residency_map=residency_map)
     cache = hisparse.HiSparseCache(config, device=backend)
     for uid, (name, tokens) in enumerate(PROMPTS.items(), start=1):
-        cache.admit(name, tokens)
-        cache.write_prefill(name, torch.stack([
-            row_pattern(uid, layer, torch.arange(tokens), WIDTH) for layer in range(LAYERS)
-        ]).to(cache.device))
-        cache.commit_prefill(name)
+        prefill_patterned(cache, name, uid, tokens, LAYERS, WIDTH)
     return cache
 
 
@@ -283,10 +279,7 @@ def test_a_full_request_may_append_nothing_but_not_a_row() -> None:
         host_pool_tokens=20 * EXTENT, max_seq_len=32, max_draft_tokens=D, validate=True)
     cache = hisparse.HiSparseCache(config, device="cpu")
     for uid, (name, tokens) in enumerate([("full", 32), ("other", 20)], start=1):
-        cache.admit(name, tokens)
-        cache.write_prefill(name, torch.stack([
-            row_pattern(uid, layer, torch.arange(tokens), WIDTH) for layer in range(LAYERS)]))
-        cache.commit_prefill(name)
+        prefill_patterned(cache, name, uid, tokens, LAYERS, WIDTH)
     with pytest.raises(hisparse.InvalidInputError, match=r"\['full'\] have fewer tokens left"):
         cache.begin_decode_step(["full", "other"], num_tokens=2, appends=[1, 0])
     assert cache.seq_len("full") == 32 and cache.seq_len("other") == 20

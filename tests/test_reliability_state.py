@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,17 @@ def row_pattern(uid: torch.Tensor | int, layer: torch.Tensor | int, positions: t
     second = _mix(column * 0x2545F491 + 7) | 1
     mixed = ((low[..., None] * first) >> 23) ^ ((high[..., None] * second) >> 23)
     return (mixed & 0xFF).to(torch.uint8)
+
+
+def prefill_patterned(cache: Any, name: Hashable, uid: int, tokens: int, layers: int,
+                      width: int) -> None:
+    """Admit `name` with `tokens` tokens and prefill every layer with `row_pattern` rows of
+    request `uid`."""
+    cache.admit(name, tokens)
+    cache.write_prefill(name, torch.stack([
+        row_pattern(uid, layer, torch.arange(tokens), width) for layer in range(layers)
+    ]).to(cache.device))
+    cache.commit_prefill(name)
 
 
 def _cpu(value: Any) -> Any:

@@ -12,7 +12,7 @@ import torch
 
 import hisparse
 from fakes.deferred_streams import DeferredStreamCpu
-from test_reliability_state import check_table_invariants, row_pattern
+from test_reliability_state import check_table_invariants, prefill_patterned, row_pattern
 
 LAYERS, WIDTH, TOP_K, HOT, EXTENT, GROUP = 6, 32, 6, 8, 4, 3
 REQUESTS = {"long": (1, 30), "mid": (2, 12), "short": (3, 4)}  # uid, prompt tokens
@@ -55,10 +55,7 @@ def test_side_stream_work_is_waited_for_before_it_is_needed(rng: torch.Generator
     backend = DeferredStreamCpu()
     cache = deferred_cache(backend, max_requests=4, pool_extents=64)
     for name, (uid, tokens) in REQUESTS.items():
-        cache.admit(name, tokens)
-        cache.write_prefill(name, torch.stack(
-            [row_pattern(uid, layer, torch.arange(tokens), WIDTH) for layer in range(LAYERS)]))
-        cache.commit_prefill(name)
+        prefill_patterned(cache, name, uid, tokens, LAYERS, WIDTH)
     names = list(REQUESTS)
     deferred = 0
     for step in range(12):

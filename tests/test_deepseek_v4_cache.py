@@ -6,8 +6,8 @@ special case), window 8, indexer top-k 4, and a hot buffer of 8 entries, well be
 entries a request reaches: most lookups miss and read the host pool. Left-padded ragged
 prompts decode 48 tokens (12 windows close during decode, so 36 steps append nothing). The
 controls (the glue hands swap_in the top-k shifted by one entry; it reads another CSA layer's
-rows) must change the tokens. The presets' layer counts and top-k are checked against
-transformers' DeepseekV4Config.
+rows; it appends each entry one step late) must change the tokens. The presets' layer counts
+and top-k are checked against transformers' DeepseekV4Config.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_greedy_tokens_equal_transformers_own_cache(model, rng, lengths) -> None
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("control", ["shifted-top-k", "other-layer"])
+@pytest.mark.parametrize("control", ["shifted-top-k", "other-layer", "late-append"])
 def test_a_broken_glue_changes_the_tokens(model, rng, control, monkeypatch) -> None:
     ids, mask = prompts((37, 30, 41), rng)
     want = generate(model, ids, mask, transformers.DynamicCache(config=model.config))
@@ -93,9 +93,16 @@ def test_a_broken_glue_changes_the_tokens(model, rng, control, monkeypatch) -> N
                 held = cache.engine.seq_len(cache.ids[0])
                 return pad(torch.where(top_k >= 0, (top_k + 1) % held, top_k), width)
             monkeypatch.setattr(v4, "pad_top_k", shifted)
-        else:
+        elif control == "other-layer":
             rows_of = cache.engine.device_kv
             monkeypatch.setattr(cache.engine, "device_kv", lambda layer: rows_of((layer + 1) % 3))
+        else:  # each entry appended one step after its window closed (and zeros then)
+            begin, owed = cache.engine.begin_decode_step, [0]
+
+            def late(ids: list, appends: list) -> object:
+                appends, owed[0] = [owed[0]] * len(ids), appends[0]
+                return begin(ids, appends=appends)
+            monkeypatch.setattr(cache.engine, "begin_decode_step", late)
         got = generate(model, ids, mask, cache)
     assert not torch.equal(got, want)
 

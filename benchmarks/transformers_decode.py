@@ -148,15 +148,17 @@ def run_dense(model: torch.nn.Module, rows: torch.Tensor, keys: torch.Tensor,
     return result
 
 
-def measured(run: Any, *inputs: Any) -> dict[str, Any]:
-    """`run(*inputs)` with its peak device memory; an out-of-memory error is a result."""
-    device = inputs[1].device
+def measured(run: Any, *inputs: Any, device: torch.device) -> dict[str, Any]:
+    """`run(*inputs)` with its peak memory on `device`; an out-of-memory error is a result."""
     _reset_peak(device)
+    error = None
     try:
         result = run(*inputs)
     except torch.OutOfMemoryError as exc:
+        error = str(exc).splitlines()[0]
+    if error is not None:  # the error's frames (and their tensors) are gone by now
         _empty(device)
-        return {"out_of_memory": True, "error": str(exc).splitlines()[0]}
+        return {"out_of_memory": True, "error": error}
     result["out_of_memory"] = False
     result["peak_device_bytes"] = _peak(device)
     result["step_ms_median"] = 1e3 * statistics.median(result["step_seconds"][1:] or
@@ -177,7 +179,7 @@ def against_float32(model: torch.nn.Module, rows: torch.Tensor, keys: torch.Tens
     forced = reference["tokens"]
     report: dict[str, Any] = {"reference": "hisparse, float32 copy of the weights"}
     for name, run in (("hisparse", run_hisparse), ("dense", run_dense)):
-        result = measured(run, model, rows, keys, first, args, forced)
+        result = measured(run, model, rows, keys, first, args, forced, device=first.device)
         if result["out_of_memory"]:
             report[name] = {"out_of_memory": True}
             continue
@@ -198,8 +200,8 @@ def family_run(family: str, args: argparse.Namespace, device: torch.device) -> d
     for batch in (args.batch, *args.oom_batch):
         rows, keys = context(model, batch, args.context, args.seed)
         first = torch.randint(1, SMALL["vocab_size"], (batch,), device=device)
-        hs = measured(run_hisparse, model, rows, keys, first, args)
-        dense = measured(run_dense, model, rows, keys, first, args)
+        hs = measured(run_hisparse, model, rows, keys, first, args, device=device)
+        dense = measured(run_dense, model, rows, keys, first, args, device=device)
         entry: dict[str, Any] = {"batch": batch}
         for name, result in (("hisparse", hs), ("dense", dense)):
             entry[name] = {k: v for k, v in result.items()

@@ -34,7 +34,6 @@ import argparse
 import functools
 import json
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +46,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACa
 import hisparse
 from hisparse.footprint import device_bytes
 from hisparse.integrations.deepseek_v4 import HiSparseV4Cache, framework_bytes
-from transformers_decode import _empty, _peak, _reset_peak, _triton_version, decode
+from transformers_decode import _triton_version, decode, measured
 
 CSA, HCA, SLIDING = ("compressed_sparse_attention", "heavily_compressed_attention",
                      "sliding_attention")
@@ -186,27 +185,6 @@ def run_dense(model: torch.nn.Module, context: Build, first: torch.Tensor,
     return result
 
 
-def measured(run: Callable[..., dict[str, Any]], model: torch.nn.Module, context: Build,
-             first: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
-    """`run(...)` with its peak device memory; an out-of-memory error is a result."""
-    device = first.device
-    _reset_peak(device)
-    error = None
-    try:
-        result = run(model, context, first, args)
-    except torch.OutOfMemoryError as exc:
-        error = str(exc).splitlines()[0]
-    if error is not None:  # the error's frames (and their tensors) are gone by now
-        _empty(device)
-        return {"out_of_memory": True, "error": error}
-    result["out_of_memory"] = False
-    result["peak_device_bytes"] = _peak(device)
-    result["step_ms_median"] = 1e3 * statistics.median(result["step_seconds"][1:] or
-                                                       result["step_seconds"])
-    _empty(device)
-    return result
-
-
 def compared(hs: dict[str, Any], dense: dict[str, Any]) -> dict[str, Any]:
     """Tokens and first-step logits of hisparse against the dense cache."""
     same = hs["tokens"] == dense["tokens"]
@@ -221,8 +199,8 @@ def batch_run(model: torch.nn.Module, batch: int, args: argparse.Namespace) -> d
     context = functools.partial(synthetic_cache, model, batch, args.context, args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed + 2)
     first = torch.randint(1, SMALL["vocab_size"], (batch,), generator=generator, device=device)
-    hs = measured(run_hisparse, model, context, first, args)
-    dense = measured(run_dense, model, context, first, args)
+    hs = measured(run_hisparse, model, context, first, args, device=first.device)
+    dense = measured(run_dense, model, context, first, args, device=first.device)
     entry: dict[str, Any] = {"batch": batch}
     for name, result in (("hisparse", hs), ("dense", dense)):
         entry[name] = {k: v for k, v in result.items()

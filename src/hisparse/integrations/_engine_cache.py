@@ -1,10 +1,12 @@
 """What the transformers caches backed by one `HiSparseCache` (`self.engine`) share: the edits
-beam search and cache cropping would make, refused; the hit rate; the context manager; and
-admitting a prefilled batch, all of it or none."""
+beam search and cache cropping would make, refused; the hit rate; the context manager; the
+hook that ends (or cancels) a step after each forward pass; and admitting a prefilled batch,
+all of it or none."""
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +22,26 @@ class EngineCache:
 
     engine: Any  # the cache's HiSparseCache
     close: Any  # each cache's own: removes its hooks, then closes the engine
+    _hooks: list[Any]  # the handles of the hooks it installed
+    _finish_forward: Any  # each cache's own: ends the pass's step, or cancels it
+
+    def _hook_forward_end(self, base: torch.nn.Module) -> Any:
+        """A hook on `base` (the model's forward) calling `_finish_forward` after every pass
+        that used this cache, also one that raised (`completed=False`: cancel)."""
+        ref = weakref.ref(self)
+
+        def after_forward(module: torch.nn.Module, args: Any, kwargs: dict[str, Any],
+                          output: Any) -> None:
+            cache = ref()
+            if cache is not None and kwargs.get("past_key_values") is cache:
+                cache._finish_forward(completed=output is not None)
+
+        return base.register_forward_hook(after_forward, with_kwargs=True, always_call=True)
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def crop(self, *args: Any, **kwargs: Any) -> None:
         raise self._unsupported("crop")

@@ -179,9 +179,7 @@ class HiSparseV4Cache(EngineCache, DynamicCache):
 
     def close(self) -> None:
         """Remove the hooks, free the requests, the host pool and the device tables."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self._remove_hooks()
         self.engine.close()
 
     # --- the forward pass -------------------------------------------------------------------
@@ -206,19 +204,12 @@ class HiSparseV4Cache(EngineCache, DynamicCache):
                 return cache._selected_entries(index)
             return hook
 
-        def after_forward(module: nn.Module, args: Any, kwargs: dict[str, Any],
-                          output: Any) -> None:
-            cache = ref()
-            if cache is not None and kwargs.get("past_key_values") is cache:
-                cache._finish_forward(completed=output is not None)
-
         hooks = []
         for index, layer in enumerate(self.csa_layers):
             compressor = base.layers[layer].self_attn.compressor
             hooks.append(compressor.indexer.register_forward_hook(keep_top_k(index)))
             hooks.append(compressor.register_forward_hook(replace(index)))
-        hooks.append(base.register_forward_hook(after_forward, with_kwargs=True,
-                                                always_call=True))
+        hooks.append(self._hook_forward_end(base))
         return hooks
 
     def open_step(self, layer: _CSAEntries, new: torch.Tensor) -> None:

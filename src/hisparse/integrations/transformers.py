@@ -203,9 +203,7 @@ class HiSparseDSACache(EngineCache, Cache):
     def close(self) -> None:
         """Free the requests, the host pool and the device tables; give the model its own
         attention back. Idempotent."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self._remove_hooks()
         if self._model is not None:
             self._model.set_attn_implementation(self._previous_attention)
             self._model = None
@@ -224,17 +222,9 @@ class HiSparseDSACache(EngineCache, Cache):
                     cache._latent[layer] = output
             return hook
 
-        def after_forward(module: nn.Module, args: Any, kwargs: dict[str, Any],
-                          output: Any) -> None:
-            cache = ref()
-            if cache is not None and kwargs.get("past_key_values") is cache:
-                cache._finish_forward(completed=output is not None)
-
         hooks = [layer.self_attn.kv_a_layernorm.register_forward_hook(latent_hook(index))
                  for index, layer in enumerate(layers)]
-        base = getattr(model, "model", model)
-        hooks.append(base.register_forward_hook(after_forward, with_kwargs=True,
-                                                always_call=True))
+        hooks.append(self._hook_forward_end(getattr(model, "model", model)))
         return hooks
 
     def _rows(self, layer: int, key_states: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import hisparse
+from hisparse.tools.combination_fuzz import swap_in_new_rows
 from test_cancel_step import EXTENT, GROUP, HOT, LAYERS, TOP_K, WIDTH, random_top_k
 from test_reliability_state import check_table_invariants, prefill_patterned, row_pattern
 
@@ -58,11 +59,7 @@ def _ragged_step(cache: hisparse.HiSparseCache, names: list[str], appends: list[
             _rows(uids[n], layer, [p])[0] if a else
             torch.randint(0, 256, (WIDTH,), dtype=torch.uint8, generator=gen)
             for n, p, a in zip(names, before, appends, strict=True)]).to(cache.device)
-        if folded:
-            rows = step.swap_in(layer, top_k, newest_kv=kv)
-        else:
-            step.write_newest(layer, kv)
-            rows = step.swap_in(layer, top_k)
+        rows = swap_in_new_rows(step, layer, top_k, kv, folded)
         device_kv = cache.device_kv(layer).cpu()
         for b, name in enumerate(names):
             picked = top_k[b].cpu()

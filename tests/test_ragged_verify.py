@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import hisparse
+from hisparse.tools.combination_fuzz import swap_in_new_rows
 from test_reliability_state import check_table_invariants, prefill_patterned, row_pattern
 
 LAYERS, WIDTH, TOP_K, HOT, EXTENT, GROUP, D = 3, 32, 4, 16, 4, 2, 4
@@ -94,11 +95,7 @@ def ragged_verify_step(cache: hisparse.HiSparseCache, model: Model, rng: random.
             if a:
                 kv[b, :a] = model.rows(name, layer, list(range(n0, n0 + a)), uid)
         kv = kv.to(cache.device)
-        if folded:
-            rows = step.swap_in(layer, top_k, newest_kv=kv)
-        else:
-            step.write_newest(layer, kv)
-            rows = step.swap_in(layer, top_k)
+        rows = swap_in_new_rows(step, layer, top_k, kv, folded)
         device_kv = cache.device_kv(layer).cpu()
         for b, name in enumerate(names):
             picked = top_k[b].cpu()

@@ -64,6 +64,16 @@ def cut(origin: Origin, num_tokens: int) -> Origin:
     return tuple(kept)
 
 
+def swap_in_new_rows(step: Any, layer: int, top_k: torch.Tensor, kv: torch.Tensor,
+                     folded: bool) -> torch.Tensor:
+    """One layer of `step`: its new rows `kv` handed to the swap-in (`folded`) or written
+    first by `write_newest`, the two ways a framework may give them; the returned rows."""
+    if folded:
+        return step.swap_in(layer, top_k, newest_kv=kv)
+    step.write_newest(layer, kv)
+    return step.swap_in(layer, top_k)
+
+
 class FuzzRank:
     """One rank's run of the seeded schedule, checking every row it reads.
 
@@ -324,11 +334,7 @@ class FuzzRank:
         for layer in range(self.L):
             kv = torch.from_numpy(kv_at(step_seeds, positions, layer, self.W)).to(cache.device)
             kv = kv[:, 0] if tokens == 1 else kv
-            if folded:
-                rows = step.swap_in(layer, top, newest_kv=kv)
-            else:
-                step.write_newest(layer, kv)
-                rows = step.swap_in(layer, top)
+            rows = swap_in_new_rows(step, layer, top, kv, folded)
             self.check(layer, rows.reshape(len(batch), tokens, -1), top_k, batch, first,
                        step_seeds)
             if layer == cancel_after:

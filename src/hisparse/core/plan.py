@@ -139,7 +139,8 @@ class StepPlanner:
 
     def plan(self, batch_size: int, num_tokens: int, dedupe: bool, ragged: bool = False
              ) -> StepPlan:
-        if num_tokens == 1 and not (dedupe or ragged):  # the usual step: a list index
+        usual = num_tokens == 1 and not (dedupe or ragged)  # a single-token step: a list index
+        if usual:
             found = self._single[batch_size]
             if found is not None:
                 return found
@@ -157,6 +158,6 @@ class StepPlanner:
             shares_index=any(replay is not None for replay in d.replays),
             side_stream_replay=d.prefetch_stream is not None,
             kernels=d.kernels.implementation)
-        if key[1:] == (1, False, False):
+        if usual:
             self._single[batch_size] = made
         return made

@@ -221,7 +221,8 @@ def test_the_plan_shows_a_ragged_verify_step(backend: Any) -> None:
     step = cache.begin_decode_step(["long", "short"], num_tokens=2, appends=[2, 2])
     assert step.plan.appends == "ragged"
     for layer in range(LAYERS):
-        step.write_newest(layer, torch.zeros(2, 2, WIDTH, dtype=torch.uint8))
+        step.write_newest(layer, torch.zeros(2, 2, WIDTH, dtype=torch.uint8,
+                                                device=cache.device))
     step.end([0, 2])
     assert cache.seq_len("long") == PROMPTS["long"] and cache.seq_len("short") == 7
     with pytest.raises(hisparse.InvalidInputError, match="dedupe=False"):
@@ -258,7 +259,8 @@ def test_bad_accept_counts_are_refused_and_the_step_stays_open(accepted: Any,
     cache = build("cpu")
     step = cache.begin_decode_step(["long", "short"], num_tokens=2, appends=[1, 0])
     for layer in range(LAYERS):
-        step.write_newest(layer, torch.zeros(2, 2, WIDTH, dtype=torch.uint8))
+        step.write_newest(layer, torch.zeros(2, 2, WIDTH, dtype=torch.uint8,
+                                                device=cache.device))
     with pytest.raises(hisparse.InvalidInputError, match=match):
         step.end(accepted)
     assert step.is_open and cache.seq_len("long") == PROMPTS["long"] + 1
@@ -282,7 +284,8 @@ def test_a_full_request_may_append_nothing_but_not_a_row() -> None:
     assert cache.seq_len("full") == 32 and cache.seq_len("other") == 20
     step = cache.begin_decode_step(["full", "other"], num_tokens=2, appends=[0, 2])
     for layer in range(LAYERS):
-        step.write_newest(layer, torch.zeros(2, 2, WIDTH, dtype=torch.uint8))
+        step.write_newest(layer, torch.zeros(2, 2, WIDTH, dtype=torch.uint8,
+                                                device=cache.device))
     top_k = torch.tensor([[[31, 5, -1, -1]] * 2, [[21, 20, 3, -1]] * 2], dtype=torch.int32)
     rows = step.swap_in(0, top_k)
     assert torch.equal(cache.device_kv(0)[rows[0, 1, :2].long()],

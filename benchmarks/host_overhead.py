@@ -64,6 +64,7 @@ import torch
 
 import hisparse
 from hisparse.backends.registry import get_backend
+from hisparse.kernels.swap_in.plan import tuning
 from hisparse.tools.benchmarking import run_environment
 
 CALLS = ("begin_decode_step", "write_newest", "swap_in", "end_decode_step")
@@ -725,6 +726,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warm-calls", type=int, default=40,
                         help="calls of each kind in the --warm pass")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pdl", choices=["auto", "on", "off"], default="auto",
+                        help="programmatic dependent launch of the swap-in's kernels "
+                             "(Tuning.pdl; auto: what the device allows)")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     return parser
 
@@ -745,6 +749,13 @@ def main(argv: list[str] | None = None) -> int:
     shape = {name: value for name, value in (("top_k", args.top_k),
                                              ("row_bytes", args.row_bytes))
              if value is not None}
+    launch = (tuning(pdl=args.pdl == "on") if args.pdl != "auto" else contextlib.nullcontext())
+    with launch:
+        cells = measure(device, args.batches, args.churns, args.seq_len, args.warmup, args.steps,
+                        args.layers, args.breakdown, args.profile, args.seed, shape, args.ragged,
+                        args.rounds, args.steps_per_round, args.disjoint_requests,
+                        tuple(dict.fromkeys(args.newest)), args.pause_ms, args.pause_kind,
+                        args.warm_calls if args.warm else 0)
     result = {
         "benchmark": "host-overhead",
         "command": "python benchmarks/host_overhead.py " + " ".join(
@@ -755,11 +766,8 @@ def main(argv: list[str] | None = None) -> int:
         "environment": run_environment("cpu" if args.noop_kernels else device),
         "targets_us": TARGETS_US,
         "lengths": "ragged" if args.ragged else "equal",
-        **measure(device, args.batches, args.churns, args.seq_len, args.warmup, args.steps,
-                  args.layers, args.breakdown, args.profile, args.seed, shape, args.ragged,
-                  args.rounds, args.steps_per_round, args.disjoint_requests,
-                  tuple(dict.fromkeys(args.newest)), args.pause_ms, args.pause_kind,
-                  args.warm_calls if args.warm else 0),
+        "pdl": args.pdl,
+        **cells,
     }
     if args.floors:
         try:

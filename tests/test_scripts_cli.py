@@ -388,7 +388,10 @@ def test_the_gpu_runner_refuses_at_once_without_cuda(tmp_path: Path) -> None:
 
 GPU_STUBS = {
     # A python that "sees" a GPU and logs what it is asked to run; the tools beside it too.
-    "python": '#!/bin/sh\necho "python $*" >> "$LOG"\nexit 0\n',
+    # Asked to collect tests, it lists one per path given (the sanitizers shard them).
+    "python": ('#!/bin/sh\necho "python $*" >> "$LOG"\ncase " $* " in *" --collect-only "*)\n'
+               '  for a in "$@"; do case $a in tests/*) echo "$a::stub";; esac; done;;\nesac\n'
+               'exit 0\n'),
     "nvidia-smi": '#!/bin/sh\necho "NVIDIA H200, 580"\n',
     "compute-sanitizer": '#!/bin/sh\necho "compute-sanitizer $*" >> "$LOG"\nexit 0\n',
 }
@@ -415,10 +418,15 @@ def test_the_gpu_runner_runs_the_stages_named_each_once_and_sums_them_up(
     # The group `kernels` adds kernel-tests, racecheck and sw1; memcheck and probe run once.
     assert ran == ["probe", "memcheck", "sw2", "kernel-tests", "racecheck", "sw1"], summary
     assert log.count("hisparse.cli.main probe --json") == 1, log
-    # The sanitizer runs the swap-in's variants, then the decode path's kernels.
+    # The sanitizer runs the swap-in's variants, then the decode path's kernels, each set
+    # shared by processes (4 at most) that together run every collected test once.
     memchecks = [line for line in log.splitlines()
                  if line.startswith("compute-sanitizer --tool memcheck")]
-    assert len(memchecks) == 2 and "test_swap_in_union.py" in memchecks[1], memchecks
+    groups = [[word for line in part for word in line.split() if "::" in word]
+              for part in (memchecks[:2], memchecks[2:])]
+    assert len(memchecks) == 2 + 4, memchecks
+    assert [len(ids) for ids in groups] == [len(set(ids)) for ids in groups] == [2, 6], groups
+    assert "tests/test_swap_in_union.py::stub" in groups[1], groups
     assert any("benchmarks/verify_step.py --device cuda --grid full" in line
                for line in log.splitlines()), log
     assert (tmp_path / "out" / "results.tar.gz").exists()

@@ -1,0 +1,97 @@
+"""The decode path's Triton kernels never address bytes outside the tensors they are given:
+interpreted on the CPU with bounds checks (`fakes.bounds_checked_interpreter`), the CPU's
+stand-in for compute-sanitizer's memcheck, through the whole engine.
+
+The workload is benchmarks/host_overhead.py's at a small shape: cells of several batch sizes
+sharing their requests, each cell's steps interleaved with the others' and replayed after
+them (the pattern whose 61-layer run once hit an illegal address on an H100,
+benchmarks/NOTES.md, twenty-ninth pass), with and without churn, the new rows written
+separately or folded into the swap-in, quiet steps and planned ones, equal and ragged lengths.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fakes import bounds_checked_interpreter as bounds
+from fakes.interpreted_triton import InterpretedTritonCpu
+from interpreted_kernels import KERNEL_MARK, ON_GPU
+
+pytestmark = [KERNEL_MARK, pytest.mark.skipif(
+    ON_GPU, reason="a GPU is visible: its kernels are compiled, not interpreted"),
+    pytest.mark.skipif(bounds.unsupported_reason() is not None,
+                       reason=str(bounds.unsupported_reason()))]
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _toy_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_at(src, dst, offset, n, BLOCK: tl.constexpr):
+        lanes = tl.arange(0, BLOCK)
+        tl.store(dst + lanes, tl.load(src + offset + lanes, mask=lanes < n), mask=lanes < n)
+
+    return read_at
+
+
+@pytest.mark.parametrize(("offset", "n", "fails"), [(0, 8, False), (4, 4, False),
+                                                    (4, 5, True), (-1, 1, True),
+                                                    (100, 0, False)])
+def test_the_checks_catch_a_lane_past_a_tensor_and_only_active_lanes(
+        offset: int, n: int, fails: bool) -> None:
+    """The control: one lane past the end (or before the start) raises, naming the kernel;
+    masked-off lanes may point anywhere."""
+    kernel = _toy_kernel()
+    src, dst = torch.arange(8, dtype=torch.int32), torch.zeros(16, dtype=torch.int32)
+    with bounds.bounds_checked() as ranges:
+        if fails:
+            with pytest.raises(Exception, match=r"read_at: a load of 1 lane\(s\) outside"):
+                kernel[(1,)](src, dst, offset, n, BLOCK=16)
+        else:
+            kernel[(1,)](src, dst, offset, n, BLOCK=16)
+            assert dst[:n].tolist() == list(range(offset, offset + n))
+    assert ranges.checks == (1 if fails else 2)  # the load, then (in bounds) the store
+
+
+@pytest.mark.parametrize("shape", [
+    {},
+    {"residency_map": "position"},
+    {"extent_tokens": 32, "hot_slots": 48},
+], ids=["host-row map", "position map", "long extents"])
+def test_the_host_overhead_workload_stays_in_bounds(shape: dict[str, Any],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import host_overhead
+
+    made: list[Any] = []
+
+    def make_cache(*args: Any, **kwargs: Any) -> Any:
+        cache = host_overhead.make_cache.__wrapped__(*args, **kwargs)
+        # The backup and the folded writer reach host rows by raw address.
+        for layer, rows in enumerate(cache._decode.tables.host_kv):
+            bounds.allow(rows, f"host_kv[{layer}]")
+        made.append(cache)
+        return cache
+
+    make_cache.__wrapped__ = host_overhead.make_cache  # type: ignore[attr-defined]
+    monkeypatch.setattr(host_overhead, "make_cache", make_cache)
+    seed = random.randrange(2**16)
+    config = {"top_k": 8, "row_bytes": 32, "hot_slots": 24, "extent_tokens": 8,
+              "index_group_size": 1, **shape}
+    with bounds.bounds_checked() as ranges:
+        result = host_overhead.measure(
+            InterpretedTritonCpu(), [1, 3], [0.0, 0.5], 64, 1, 4, 2, False, False, seed,
+            config, seed % 2 == 1, None, 2, False, ("separate", "folded"), 0.0, "sleep", 0)
+    cells = result["cells"]
+    assert len(cells) == 2 * 2 * 2 and ranges.checks > 1000, (len(cells), ranges.checks)
+    # The churned cells did miss: the kernels moved rows, not only looked them up.
+    assert all(cell["misses_per_step"] > 0 for cell in cells if cell["churn"] > 0), cells
+    assert len(made) == 1

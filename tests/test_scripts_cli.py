@@ -397,13 +397,14 @@ GPU_STUBS = {
 }
 
 
-def gpu_run_with_stubs(tmp_path: Path, *stages: str) -> tuple[subprocess.CompletedProcess[str],
-                                                                str]:
+def gpu_run_with_stubs(tmp_path: Path, *stages: str, **env_vars: str
+                       ) -> tuple[subprocess.CompletedProcess[str], str]:
     for name, text in GPU_STUBS.items():
         (tmp_path / name).write_text(text)
         (tmp_path / name).chmod(0o755)
     env = {**ENV, "PYTHON": str(tmp_path / "python"), "LOG": str(tmp_path / "log"),
-           "OUT": str(tmp_path / "out"), "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+           "OUT": str(tmp_path / "out"), "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+           **env_vars}
     result = subprocess.run([str(SCRIPTS / "gpu-run"), *stages], capture_output=True,
                             text=True, env=env, timeout=60)
     return result, (tmp_path / "log").read_text() if (tmp_path / "log").exists() else ""
@@ -430,6 +431,22 @@ def test_the_gpu_runner_runs_the_stages_named_each_once_and_sums_them_up(
     assert any("benchmarks/verify_step.py --device cuda --grid full" in line
                for line in log.splitlines()), log
     assert (tmp_path / "out" / "results.tar.gz").exists()
+
+
+def test_the_fault_hunt_repeats_both_trees_then_pdl_off_then_blocking_launches(
+        tmp_path: Path) -> None:
+    baseline = tmp_path / "baseline"
+    baseline.mkdir()
+    result, log = gpu_run_with_stubs(tmp_path, "fault-hunt", HUNT_RUNS="2",
+                                     BASELINE=str(baseline))
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = [line for line in log.splitlines() if "benchmarks/host_overhead.py" in line]
+    outputs = [line.split("--output ")[1].split("/hunt-")[1] for line in runs]
+    assert outputs == ["change-1.json", "baseline-1.json", "change-2.json", "baseline-2.json",
+                       "pdl-off-1.json", "pdl-off-2.json", "launch-blocking.json"], runs
+    assert all(("--pdl off" in line) == ("pdl-off" in line) for line in runs), runs
+    exits = (tmp_path / "out" / "fault-hunt.log").read_text()
+    assert "change-1: exit 0" in exits and "launch-blocking: exit 0" in exits, exits
 
 
 def test_the_gpu_runner_refuses_a_stage_it_does_not_know(tmp_path: Path) -> None:

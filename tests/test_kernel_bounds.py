@@ -2,7 +2,9 @@
 interpreted on the CPU with bounds checks (`fakes.bounds_checked_interpreter`), the CPU's
 stand-in for compute-sanitizer's memcheck, through the whole engine.
 
-The workload is benchmarks/host_overhead.py's at a small shape: cells of several batch sizes
+Two workloads. The combination fuzz (hisparse.tools.combination_fuzz) draws every kind of step
+(verify, dedupe, ragged, cancels, prefixes, PD, preemption) against its plain-Python model.
+The other is benchmarks/host_overhead.py's at a small shape: cells of several batch sizes
 sharing their requests, each cell's steps interleaved with the others' and replayed after
 them (the pattern whose 61-layer run once hit an illegal address on an H100,
 benchmarks/NOTES.md, twenty-ninth pass), with and without churn, the new rows written
@@ -20,6 +22,8 @@ import torch
 
 from fakes import bounds_checked_interpreter as bounds
 from fakes.interpreted_triton import InterpretedTritonCpu
+from hisparse.tools.combination_fuzz import FUZZ_CONFIG, FuzzRank
+from hisparse.tools.shared_pool_run import _cache
 from interpreted_kernels import KERNEL_MARK, ON_GPU
 
 pytestmark = [KERNEL_MARK, pytest.mark.skipif(
@@ -95,3 +99,25 @@ def test_the_host_overhead_workload_stays_in_bounds(shape: dict[str, Any],
     # The churned cells did miss: the kernels moved rows, not only looked them up.
     assert all(cell["misses_per_step"] > 0 for cell in cells if cell["churn"] > 0), cells
     assert len(made) == 1
+
+
+@pytest.mark.parametrize("shape", [
+    {"index_group_size": 1, "residency_map": "position"},
+    {"index_group_size": 2, "residency_map": "host_row"},
+    {"index_group_size": 3, "residency_map": "host_row", "alias_extents": 16},
+], ids=["position map", "host-row map, groups of 2", "alias extents, groups of 3"])
+def test_the_combination_fuzz_through_the_triton_kernels_is_exact_and_in_bounds(
+        shape: dict[str, Any]) -> None:
+    seed = random.randrange(2**31)
+    cache = _cache(None, 0, 1, InterpretedTritonCpu(), {**FUZZ_CONFIG, **shape})
+    try:
+        with bounds.bounds_checked() as ranges:
+            for layer, rows in enumerate(cache._decode.tables.host_kv):
+                bounds.allow(rows, f"host_kv[{layer}]")
+            fuzz = FuzzRank(cache, seed, writer=True, folded=0.5)
+            counts = fuzz.run(50)
+    finally:
+        cache.close()
+    assert counts["mismatches"] == 0, (shape, seed, fuzz.mismatch_details)
+    assert counts["verify_steps"] and counts["ragged_steps"] and counts["cancels"], counts
+    assert ranges.checks > 10000, ranges.checks

@@ -79,9 +79,7 @@ def test_the_host_overhead_workload_stays_in_bounds(
 
     def make_cache(*args: Any, **kwargs: Any) -> Any:
         cache = original(*args, **kwargs)
-        # The backup and the folded writer reach host rows by raw address.
-        for layer, rows in enumerate(cache._decode.tables.host_kv):
-            bounds.allow(rows, f"host_kv[{layer}]")
+        bounds.allow_host_pool(cache)
         made.append(cache)
         return cache
 
@@ -110,8 +108,7 @@ def test_the_combination_fuzz_through_the_triton_kernels_is_exact_and_in_bounds(
     cache = _cache(None, 0, 1, InterpretedTritonCpu(), {**FUZZ_CONFIG, **shape})
     try:
         with bounds.bounds_checked() as ranges:
-            for layer, rows in enumerate(cache._decode.tables.host_kv):
-                bounds.allow(rows, f"host_kv[{layer}]")
+            bounds.allow_host_pool(cache)
             fuzz = FuzzRank(cache, seed, writer=True, folded=0.5)
             counts = fuzz.run(50)
     finally:

@@ -45,24 +45,23 @@ def unsupported_reason() -> str | None:
 class _Ranges:
     """The byte ranges the running launch may touch."""
 
-    def __init__(self) -> None:
+    def __init__(self, numpy_dtype: Any) -> None:
+        self.numpy_dtype = numpy_dtype  # the interpreter's element type -> numpy dtype
         self.kernel = ""
         self.arguments: list[tuple[int, int, str]] = []
         self.allowed: list[tuple[int, int, str]] = []
         self.checks = 0
 
     def check(self, pointers: Any, mask: Any, element_type: Any, operation: str) -> None:
-        from triton.runtime.interpreter import _get_np_dtype
-
         self.checks += 1
-        addresses = np.asarray(pointers.data).astype(np.uint64).ravel()
-        active = (np.ones(addresses.shape, dtype=bool) if mask is None
-                  else np.broadcast_to(np.asarray(mask.data).astype(bool),
-                                       np.asarray(pointers.data).shape).ravel())
-        addresses = addresses[active]
+        lanes = np.asarray(pointers.data)
+        addresses = lanes.astype(np.uint64).ravel()
+        if mask is not None:
+            addresses = addresses[np.broadcast_to(np.asarray(mask.data).astype(bool),
+                                                  lanes.shape).ravel()]
         if addresses.size == 0:
             return
-        size = np.uint64(np.dtype(_get_np_dtype(element_type)).itemsize)
+        size = np.uint64(np.dtype(self.numpy_dtype(element_type)).itemsize)
         inside = np.zeros(addresses.shape, dtype=bool)
         ranges = self.arguments + self.allowed
         for low, high, _ in ranges:
@@ -89,10 +88,17 @@ def _range_of(tensor: torch.Tensor, name: str) -> tuple[int, int, str]:
 
 
 def allow(tensor: torch.Tensor, name: str) -> None:
-    """Let kernels touch `tensor`'s storage although no launch passes it as a tensor."""
+    """Let kernels touch `tensor` although no launch passes it as a tensor."""
     if _active is None:
         raise RuntimeError("allow() is for use inside bounds_checked()")
     _active.allowed.append(_range_of(tensor, name))
+
+
+def allow_host_pool(cache: Any) -> None:
+    """Let kernels touch `cache`'s host rows, which the backup and the folded writer reach by
+    raw address."""
+    for layer, rows in enumerate(cache._decode.tables.host_kv):
+        allow(rows, f"host_kv[{layer}]")
 
 
 @contextlib.contextmanager
@@ -104,7 +110,7 @@ def bounds_checked() -> Iterator[_Ranges]:
     builder, executor = interpreter.InterpreterBuilder, interpreter.GridExecutor
     originals = {name: getattr(builder, name) for name in _PATCHED}
     init_args = executor._init_args_hst
-    ranges = _Ranges()
+    ranges = _Ranges(interpreter._get_np_dtype)
 
     def init(self: Any, args_dev: Any, kwargs: Any) -> Any:
         args, kwargs_host = init_args(self, args_dev, kwargs)

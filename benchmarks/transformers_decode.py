@@ -79,17 +79,28 @@ def context(model: torch.nn.Module, batch: int, tokens: int,
     return rows, keys
 
 
-def dense_cache(model: torch.nn.Module, rows: torch.Tensor,
-                keys: torch.Tensor) -> transformers.DynamicCache:
-    """transformers' cache holding the expansion of `rows` (what its prefill would cache)."""
+def dense_cache(model: torch.nn.Module, rows: torch.Tensor, keys: torch.Tensor,
+                chunk: int = 4096) -> transformers.DynamicCache:
+    """transformers' cache holding the expansion of `rows` (what its prefill would cache),
+    expanded `chunk` tokens at a time into tensors of the full length: building it takes
+    little more device memory than holding it (a float32 batch of 8 fits an H100)."""
     c = model.config
     cache = transformers.DynamicCache(config=c)
+    tokens = rows.shape[2]
     for layer, attention in enumerate(a.self_attn for a in model.model.layers):
         latent, rope = rows[layer].split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        key, value = attention.expand_kv(latent[:, None], rope[:, None])
-        cache.update(key, value, layer)
+        full: list[torch.Tensor] = []
+        for start in range(0, tokens, chunk):
+            span = slice(start, start + chunk)
+            parts = attention.expand_kv(latent[:, None, span], rope[:, None, span])
+            if not full:
+                full = [p.new_empty((*p.shape[:2], tokens, p.shape[3])) for p in parts]
+            for whole, part in zip(full, parts, strict=True):
+                whole[:, :, span] = part
+            del parts
+        cache.update(*full, layer)
         cache.update_indexer(keys[layer], layer)
-        del key, value
+        del full
     return cache
 
 

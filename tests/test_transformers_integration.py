@@ -198,3 +198,28 @@ def test_the_benchmark_runs_tiny_and_matches_the_dense_cache(tmp_path: object,
             assert 0 < against["hisparse"]["max_logit_error"] < 1.0, against
         else:
             assert "against_float32" not in run
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 4096])
+def test_the_benchmarks_dense_cache_built_in_chunks_holds_the_whole_expansion(
+        chunk: int, seed: int) -> None:
+    """benchmarks/transformers_decode.py's `dense_cache` expands the context a chunk of
+    tokens at a time (so that a float32 batch of 8 fits a GPU): every layer's keys and values
+    must equal one `expand_kv` over all tokens."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import transformers_decode
+
+    torch.manual_seed(seed)
+    model = transformers_decode.build("glm-5.2", layers=2, tiny=True, device=torch.device("cpu"))
+    rows, keys = transformers_decode.context(model, batch=2, tokens=50, seed=seed)
+    cache = transformers_decode.dense_cache(model, rows, keys, chunk=chunk)
+    c = model.config
+    for layer, decoder in enumerate(model.model.layers):
+        latent, rope = rows[layer].split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        key, value = decoder.self_attn.expand_kv(latent[:, None], rope[:, None])
+        assert torch.equal(cache.layers[layer].keys, key)
+        assert torch.equal(cache.layers[layer].values, value)
+    assert cache.get_seq_length() == 50

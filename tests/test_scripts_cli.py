@@ -433,6 +433,17 @@ def test_the_gpu_runner_runs_the_stages_named_each_once_and_sums_them_up(
     assert (tmp_path / "out" / "results.tar.gz").exists()
 
 
+def test_the_sanitizers_shard_logs_stay_in_sanitize_log_dir(tmp_path: Path) -> None:
+    """A stage cut short by its cap loses the logs it had not printed; SANITIZE_LOG_DIR keeps
+    every shard's log (each test named) for that case."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    result, _ = gpu_run_with_stubs(tmp_path, "racecheck", SANITIZE_LOG_DIR=str(kept))
+    assert result.returncode == 0, result.stdout + result.stderr
+    logs = sorted(path.name for path in kept.iterdir())
+    assert len(logs) == 2 + 4 and all(name.startswith("racecheck-shard-") for name in logs), logs
+
+
 def test_the_fault_hunt_repeats_both_trees_then_pdl_off_then_blocking_launches(
         tmp_path: Path) -> None:
     baseline = tmp_path / "baseline"

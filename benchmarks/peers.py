@@ -24,7 +24,8 @@ SW-1: B x churn cells on one registered host pool (scattered rows and 512-token 
 kernel on the same tables, pool and top-k trace (`hisparse.tools.benchmarking`), every step's
 returned rows checked byte for byte against the pool on the device. Per kernel: `device_us`,
 the median of CUDA-graph replays timed by events queued behind a device-side sleep;
-`eager_host_us`, the median host wall-clock of an eager call (launch only, no synchronize);
+`eager_host_us`, the median host wall-clock of an eager call (launch only, no synchronize;
+hisparse's through the bound launcher its engine calls, `sw1_steps.LauncherSwapIn`);
 `eager_device_us` of those eager calls; misses per step and their GB/s. `link` is a bulk
 host-to-device copy's rate on the same card; each B = 128 cell reports miss GB/s over it.
 
@@ -55,7 +56,7 @@ import sglang_ops
 import vllm_peer
 from hisparse.errors import InvalidInputError
 from hisparse.tools import benchmarking
-from hisparse.tools.sw1_steps import CellSteps
+from hisparse.tools.sw1_steps import CellSteps, LauncherSwapIn
 
 SIZES = benchmarking.SW1Sizes()
 SW1_GRID = {"batches": (1, 16, 64, 128), "churns": (0.0, 0.05, 0.2, 1.0)}
@@ -168,7 +169,7 @@ def kernels_for(args: argparse.Namespace, peers: Peers, pool: Pool, layout: str
     backend = get_backend("cuda")
     kinds: dict[str, Callable[..., tuple[Any, Callable[[], int | None]]]] = {
         "hisparse": lambda tables, host_rows: (
-            benchmarking.swap_in_kernel(backend)[0], lambda: int(tables.counters[0, 1]))}
+            LauncherSwapIn(backend), lambda: int(tables.counters[0, 1]))}
     if peers.sglang is not None:
         kinds["sglang"] = lambda tables, host_rows: (
             sglang_ops.SglangSwapIn(peers.sglang, tables, host_rows,

@@ -29,6 +29,7 @@ import torch
 
 import sglang_ops
 from hisparse.tools import benchmarking
+from hisparse.tools.sw1_steps import LauncherSwapIn
 
 PAGE_ENTRIES = 64
 VALUE_BYTES = 576
@@ -112,7 +113,7 @@ def run_sw1_v4(args: argparse.Namespace, peers: Any, result: dict[str, Any],
     host_pages = backend.alloc_host(-(-pool.rows.shape[0] // PAGE_ENTRIES) * PAGE_BYTES)
     kinds: dict[str, Callable[..., tuple[Any, Callable[[], int | None]]]] = {
         "hisparse": lambda tables, host_rows: (
-            benchmarking.swap_in_kernel(backend)[0], lambda: int(tables.counters[0, 1]))}
+            LauncherSwapIn(backend), lambda: int(tables.counters[0, 1]))}
     if peers.sglang is not None:
         kinds["sglang"] = lambda tables, host_rows: (
             SglangV4SwapIn(peers.sglang, tables, host_rows, host_pages,

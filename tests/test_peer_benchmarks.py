@@ -16,6 +16,7 @@ import torch
 from hisparse.backends.registry import get_backend
 from hisparse.errors import InvalidInputError
 from hisparse.tools import benchmarking
+from hisparse.tools.sw1_steps import LauncherSwapIn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import peers  # benchmark modules, not part of the package
@@ -212,7 +213,7 @@ def test_a_sw1_cell_times_counts_and_checks_each_kernel(corrupt: bool) -> None:
                              "--eager-steps", "2", "--seed", str(int(rng.integers(2**31)))])
     churn = float(rng.choice([0.25, 0.5]))
     own = peers.sw1_cell(pool, "scattered", 2, churn, args, lambda tables, host_rows: (
-        benchmarking.swap_in_kernel(backend)[0], lambda: int(tables.counters[0, 1])),
+        LauncherSwapIn(backend), lambda: int(tables.counters[0, 1])),
         backend=backend, sizes=sizes)
     peer = peers.sw1_cell(pool, "scattered", 2, churn, args, lambda tables, host_rows: (
         TraceCountedPeer(corrupt), lambda: None), backend=backend, sizes=sizes)
@@ -221,6 +222,43 @@ def test_a_sw1_cell_times_counts_and_checks_each_kernel(corrupt: bool) -> None:
     assert peer["misses_per_step"] == expected and peer["misses_counted_by"] == "trace"
     assert own["correct"] and peer["correct"] is not corrupt
     assert own["eager_host_us"] > 0 and own["device_us"] > 0
+
+
+def test_the_launcher_swap_in_returns_the_kernels_rows_and_binds_once_per_buffers() -> None:
+    """The peer tables time hisparse through the engine's bound launcher: over the same
+    tables and trace it must return what the checked kernel function returns, and bind once
+    for one set of batch buffers and again when the buffers change."""
+    seed = int(np.random.default_rng().integers(2**31))
+    sizes = benchmarking.SW1Sizes(seq_len=512, top_k=32, hot_slots=64)
+    backend = get_backend("cpu")
+    rows = backend.alloc_host(3 * sizes.seq_len * 656).view(-1, 656)
+    benchmarking.fill_pool(rows)
+    made: list[int] = []
+
+    def counted(*args: object, **options: object) -> object:
+        made.append(1)
+        return backend.kernels.swap_in_launcher(*args, **options)
+
+    launcher = LauncherSwapIn(types.SimpleNamespace(
+        kernels=types.SimpleNamespace(swap_in_launcher=counted)))
+    results = []
+    for kernel in (benchmarking.swap_in_kernel(backend)[0], launcher):
+        tables, _ = benchmarking.build_tables(backend, rows, "scattered", 3, sizes,
+                                              np.random.default_rng(seed))
+        trace = benchmarking.ChurnTrace(3, sizes, 0.5, np.random.default_rng(seed))
+        req_slots = torch.arange(3, dtype=torch.int32)
+        num_real = torch.tensor([3], dtype=torch.int32)
+        out = torch.full((3, sizes.top_k), -1, dtype=torch.int32)
+        steps = []
+        for step in range(5):
+            if step == 3:  # new batch buffers: the launcher must bind to these
+                out = out.clone()
+            kernel(tables, 0, 0, req_slots, torch.from_numpy(trace.step()).contiguous(),
+                   num_real, out)
+            steps.append(tables.device_kv[0][out.clamp(min=0).long()].clone())
+        results.append(steps)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert len(made) == 2, made
 
 
 def test_v4_pages_hold_each_entry_as_sglang_addresses_it() -> None:

@@ -444,20 +444,21 @@ def test_the_sanitizers_shard_logs_stay_in_sanitize_log_dir(tmp_path: Path) -> N
     assert len(logs) == 2 + 4 and all(name.startswith("racecheck-shard-") for name in logs), logs
 
 
-def test_the_fault_hunt_repeats_both_trees_then_pdl_off_then_blocking_launches(
+def test_the_fault_hunt_shares_the_gpu_and_alternates_pdl_then_baseline_then_blocking(
         tmp_path: Path) -> None:
     baseline = tmp_path / "baseline"
     baseline.mkdir()
-    result, log = gpu_run_with_stubs(tmp_path, "fault-hunt", HUNT_RUNS="2",
+    result, log = gpu_run_with_stubs(tmp_path, "fault-hunt", HUNT_RUNS="2", HUNT_SHARERS="3",
                                      BASELINE=str(baseline))
     assert result.returncode == 0, result.stdout + result.stderr
+    assert log.splitlines().count("python -c import sys, torch") == 3, log  # the sharers
     runs = [line for line in log.splitlines() if "benchmarks/host_overhead.py" in line]
     outputs = [line.split("--output ")[1].split("/hunt-")[1] for line in runs]
-    assert outputs == ["change-1.json", "baseline-1.json", "change-2.json", "baseline-2.json",
-                       "pdl-off-1.json", "pdl-off-2.json", "launch-blocking.json"], runs
+    assert outputs == ["pdl-1.json", "pdl-off-1.json", "pdl-2.json", "pdl-off-2.json",
+                       "baseline.json", "launch-blocking.json"], runs
     assert all(("--pdl off" in line) == ("pdl-off" in line) for line in runs), runs
     exits = (tmp_path / "out" / "fault-hunt.log").read_text()
-    assert "change-1: exit 0" in exits and "launch-blocking: exit 0" in exits, exits
+    assert "pdl-1: exit 0" in exits and "launch-blocking: exit 0" in exits, exits
 
 
 def test_the_gpu_runner_refuses_a_stage_it_does_not_know(tmp_path: Path) -> None:

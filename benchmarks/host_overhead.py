@@ -677,6 +677,12 @@ def _stream_floors(dev: torch.device, median_us: Callable[[Callable[[], object]]
 TARGETS_US = {"swap_in": 25.0, "write_newest": 8.0, "begin_plus_end": 60.0, "step": 2500.0}
 
 
+# --pdl: the launch-plan overrides of each mode (kernels.swap_in.plan.Tuning).
+PDL_MODES: dict[str, dict[str, object]] = {
+    "auto": {}, "on": {"pdl": True}, "off": {"pdl": False},
+    "no-early-copy": {"pdl_copy_max_batch": 0}}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="backend or device (default: best here)")
@@ -726,9 +732,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warm-calls", type=int, default=40,
                         help="calls of each kind in the --warm pass")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pdl", choices=["auto", "on", "off"], default="auto",
+    parser.add_argument("--pdl", choices=sorted(PDL_MODES), default="auto",
                         help="programmatic dependent launch of the swap-in's kernels "
-                             "(Tuning.pdl; auto: what the device allows)")
+                             "(Tuning.pdl; auto: what the device allows; no-early-copy: the "
+                             "selection still launched early, the copy in order)")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     return parser
 
@@ -749,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = {name: value for name, value in (("top_k", args.top_k),
                                              ("row_bytes", args.row_bytes))
              if value is not None}
-    launch = (tuning(pdl=args.pdl == "on") if args.pdl != "auto" else contextlib.nullcontext())
+    launch = tuning(**PDL_MODES[args.pdl]) if PDL_MODES[args.pdl] else contextlib.nullcontext()
     with launch:
         cells = measure(device, args.batches, args.churns, args.seq_len, args.warmup, args.steps,
                         args.layers, args.breakdown, args.profile, args.seed, shape, args.ragged,

@@ -737,3 +737,34 @@ def test_host_overhead_warm_pass_times_the_calls_back_to_back(
             warm["reference_after_sync"] / warm["reference_warm"])
         assert warm["begin_in_step_over_back_to_back"] == pytest.approx(
             cell["begin_decode_step"]["median_us"] / warm["begin_back_to_back"])
+
+
+@pytest.mark.parametrize("mode", ["auto", "off", "no-early-copy"])
+def test_host_overhead_runs_its_cells_under_the_pdl_mode_asked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """`--pdl` chooses the swap-in's launch order for the whole run (fault-hunt splits the
+    early selection from the early copy with it): the cells are measured under that tuning,
+    and the run's document says which mode it was."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import host_overhead
+    from hisparse.kernels.swap_in.plan import Tuning, current_tuning
+
+    seen: list[Tuning] = []
+    measure = host_overhead.measure
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(current_tuning())
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(host_overhead, "measure", spy)
+    out = tmp_path / "host-overhead.json"
+    argv = ["--noop-kernels", *HOST_OVERHEAD_SMALL, "--steps", "2", "--pdl", mode,
+            "--output", str(out)]
+    assert host_overhead.main(argv) == 0
+    default = Tuning()
+    expected = {"auto": (default.pdl, default.pdl_copy_max_batch),
+                "off": (False, default.pdl_copy_max_batch),
+                "no-early-copy": (default.pdl, 0)}[mode]
+    assert [(t.pdl, t.pdl_copy_max_batch) for t in seen] == [expected]
+    assert json.loads(out.read_text())["pdl"] == mode
+    assert current_tuning() == default  # the run's tuning ends with it

@@ -768,3 +768,17 @@ def test_host_overhead_runs_its_cells_under_the_pdl_mode_asked(
     assert [(t.pdl, t.pdl_copy_max_batch) for t in seen] == [expected]
     assert json.loads(out.read_text())["pdl"] == mode
     assert current_tuning() == default  # the run's tuning ends with it
+
+
+def test_the_gpu_runner_fits_its_stages_into_budget(tmp_path: Path) -> None:
+    """BUDGET (a device call's limit): each stage's cap shrinks to what is left, and a stage
+    with too little left is reported as not run, with its own exit, instead of being cut."""
+    result, _ = gpu_run_with_stubs(tmp_path, "probe", "sw2", BUDGET="100")
+    caps = [line for line in result.stdout.splitlines() if line.startswith("== ")]
+    # sw2's own cap is 240 s: with a 100 s budget it gets what is left, about 100 s.
+    assert any(line.startswith("== sw2 (cap ") and int(line.split("cap ")[1].split("s")[0])
+               <= 100 for line in caps), caps
+    result, _ = gpu_run_with_stubs(tmp_path, "probe", "sw2", BUDGET="15")
+    assert result.returncode == 1, result.stdout
+    summary = result.stdout.split("== gpu-run summary", 1)[1]
+    assert "probe: exit 125" in summary and "sw2: exit 125" in summary, summary

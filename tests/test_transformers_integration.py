@@ -202,14 +202,13 @@ def test_the_benchmark_runs_tiny_and_matches_the_dense_cache(tmp_path: object,
 
 @pytest.mark.parametrize("chunk", [7, 64, 4096])
 def test_the_benchmarks_dense_cache_built_in_chunks_holds_the_whole_expansion(
-        chunk: int, seed: int) -> None:
+        chunk: int, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/transformers_decode.py's `dense_cache` expands the context a chunk of
     tokens at a time (so that a float32 batch of 8 fits a GPU): every layer's keys and values
     must equal one `expand_kv` over all tokens."""
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import transformers_decode
 
     torch.manual_seed(seed)

@@ -54,8 +54,8 @@ class HiSparseConfig:
 
     Defaults describe DeepSeek-V3.2 (configs/default.yaml lists them). Fields left as None
     are derived: `row_bytes` from `row_bytes_by_dtype[kv_dtype]`, `hot_slots` as
-    `2 * top_k`, `max_batch` as `max_requests`, `residency_map` as `"host_row"`,
-    `alias_extents` as the pool's extent count (0 under `position`), `index_anchors` from
+    `max(2, max_draft_tokens) * top_k`, `max_batch` as `max_requests`, `residency_map` as
+    `"host_row"`, `alias_extents` as the pool's extent count (0 under `position`), `index_anchors` from
     `index_group_size` (1: every layer) and `index_group_size` from `index_anchors` (None when
     the groups differ in size); `replace()` derives them again. `index_schedule` maps layers
     to index groups (`layout.index_schedule.IndexSchedule`).
@@ -75,7 +75,7 @@ class HiSparseConfig:
         default_factory=lambda: _DEEPSEEK_ROW_BYTES, hash=False
     )
     top_k: int = 2048
-    hot_slots: int | None = None  # H, the hot buffer's LRU slots; None: 2 * top_k
+    hot_slots: int | None = None  # H, the LRU slots; None: max(2, max_draft_tokens) * top_k
     # Which layers run an indexer: either a uniform group size (layers 0, n, 2n, ... run it)
     # or the anchor layers themselves (GLM-5.2: 0, 1, 2, 6, 10, ...); set one, or both alike.
     index_group_size: int | None = None

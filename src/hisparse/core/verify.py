@@ -49,7 +49,7 @@ class VerifyContext:
     begin_block: DeviceBlock
     end_block: DeviceBlock
     # (Bcap, positions): the presence table's, a column for every position a request's page
-    # table can map (max_seq_len + D, rounded up to whole extents)
+    # table can map (the larger of max_seq_len + D and P x E)
     table_shape: tuple[int, int]
     widths: dict[int, UnionWidth] = field(default_factory=dict)
     _table: torch.Tensor | None = None

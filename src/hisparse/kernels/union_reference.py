@@ -82,7 +82,7 @@ def build_union(top_k: torch.Tensor, first: torch.Tensor, real: torch.Tensor,
 def presence_table(rows: int, positions: int, device: torch.device | str) -> torch.Tensor:
     """The Triton swap-in's `[rows, positions]` int32 scratch for verify rows, all SENTINEL
     (between calls too): rows = the batch capacity, positions = every position a request's
-    page table can map (max_seq_len + D, rounded up to whole extents). 4 bytes an entry, about
+    page table can map (the larger of max_seq_len + D and P x E). 4 bytes an entry, about
     max_batch x (max_seq_len + D) x 4 bytes in all (32 MiB at 64 x 128k), made once per cache
     at its first verify step and shared by every S."""
     return torch.full((rows, positions), SENTINEL, dtype=torch.int32, device=device)

@@ -57,8 +57,8 @@ class HiSparseConfig:
     `max(2, max_draft_tokens) * top_k`, `max_batch` as `max_requests`, `residency_map` as
     `"host_row"`, `alias_extents` as the pool's extent count (0 under `position`),
     `index_anchors` from `index_group_size` (1: every layer) and `index_group_size` from
-    `index_anchors` (None when the groups differ in size); `replace()` derives them again. `index_schedule` maps layers
-    to index groups (`layout.index_schedule.IndexSchedule`).
+    `index_anchors` (None when the groups differ in size); `replace()` derives them again.
+    `index_schedule` maps layers to index groups (`layout.index_schedule.IndexSchedule`).
     """
 
     model: str = "default"

@@ -679,8 +679,8 @@ TARGETS_US = {"swap_in": 25.0, "write_newest": 8.0, "begin_plus_end": 60.0, "ste
 
 # --pdl: the launch-plan overrides of each mode (kernels.swap_in.plan.Tuning).
 PDL_MODES: dict[str, dict[str, object]] = {
-    "auto": {}, "on": {"pdl": True}, "off": {"pdl": False},
-    "no-early-copy": {"pdl_copy_max_batch": 0}}
+    "default": {}, "on": {"pdl": True}, "off": {"pdl": False},
+    "no-early-copy": {"pdl": True, "pdl_copy_max_batch": 0}}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -732,10 +732,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warm-calls", type=int, default=40,
                         help="calls of each kind in the --warm pass")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pdl", choices=sorted(PDL_MODES), default="auto",
+    parser.add_argument("--pdl", choices=sorted(PDL_MODES), default="default",
                         help="programmatic dependent launch of the swap-in's kernels "
-                             "(Tuning.pdl; auto: what the device allows; no-early-copy: the "
-                             "selection still launched early, the copy in order)")
+                             "(Tuning.pdl; default: the shipped tuning, off; on: where the "
+                             "device allows; no-early-copy: on, but the copy in order)")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     return parser
 

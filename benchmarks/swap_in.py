@@ -63,7 +63,7 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "chosen": {},
         "large-batch-copy2": {"large_batch_copy_programs_per_unit": 2},
         "large-batch-copy4": {"large_batch_copy_programs_per_unit": 4},
-        "pdl-copy-all": {"pdl_copy_max_batch": None},
+        "pdl-copy-all": {"pdl": True, "pdl_copy_max_batch": None},
         "prefetch-b16": {"prefetch_copy_max_batch": 16},
         "chosen-again": {},
     },
@@ -96,12 +96,21 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
         "position-keyed": {"residency_map": "position"},
         "chosen-again": {},
     },
+    # Programmatic dependent launch, off by default since the thirty-first pass (an unexplained
+    # fault under GPU sharing): what turning it off costs. Predicted from round "launch": about
+    # -2 us at B=1 with PDL, nothing from B=64.
+    "pdl": {
+        "chosen": {},
+        "pdl-on": {"pdl": True},
+        "chosen-again": {},
+    },
 }
 AB_GRIDS = {"selection": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "position-keyed": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
             "copy-window": ([1, 16, 64, 128], [0.05, 0.2, 1.0]),
             "address-order": ([16, 64, 128], [0.0, 0.05, 0.2, 1.0]),
-            "address-order-2": ([64, 128], [0.0, 0.05, 0.2, 1.0])}
+            "address-order-2": ([64, 128], [0.0, 0.05, 0.2, 1.0]),
+            "pdl": ([1, 16, 64, 128], [0.0, 0.05, 0.2, 1.0])}
 # SGLang 0.5.23's fused swap-in on SW-1 scattered, H200 (issue 4; quoted, not re-measured here).
 SGLANG_US = {
     (1, 0.05): 33, (1, 0.2): 70, (1, 1.0): 257,
@@ -554,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
     if args.variants:
         variants = {"bit-search": AB_ROUNDS["selection"]["bit-search"],
-                    "no-pdl": {"pdl": False},
+                    "pdl": {"pdl": True},
                     "copy-32-per-sm": {"copy_programs_per_unit": 32}}
         results["variants"] = []
         for name, overrides in variants.items():

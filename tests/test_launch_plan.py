@@ -19,12 +19,13 @@ def plan(rows: int, extent: int = 512, device: DeviceTraits = H200, **tune: obje
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 17, 63, 64, 128])
 def test_the_shipped_tuning_picks_the_measured_paths(rows: int) -> None:
-    """Tuning's thresholds, as benchmarks/NOTES.md measured them: the prefetching copy and
-    a PDL copy up to B=16, small classify chunks up to 16 rows, address order from 64 rows
-    over token-granular extents only."""
+    """Tuning's thresholds, as benchmarks/NOTES.md measured them: the prefetching copy (and,
+    with PDL asked for, a PDL copy) up to B=16, small classify chunks up to 16 rows, address
+    order from 64 rows over token-granular extents only."""
     got = plan(rows)
     assert got.copy.variant == ("prefetched" if rows <= 16 else "planned")
-    assert got.copy.pdl == (rows <= 16)
+    assert not got.pdl and not got.copy.pdl  # off unless asked for (Tuning.pdl)
+    assert plan(rows, pdl=True).copy.pdl == (rows <= 16)
     assert got.classify_chunk == (64 if rows <= 16 else 256)
     assert got.classify_grid == (rows, 2048 // got.classify_chunk)
     assert not got.address_order
@@ -49,11 +50,11 @@ def test_the_prefetching_copy_covers_a_verify_rows_entries_in_one_pass(tokens: i
     assert got.copy.programs * got.copy.rows_per_iteration >= 2048 * tokens
 
 
-def test_pdl_comes_from_the_device_and_can_only_be_turned_off() -> None:
-    assert plan(8).pdl and plan(8).copy.pdl
-    assert not plan(8, device=NO_PDL).pdl and not plan(8, device=NO_PDL).copy.pdl
-    assert not plan(8, pdl=False).pdl
+def test_pdl_is_asked_for_and_needs_the_device() -> None:
+    assert not plan(8).pdl and not plan(8).copy.pdl, "PDL is off by default"
+    assert plan(8, pdl=True).pdl and plan(8, pdl=True).copy.pdl
     assert not plan(8, device=NO_PDL, pdl=True).pdl, "tuning cannot force PDL on a device"
+    assert not plan(8, device=NO_PDL, pdl=True).copy.pdl
 
 
 def test_skip_io_plans_no_copy_and_the_interpreter_keeps_grids_tiny() -> None:
@@ -64,7 +65,7 @@ def test_skip_io_plans_no_copy_and_the_interpreter_keeps_grids_tiny() -> None:
 
 
 def test_a_plan_is_frozen_and_prints_every_choice() -> None:
-    got = plan(64, extent=1)
+    got = plan(64, extent=1, pdl=True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.rows = 2  # type: ignore[misc]
     text = str(got)
@@ -72,3 +73,4 @@ def test_a_plan_is_frozen_and_prints_every_choice() -> None:
                  "copy:     planned", "PDL behind classify"):
         assert part in text, (part, text)
     assert "PDL behind select" not in text  # the copy is a dependent launch up to B=16 only
+    assert "PDL" not in str(plan(64, extent=1)), "off by default"

@@ -29,9 +29,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 # The launches of a B=1 step (classify, select, prefetching copy) and a B=16 one with the
 # prefetching copy turned off (the planned copy), as the launch code makes them on an sm_90
-# device (kernels/compile_variants.py), compiled in a process of their own: the kernel tests
-# set TRITON_INTERPRET=1 in this one.
-SCENARIOS = ("B=1 fp8 extents", "B=16 fp8 extents, planned copy behind PDL")
+# device with PDL asked for (`Tuning.pdl`, off by default; kernels/compile_variants.py),
+# compiled in a process of their own: the kernel tests set TRITON_INTERPRET=1 in this one.
+SCENARIOS = ("B=1 fp8 extents, PDL", "B=16 fp8 extents, planned copy behind PDL")
 NAMES = {"copy_prefetched": "prefetched_copy"}
 
 # The instructions that order a kernel against its neighbours, in program order.

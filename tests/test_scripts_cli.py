@@ -202,7 +202,7 @@ def test_kernel_stress_kills_and_reports_a_process_still_running_after_the_grace
 
 def _stress_job(seconds: float) -> object:
     stress = load_script("kernel-stress")
-    return stress, stress.Job(deadline=time.time() + seconds, pdl="auto", sync_every=1,
+    return stress, stress.Job(deadline=time.time() + seconds, pdl="default", sync_every=1,
                               steps=2, seed=7)
 
 
@@ -457,6 +457,8 @@ def test_the_fault_hunt_shares_the_gpu_and_alternates_pdl_then_baseline_then_blo
     assert outputs == ["pdl-1.json", "pdl-off-1.json", "pdl-2.json", "pdl-off-2.json",
                        "baseline.json", "launch-blocking.json"], runs
     assert all(("--pdl off" in line) == ("pdl-off" in line) for line in runs), runs
+    # PDL is off by default: the runs that hunt it turn it on (the parent's tree had it on).
+    assert [("--pdl on" in line) for line in runs] == [True, False, True, False, False, True]
     exits = (tmp_path / "out" / "fault-hunt.log").read_text()
     assert "pdl-1: exit 0" in exits and "launch-blocking: exit 0" in exits, exits
 
@@ -739,7 +741,7 @@ def test_host_overhead_warm_pass_times_the_calls_back_to_back(
             cell["begin_decode_step"]["median_us"] / warm["begin_back_to_back"])
 
 
-@pytest.mark.parametrize("mode", ["auto", "off", "no-early-copy"])
+@pytest.mark.parametrize("mode", ["default", "on", "off", "no-early-copy"])
 def test_host_overhead_runs_its_cells_under_the_pdl_mode_asked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """`--pdl` chooses the swap-in's launch order for the whole run (fault-hunt splits the
@@ -762,9 +764,10 @@ def test_host_overhead_runs_its_cells_under_the_pdl_mode_asked(
             "--output", str(out)]
     assert host_overhead.main(argv) == 0
     default = Tuning()
-    expected = {"auto": (default.pdl, default.pdl_copy_max_batch),
+    expected = {"default": (default.pdl, default.pdl_copy_max_batch),
+                "on": (True, default.pdl_copy_max_batch),
                 "off": (False, default.pdl_copy_max_batch),
-                "no-early-copy": (default.pdl, 0)}[mode]
+                "no-early-copy": (True, 0)}[mode]
     assert [(t.pdl, t.pdl_copy_max_batch) for t in seen] == [expected]
     assert json.loads(out.read_text())["pdl"] == mode
     assert current_tuning() == default  # the run's tuning ends with it
@@ -782,3 +785,18 @@ def test_the_gpu_runner_fits_its_stages_into_budget(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stdout
     summary = result.stdout.split("== gpu-run summary", 1)[1]
     assert "probe: exit 125" in summary and "sw2: exit 125" in summary, summary
+
+
+@needs_module("triton", "triton")
+@pytest.mark.parametrize("chain", ["simple", "swap-in"])
+def test_the_pdl_stress_finds_no_wrong_value_and_its_self_check_finds_them(chain: str) -> None:
+    """scripts/pdl-stress in the interpreter (PDL off there): a clean run exits 0; with every
+    expected value off by one it must report wrong values and exit 1."""
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(SCRIPTS / "pdl-stress"), "--seconds", "0",
+                               "--chain", chain, *extra], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    clean, broken = run(), run("--self-check")
+    assert clean.returncode == 0 and "0 wrong values" in clean.stdout, clean.stdout + clean.stderr
+    assert broken.returncode == 1 and "wrong values by step" in broken.stdout, (
+        broken.stdout + broken.stderr)

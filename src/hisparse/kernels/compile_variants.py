@@ -138,8 +138,9 @@ def _swap_in_scenarios() -> list[_Scenario]:
     return [
         _Scenario("B=1 fp8 extents", 1),
         _Scenario("B=16 fp8 extents", 16),
+        _Scenario("B=1 fp8 extents, PDL", 1, tuning={"pdl": True}),
         _Scenario("B=16 fp8 extents, planned copy behind PDL", 16,
-                  tuning={"prefetch_copy_max_batch": 1}),
+                  tuning={"pdl": True, "prefetch_copy_max_batch": 1}),
         _Scenario("B=64 bf16 token pages", 64, row_bytes=1152, extent=16),
         _Scenario("B=128 fp8 token pages by position", 128, extent=16, residency="position"),
         _Scenario("B=4 no early loads, acq_rel counters", 4,
@@ -151,7 +152,6 @@ def _swap_in_scenarios() -> list[_Scenario]:
                   residency="host_row"),
         _Scenario("B=4 no early loads, no key extents", 4, residency="host_row",
                   tuning=no_early),
-        _Scenario("B=1 pdl off", 1, tuning={"pdl": False}),
         _Scenario("B=1 fp8 extents, new rows in the lookup", 1, newest=True),
         _Scenario("B=64 bf16 token pages, new rows in the lookup", 64, row_bytes=1152,
                   extent=16, newest=True),

@@ -77,13 +77,14 @@ class Tuning:
     # 32 warps cost extents B=128 churn 0.2 10% with or without PDL, 16 warps with PDL 3%,
     # and the miss-free step gained at most 0.6 us, so it stays off.
     large_batch_copy_warps: int | None = None
-    # Programmatic dependent launch between our kernels (NVIDIA sm_90+): the classify kernel
-    # lets the selection launch at its start, the selection lets the copy launch once it has
-    # waited for the classify grid, and each waits on the device (griddepcontrol) before it
-    # reads what the previous wrote, so launch latency and the copy prologue overlap the
-    # selection. Never more than two of our grids in flight (tests/test_pdl_launch_order.py).
-    # None: wherever the device and triton support it.
-    pdl: bool | None = None
+    # Programmatic dependent launch between our kernels (NVIDIA sm_90+), where True and the
+    # device and triton support it: the classify kernel lets the selection launch at its
+    # start, the selection lets the copy launch once it has waited for the classify grid, and
+    # each waits on the device (griddepcontrol) before it reads what the previous wrote
+    # (tests/test_pdl_launch_order.py). Off by default: it saves about 2 us a call at B=1,
+    # but with it on the eager decode path faults on a shared H100 and the cause is not found
+    # (benchmarks/NOTES.md, thirty-first pass).
+    pdl: bool = False
     # The copy is launched that way only up to this batch capacity (None: always; 0: never).
     pdl_copy_max_batch: int | None = 16
     # Up to this batch capacity (None: always; 0: never) the copy walks the top-k entries
@@ -279,7 +280,7 @@ def plan_launch(rows: int, top_k: int, hot_slots: int, extent_tokens: int,
                 tune: Tuning | None = None, key_extents: bool = False) -> LaunchPlan:
     """The launch plan of a swap-in over `rows` batch rows (the grids' batch size)."""
     tune = tune or _tuning
-    pdl = device.pdl and tune.pdl is not False
+    pdl = device.pdl and tune.pdl
     chunk = tune.classify_chunk_k
     if tune.small_batch_classify_chunk_k is not None and rows <= tune.small_batch_max:
         chunk = tune.small_batch_classify_chunk_k

@@ -463,6 +463,22 @@ def test_the_fault_hunt_shares_the_gpu_and_alternates_pdl_then_baseline_then_blo
     assert "pdl-1: exit 0" in exits and "launch-blocking: exit 0" in exits, exits
 
 
+def test_the_pdl_hunt_runs_the_three_reduced_chains_and_the_pdl_off_runs_beside_sharers(
+        tmp_path: Path) -> None:
+    result, log = gpu_run_with_stubs(tmp_path, "pdl-hunt", HUNT_SHARERS="2", HUNT_OFF_RUNS="2",
+                                     PDL_STRESS_SECONDS="5", HUNT_LAYERS="12")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = log.splitlines()
+    assert lines.count("python -c import sys, torch") == 2, log  # the sharers
+    chains = sorted(line.split("--chain ")[1] for line in lines if "scripts/pdl-stress" in line)
+    assert chains == ["simple --trigger start --pdl on", "swap-in --trigger end --pdl on",
+                      "swap-in --trigger start --pdl on"], chains
+    runs = [line for line in lines if "benchmarks/host_overhead.py" in line]
+    assert len(runs) == 2 and all("--pdl off" in run and "--layers 12" in run for run in runs)
+    exits = (tmp_path / "out" / "pdl-hunt.log").read_text()
+    assert "pdl-stress swap-in end: exit 0" in exits and "pdl-off-2: exit 0" in exits, exits
+
+
 def test_the_gpu_runner_refuses_a_stage_it_does_not_know(tmp_path: Path) -> None:
     result, log = gpu_run_with_stubs(tmp_path, "probe", "sw3")
     assert result.returncode == 2 and "'sw3'" in result.stderr, result.stderr

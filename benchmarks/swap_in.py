@@ -98,10 +98,12 @@ AB_ROUNDS: dict[str, dict[str, dict[str, object]]] = {
     },
     # Programmatic dependent launch, off by default since the thirty-first pass (an unexplained
     # fault under GPU sharing): what turning it off costs. Predicted from round "launch": about
-    # -2 us at B=1 with PDL, nothing from B=64.
+    # -2 us at B=1 with PDL, nothing from B=64. The prefetching copy (B <= 16) was chosen with
+    # PDL, which let it fetch while the selection ran; without PDL the planned copy may match it.
     "pdl": {
         "chosen": {},
         "pdl-on": {"pdl": True},
+        "planned-copy": {"prefetch_copy_max_batch": 0},
         "chosen-again": {},
     },
 }

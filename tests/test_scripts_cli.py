@@ -389,7 +389,11 @@ def test_the_gpu_runner_refuses_at_once_without_cuda(tmp_path: Path) -> None:
 GPU_STUBS = {
     # A python that "sees" a GPU and logs what it is asked to run; the tools beside it too.
     # Asked to collect tests, it lists one per path given (the sanitizers shard them).
-    "python": ('#!/bin/sh\necho "python $*" >> "$LOG"\ncase " $* " in *" --collect-only "*)\n'
+    # (A run with HISPARSE_DIRECT_LAUNCH set is logged with it in front.)
+    "python": ('#!/bin/sh\n'
+               'echo "${HISPARSE_DIRECT_LAUNCH:+direct=$HISPARSE_DIRECT_LAUNCH }python $*"'
+               ' >> "$LOG"'
+               '\ncase " $* " in *" --collect-only "*)\n'
                '  for a in "$@"; do case $a in tests/*) echo "$a::stub";; esac; done;;\nesac\n'
                'exit 0\n'),
     "nvidia-smi": '#!/bin/sh\necho "NVIDIA H200, 580"\n',
@@ -474,9 +478,13 @@ def test_the_pdl_hunt_runs_the_three_reduced_chains_and_the_pdl_off_runs_beside_
     assert chains == ["simple --trigger start --pdl on", "swap-in --trigger end --pdl on",
                       "swap-in --trigger start --pdl on"], chains
     runs = [line for line in lines if "benchmarks/host_overhead.py" in line]
-    assert len(runs) == 2 and all("--pdl off" in run and "--layers 12" in run for run in runs)
+    assert all("--layers 12" in run for run in runs), runs
+    modes = sorted((run.startswith("direct=0 "), run.split("--pdl ")[1].split()[0])
+                   for run in runs)
+    assert modes == [(False, "off"), (False, "off"), (True, "on"), (True, "on")], runs
     exits = (tmp_path / "out" / "pdl-hunt.log").read_text()
-    assert "pdl-stress swap-in end: exit 0" in exits and "pdl-off-2: exit 0" in exits, exits
+    for name in ("pdl-stress swap-in end", "pdl-off-2", "pdl-dispatch-1", "pdl-dispatch-2"):
+        assert f"{name}: exit 0" in exits, exits
 
 
 def test_the_gpu_runner_refuses_a_stage_it_does_not_know(tmp_path: Path) -> None:

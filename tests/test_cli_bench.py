@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -369,3 +370,15 @@ def test_an_archived_tree_reports_the_commit_it_was_exported_from(
     (tmp_path / "archived_commit.txt").write_text(exported + "\n")
     monkeypatch.setattr(benchmarking, "ARCHIVED_COMMIT", tmp_path / "archived_commit.txt")
     assert benchmarking.source_commit() == exported
+
+
+def test_a_benchmarks_environment_records_the_launch_tuning_in_force() -> None:
+    """Every benchmark JSON says whether its numbers had PDL (off by default) or another
+    tuning: run_environment records the tuning in force when it is called."""
+    from hisparse.kernels.swap_in import Tuning, tuning
+
+    assert benchmarking.run_environment("cpu")["tuning"] == dataclasses.asdict(Tuning())
+    assert benchmarking.run_environment("cpu")["tuning"]["pdl"] is False
+    with tuning(pdl=True, copy_rows=4):
+        recorded = benchmarking.run_environment("cpu")["tuning"]
+    assert recorded["pdl"] is True and recorded["copy_rows"] == 4

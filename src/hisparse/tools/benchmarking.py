@@ -33,6 +33,7 @@ from hisparse.backends.base import Backend, SwapInFn
 from hisparse.backends.features import Feature
 from hisparse.core.host_pool import ExtentAllocator
 from hisparse.errors import InvalidInputError
+from hisparse.kernels.swap_in.plan import current_tuning
 from hisparse.layout.tables import (
     CacheTables,
     MissPlan,
@@ -558,9 +559,10 @@ def copy_only_tables(pool: torch.Tensor, rows: int, device: torch.device) -> Cac
 
 def run_environment(device: str) -> dict[str, object]:
     """What produced a benchmark's numbers, for its JSON: python, torch, triton, cores, the
-    card and its runtime versions, and the commit of the hisparse checkout (where git knows)."""
+    card, its runtime versions, the launch tuning (PDL on or off) and the hisparse commit."""
     info: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__,
-                               "triton": None, "cpu_count": os.cpu_count()}
+                               "triton": None, "cpu_count": os.cpu_count(),
+                               "tuning": asdict(current_tuning())}
     with contextlib.suppress(ImportError):
         import triton
 

@@ -327,6 +327,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, nargs="+", help="SW-2's S values")
     parser.add_argument("--overlaps", type=float, nargs="+", help="SW-2's row overlaps")
     parser.add_argument("--hots", type=int, nargs="+", help="sw1-v4's hot buffer sizes")
+    parser.add_argument("--padded-entries", action="store_true",
+                        help="sw1-v4: also time hisparse over 592-byte rows (each entry padded "
+                        "to a 16-byte multiple) beside its 584-byte ones")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eager-steps", type=int, default=10)
@@ -342,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"{', '.join(PEERS)}, layouts {', '.join(benchmarking.LAYOUTS)}")
     if not args.build_only and args.table is None:
         parser.error("pass --table sw1, sw2 or sw1-v4 (one table per process), or --build-only")
+    if args.padded_entries and args.table != "sw1-v4":
+        parser.error("--padded-entries is for --table sw1-v4 (DeepSeek-V4's 584-byte entries)")
     if min(args.warmup, args.eager_steps) < 0 or args.steps < 1:
         parser.error("--steps must be >= 1, --warmup and --eager-steps >= 0")
     return args

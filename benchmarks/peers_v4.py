@@ -11,6 +11,9 @@ The entry layouts differ, and each kernel gets its own:
     (64 x 576 B), then the 64 scales (64 x 8 B), padded to a multiple of 576 B. Its pool here
     is the same entries repacked that way (`paged`), and its returned rows are read back
     through the same page arithmetic (`unpaged_rows`) for the byte check.
+With `--padded-entries` hisparse also runs over the same entries padded to 592-byte rows (a
+16-byte multiple: its copy then moves 16-byte vectors instead of 8-byte ones), in the same
+cells, to measure what the row width costs where SGLang's kernel is faster.
 SGLang's kernel is called as its coordinator calls it for V4: `page_size=1`, `block_size=960`,
 `item_size_bytes=584`, the persistent `num_real_reqs`, no miss plan. vLLM 0.34 does not run
 V4 ("HiSparse does not support DeepSeek V4"), so it has no column here.
@@ -35,6 +38,7 @@ PAGE_ENTRIES = 64
 VALUE_BYTES = 576
 SCALE_BYTES = 8
 ENTRY_BYTES = VALUE_BYTES + SCALE_BYTES
+PADDED_ENTRY_BYTES = -(-ENTRY_BYTES // 16) * 16  # 592
 # FlashMLA reads a page's values as one aligned block: pages are padded to a multiple of 576 B.
 PAGE_BYTES = -(-ENTRY_BYTES * PAGE_ENTRIES // VALUE_BYTES) * VALUE_BYTES
 SCALES_AT = VALUE_BYTES * PAGE_ENTRIES
@@ -42,9 +46,24 @@ GRID = {"batches": (1, 16, 64, 128), "churns": (0.0, 0.05, 0.2, 1.0), "hots": (1
 QUICK = {"batches": (1, 4), "churns": (0.0, 0.2), "hots": (1024,)}
 
 
-def sizes_for(hot: int, quick: bool = False) -> benchmarking.SW1Sizes:
+def sizes_for(hot: int, quick: bool = False, row_bytes: int = ENTRY_BYTES
+              ) -> benchmarking.SW1Sizes:
     return benchmarking.SW1Sizes(seq_len=8192 if quick else 16384, top_k=512, hot_slots=hot,
-                                 row_bytes=ENTRY_BYTES, extent_tokens=512)
+                                 row_bytes=row_bytes, extent_tokens=512)
+
+
+def padded_pool(pool: Any, backend: Any, row_bytes: int = PADDED_ENTRY_BYTES) -> Any:
+    """`pool`'s entries as `row_bytes`-byte rows (zero padding after each entry's 584
+    bytes) in registered host memory, with the mirror to check them against."""
+    import peers as harness
+
+    count, width = pool.rows.shape
+    full = backend.alloc_host(count * row_bytes).view(count, row_bytes)
+    full.zero_()
+    full[:, :width].copy_(pool.mirror)
+    mirror = torch.zeros(count, row_bytes, dtype=torch.uint8, device=pool.mirror.device)
+    mirror[:, :width].copy_(pool.mirror)
+    return harness.Pool(full, full, mirror)
 
 
 def paged(rows: torch.Tensor) -> torch.Tensor:
@@ -106,20 +125,26 @@ def run_sw1_v4(args: argparse.Namespace, peers: Any, result: dict[str, Any],
     link = max(c.bytes_per_second for c in benchmarking.bulk_copies(backend, 1 << 28)
                if c.name == "bulk host-to-device")
     result.update(link_GBps=round(link / 1e9, 2), cells=[], shape={
-        "entry_bytes": ENTRY_BYTES, "top_k": 512, "entries_per_request":
+        "entry_bytes": ENTRY_BYTES, "padded_entry_bytes": PADDED_ENTRY_BYTES
+        if args.padded_entries else None, "top_k": 512, "entries_per_request":
         sizes_for(hots[0], args.quick).seq_len, "sglang_page_bytes": PAGE_BYTES})
     largest = sizes_for(max(hots), args.quick)
     pool = harness.sw1_pool(max(batches), largest, args.seed)
     host_pages = backend.alloc_host(-(-pool.rows.shape[0] // PAGE_ENTRIES) * PAGE_BYTES)
-    kinds: dict[str, Callable[..., tuple[Any, Callable[[], int | None]]]] = {
-        "hisparse": lambda tables, host_rows: (
-            LauncherSwapIn(backend), lambda: int(tables.counters[0, 1]))}
+    def own(tables: Any, host_rows: Any) -> tuple[Any, Callable[[], int | None]]:
+        return LauncherSwapIn(backend), lambda: int(tables.counters[0, 1])
+
+    kinds: dict[str, Callable[..., tuple[Any, Callable[[], int | None]]]] = {"hisparse": own}
+    pools, widths = {"hisparse": pool}, {"hisparse": ENTRY_BYTES}
+    if args.padded_entries:
+        padded = f"hisparse-{PADDED_ENTRY_BYTES}"
+        kinds[padded], widths[padded] = own, PADDED_ENTRY_BYTES
+        pools[padded] = padded_pool(pool, backend)
     if peers.sglang is not None:
         kinds["sglang"] = lambda tables, host_rows: (
             SglangV4SwapIn(peers.sglang, tables, host_rows, host_pages,
                            args.sglang_block_size), lambda: None)
     for hot in hots:
-        sizes = sizes_for(hot, args.quick)
         for layout in args.layouts:
             for batch in batches:
                 for churn in churns:
@@ -127,17 +152,21 @@ def run_sw1_v4(args: argparse.Namespace, peers: Any, result: dict[str, Any],
                                            "layout": layout}
                     names = list(kinds) if len(result["cells"]) % 2 == 0 else list(kinds)[::-1]
                     for name in names:
+                        width = widths.get(name, ENTRY_BYTES)
                         try:
-                            row[name] = harness.sw1_cell(pool, layout, batch, churn, args,
-                                                         kinds[name], sizes=sizes)
+                            row[name] = harness.sw1_cell(
+                                pools.get(name, pool), layout, batch, churn, args, kinds[name],
+                                sizes=sizes_for(hot, args.quick, width))
                             row[name]["link_ratio"] = round(
                                 row[name]["miss_GBps"] * 1e9 / link, 3)
                         except Exception as exc:  # a refused cell must not cost the rest
                             row[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
                         torch.cuda.synchronize()
-                    if all("device_us" in row.get(name, {}) for name in ("hisparse", "sglang")):
-                        row["hisparse_vs_sglang"] = round(
-                            row["hisparse"]["device_us"] / row["sglang"]["device_us"], 3)
+                    for name in kinds:
+                        if name != "hisparse" and all("device_us" in row.get(n, {})
+                                                      for n in ("hisparse", name)):
+                            row[f"hisparse_vs_{name}"] = round(
+                                row["hisparse"]["device_us"] / row[name]["device_us"], 3)
                     print(json.dumps(row), flush=True)
                     result["cells"].append(row)
                     save(args, result)

@@ -5,6 +5,7 @@ peers' kernels themselves run only where CUDA and the user's peer sources are pr
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -314,3 +315,29 @@ def test_a_v4_cell_checks_a_peers_rows_in_its_own_page_layout(corrupt: bool) -> 
     cell = peers.sw1_cell(pool, "extents", 2, 0.5, args, lambda tables, host_rows: (
         PagedPeer(backend, corrupt), lambda: None), backend=backend, sizes=sizes)
     assert cell["correct"] is not corrupt and cell["misses_per_step"] == 2 * 32
+
+
+def test_padded_v4_entries_hold_each_entry_then_zeros_and_swap_in_byte_exact() -> None:
+    """`--padded-entries`: hisparse over 592-byte rows (the 584-byte entries padded to a
+    16-byte multiple) returns, in a checked cell, rows whose first 584 bytes are the
+    entries; the padding is zero on the host and in the mirror."""
+    rng = np.random.default_rng()
+    backend = get_backend("cpu")
+    sizes = benchmarking.SW1Sizes(seq_len=1024, top_k=64, hot_slots=128,
+                                  row_bytes=peers_v4.ENTRY_BYTES, extent_tokens=512)
+    rows = backend.alloc_host(2 * sizes.seq_len * sizes.row_bytes).view(-1, sizes.row_bytes)
+    benchmarking.fill_pool(rows)
+    padded = peers_v4.padded_pool(peers.Pool(rows, rows, rows.clone()), backend)
+    assert peers_v4.PADDED_ENTRY_BYTES == 592 and padded.rows.shape == (rows.shape[0], 592)
+    assert torch.equal(padded.rows[:, :584], rows) and not padded.rows[:, 584:].any()
+    assert torch.equal(padded.mirror, padded.rows)
+    args = peers.parse_args(["--table", "sw1-v4", "--padded-entries", "--warmup", "1",
+                             "--steps", "2", "--eager-steps", "1",
+                             "--seed", str(int(rng.integers(2**31)))])
+    wide = dataclasses.replace(sizes, row_bytes=592)
+    cell = peers.sw1_cell(padded, "extents", 2, 0.5, args, lambda tables, host_rows: (
+        LauncherSwapIn(backend), lambda: int(tables.counters[0, 1])), backend=backend,
+        sizes=wide)
+    assert cell["correct"] and cell["misses_per_step"] == 2 * 32
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--table", "sw1", "--padded-entries"])  # V4's entries only

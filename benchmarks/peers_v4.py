@@ -131,6 +131,7 @@ def run_sw1_v4(args: argparse.Namespace, peers: Any, result: dict[str, Any],
     largest = sizes_for(max(hots), args.quick)
     pool = harness.sw1_pool(max(batches), largest, args.seed)
     host_pages = backend.alloc_host(-(-pool.rows.shape[0] // PAGE_ENTRIES) * PAGE_BYTES)
+
     def own(tables: Any, host_rows: Any) -> tuple[Any, Callable[[], int | None]]:
         return LauncherSwapIn(backend), lambda: int(tables.counters[0, 1])
 

@@ -57,12 +57,9 @@ def padded_pool(pool: Any, backend: Any, row_bytes: int = PADDED_ENTRY_BYTES) ->
     bytes) in registered host memory, with the mirror to check them against."""
     import peers as harness
 
-    count, width = pool.rows.shape
-    full = backend.alloc_host(count * row_bytes).view(count, row_bytes)
-    full.zero_()
-    full[:, :width].copy_(pool.mirror)
-    mirror = torch.zeros(count, row_bytes, dtype=torch.uint8, device=pool.mirror.device)
-    mirror[:, :width].copy_(pool.mirror)
+    mirror = torch.nn.functional.pad(pool.mirror, (0, row_bytes - pool.mirror.shape[1]))
+    full = backend.alloc_host(mirror.numel()).view(mirror.shape)
+    full.copy_(mirror)
     return harness.Pool(full, full, mirror)
 
 
@@ -136,15 +133,15 @@ def run_sw1_v4(args: argparse.Namespace, peers: Any, result: dict[str, Any],
         return LauncherSwapIn(backend), lambda: int(tables.counters[0, 1])
 
     kinds: dict[str, Callable[..., tuple[Any, Callable[[], int | None]]]] = {"hisparse": own}
-    pools, widths = {"hisparse": pool}, {"hisparse": ENTRY_BYTES}
+    pools = {"hisparse": pool}  # each kind's pool; its row width sets the kind's sizes
     if args.padded_entries:
         padded = f"hisparse-{PADDED_ENTRY_BYTES}"
-        kinds[padded], widths[padded] = own, PADDED_ENTRY_BYTES
-        pools[padded] = padded_pool(pool, backend)
+        kinds[padded], pools[padded] = own, padded_pool(pool, backend)
     if peers.sglang is not None:
         kinds["sglang"] = lambda tables, host_rows: (
             SglangV4SwapIn(peers.sglang, tables, host_rows, host_pages,
                            args.sglang_block_size), lambda: None)
+        pools["sglang"] = pool
     for hot in hots:
         for layout in args.layouts:
             for batch in batches:
@@ -153,11 +150,11 @@ def run_sw1_v4(args: argparse.Namespace, peers: Any, result: dict[str, Any],
                                            "layout": layout}
                     names = list(kinds) if len(result["cells"]) % 2 == 0 else list(kinds)[::-1]
                     for name in names:
-                        width = widths.get(name, ENTRY_BYTES)
+                        own_pool = pools[name]
                         try:
                             row[name] = harness.sw1_cell(
-                                pools.get(name, pool), layout, batch, churn, args, kinds[name],
-                                sizes=sizes_for(hot, args.quick, width))
+                                own_pool, layout, batch, churn, args, kinds[name],
+                                sizes=sizes_for(hot, args.quick, own_pool.rows.shape[1]))
                             row[name]["link_ratio"] = round(
                                 row[name]["miss_GBps"] * 1e9 / link, 3)
                         except Exception as exc:  # a refused cell must not cost the rest

@@ -216,7 +216,8 @@ def host_pages(host_rows: np.ndarray, block_size: int) -> np.ndarray:
             expected, host_rows + NULL_PAGE_ROWS):
         raise InvalidInputError(f"the host layout does not consist of {block_size}-token pages "
                                 "of consecutive rows; use block size 1 for a scattered pool")
-    return (firsts // block_size).astype(np.int32)
+    # Row-major whatever the order of `host_rows`: vLLM's op refuses any other layout.
+    return np.ascontiguousarray(firsts // block_size, dtype=np.int32)
 
 
 def vllm_tables(tables: CacheTables, host_rows: np.ndarray, block_size: int,

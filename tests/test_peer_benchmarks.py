@@ -104,6 +104,8 @@ def test_vllm_state_holds_hisparses_tokens_rows_and_lru(layout: str) -> None:
     assert torch.equal(rows, pool[keys.reshape(-1).long()])
     assert state.hot_block_table.shape == (2, hot // 64)
     assert (state.source_block_table.numpy() == vllm_peer.host_pages(host_rows, block)).all()
+    for name in ("hot_block_table", "source_block_table", "device_global_indices", "lru_slots"):
+        assert getattr(state, name).is_contiguous(), name  # vLLM's op refuses other layouts
     stamps = tables.last_use[0].tolist()
     for b in range(2):
         assert state.lru_slots[b].tolist() == sorted(range(hot), key=lambda s: (stamps[b][s], s))

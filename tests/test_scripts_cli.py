@@ -476,6 +476,7 @@ def test_the_pdl_hunt_runs_the_three_reduced_chains_and_the_pdl_off_runs_beside_
     assert lines.count("python -c import sys, torch") == 2, log  # the sharers
     chains = sorted(line.split("--chain ")[1] for line in lines if "scripts/pdl-stress" in line)
     assert chains == ["simple --trigger start --pdl on", "swap-in --trigger end --pdl on",
+                      "swap-in --trigger start --host-writes --pdl on",
                       "swap-in --trigger start --pdl on"], chains
     runs = [line for line in lines if "benchmarks/host_overhead.py" in line]
     assert all("--layers 12" in run for run in runs), runs
@@ -483,7 +484,8 @@ def test_the_pdl_hunt_runs_the_three_reduced_chains_and_the_pdl_off_runs_beside_
                    for run in runs)
     assert modes == [(False, "off"), (False, "off"), (True, "on"), (True, "on")], runs
     exits = (tmp_path / "out" / "pdl-hunt.log").read_text()
-    for name in ("pdl-stress swap-in end", "pdl-off-2", "pdl-dispatch-1", "pdl-dispatch-2"):
+    for name in ("pdl-stress swap-in end", "pdl-stress swap-in start host-writes", "pdl-off-2",
+                 "pdl-dispatch-1", "pdl-dispatch-2"):
         assert f"{name}: exit 0" in exits, exits
 
 
@@ -812,15 +814,30 @@ def test_the_gpu_runner_fits_its_stages_into_budget(tmp_path: Path) -> None:
 
 
 @needs_module("triton", "triton")
-@pytest.mark.parametrize("chain", ["simple", "swap-in"])
+@pytest.mark.parametrize("chain", ["simple", "swap-in", "swap-in --host-writes"])
 def test_the_pdl_stress_finds_no_wrong_value_and_its_self_check_finds_them(chain: str) -> None:
     """scripts/pdl-stress in the interpreter (PDL off there): a clean run exits 0; with every
     expected value off by one it must report wrong values and exit 1."""
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, str(SCRIPTS / "pdl-stress"), "--seconds", "0",
-                               "--chain", chain, *extra], capture_output=True, text=True,
+                               "--chain", *chain.split(), *extra], capture_output=True, text=True,
                               timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
     clean, broken = run(), run("--self-check")
     assert clean.returncode == 0 and "0 wrong values" in clean.stdout, clean.stdout + clean.stderr
     assert broken.returncode == 1 and "wrong values by step" in broken.stdout, (
         broken.stdout + broken.stderr)
+
+
+@needs_module("triton", "triton")
+def test_the_pdl_stress_host_rows_hold_the_last_step_and_a_stale_row_is_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host-writes chain's own check (apart from the second kernel's): after step s every
+    host row holds step s's words, and the check counts each word of a row left stale."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's host rows: the test builds the chain on the CPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what the script sets, undone after the test
+    stress = load_script("pdl-stress")
+    step, err, host_wrong = stress._swap_in_chain("cpu", False, 0, False, True)
+    step(5)
+    assert int(err.item()) == 0 and host_wrong(5) == 0
+    assert host_wrong(6) == 4 * stress.HOST_ROW_WORDS  # every word of the 4 rows is stale

@@ -467,10 +467,11 @@ def test_the_fault_hunt_shares_the_gpu_and_alternates_pdl_then_baseline_then_blo
     assert "pdl-1: exit 0" in exits and "launch-blocking: exit 0" in exits, exits
 
 
-def test_the_pdl_hunt_runs_the_three_reduced_chains_and_the_pdl_off_runs_beside_sharers(
+def test_the_pdl_hunt_runs_the_reduced_chains_and_both_newest_modes_beside_sharers(
         tmp_path: Path) -> None:
-    result, log = gpu_run_with_stubs(tmp_path, "pdl-hunt", HUNT_SHARERS="2", HUNT_OFF_RUNS="2",
-                                     PDL_STRESS_SECONDS="5", HUNT_LAYERS="12")
+    result, log = gpu_run_with_stubs(tmp_path, "pdl-hunt", HUNT_SHARERS="2", HUNT_OFF_RUNS="1",
+                                     HUNT_NEWEST_RUNS="2", PDL_STRESS_SECONDS="5",
+                                     HUNT_LAYERS="12")
     assert result.returncode == 0, result.stdout + result.stderr
     lines = log.splitlines()
     assert lines.count("python -c import sys, torch") == 2, log  # the sharers
@@ -480,12 +481,14 @@ def test_the_pdl_hunt_runs_the_three_reduced_chains_and_the_pdl_off_runs_beside_
                       "swap-in --trigger start --pdl on"], chains
     runs = [line for line in lines if "benchmarks/host_overhead.py" in line]
     assert all("--layers 12" in run for run in runs), runs
-    modes = sorted((run.startswith("direct=0 "), run.split("--pdl ")[1].split()[0])
+    modes = sorted((run.split("--pdl ")[1].split()[0],
+                    run.split("--newest ")[1].split()[0] if "--newest" in run else "both")
                    for run in runs)
-    assert modes == [(False, "off"), (False, "off"), (True, "on"), (True, "on")], runs
+    assert modes == [("off", "both"), ("on", "folded"), ("on", "folded"), ("on", "separate"),
+                     ("on", "separate")], runs
     exits = (tmp_path / "out" / "pdl-hunt.log").read_text()
-    for name in ("pdl-stress swap-in end", "pdl-stress swap-in start host-writes", "pdl-off-2",
-                 "pdl-dispatch-1", "pdl-dispatch-2"):
+    for name in ("pdl-stress swap-in end", "pdl-stress swap-in start host-writes", "pdl-off-1",
+                 "pdl-folded-2", "pdl-separate-2"):
         assert f"{name}: exit 0" in exits, exits
 
 

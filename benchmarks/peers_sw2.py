@@ -6,7 +6,9 @@ rows.
 
 Timed per step, eagerly (events behind a device-side sleep for device time, the host
 wall-clock for host time): hisparse's whole verify step (begin with S tokens, the newest rows'
-write, the swap-in, end with accept counts drawn from 1..S) and its swap-in alone; SGLang's
+write, the swap-in, end with accept counts drawn from 1..S), its swap-in alone and the two
+parts around it (begin with the write; end), with the share of steps whose host outran the
+sleep (their device time may hold waits for the host: `sleep_outrun`); SGLang's
 `load_cache_to_device_buffer_spec_mla` (gather and commit kernels); vLLM's resolve and gather.
 SGLang's verify step also runs its coordinator's `prepare_spec_verify` and
 `commit_spec_accept_tokens` (table writes, a device-to-device copy of the accepted rows and a
@@ -166,10 +168,17 @@ def hisparse_step(cache: Any, top_k: torch.Tensor, zeros: torch.Tensor, accepted
     cache.end_decode_step(accepted=accepted)
     host[3] = time.perf_counter()
     marks[3].record()
+    # The device passed the first mark before the host had queued the step: the device time
+    # then holds gaps where the device waited for the host.
+    outran = marks[0].query()
     torch.cuda.synchronize()
     return {"step_device": marks[0].elapsed_time(marks[3]) / 1e3, "step_host": host[3] - host[0],
             "swap_device": marks[1].elapsed_time(marks[2]) / 1e3,
-            "swap_host": host[2] - host[1], "wrong": wrong}
+            "swap_host": host[2] - host[1], "wrong": wrong,
+            # the rest of the step: begin with the new rows' write, and end
+            "begin_device": marks[0].elapsed_time(marks[1]) / 1e3, "begin_host": host[1] - host[0],
+            "end_device": marks[2].elapsed_time(marks[3]) / 1e3, "end_host": host[3] - host[2],
+            "sleep_outrun": float(outran)}
 
 
 def peer_wrong(rows: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
@@ -266,8 +275,11 @@ def run_cell(args: Any, cache: Any, made: dict[str, Any], errors: dict[str, str]
                             "wrong_rows": wrong, **({"errors": errors} if errors else {})}
     mine = samples["hisparse"]
     cell["hisparse"] = {f"{key}_us": round(statistics.median(mine[key]) * 1e6, 1)
-                        for key in ("step_device", "step_host", "swap_device", "swap_host")}
+                        for key in ("step_device", "step_host", "swap_device", "swap_host",
+                                    "begin_device", "begin_host", "end_device", "end_host")}
     cell["hisparse"]["unique_misses_per_step"] = statistics.mean(mine["misses"])
+    # The share of timed steps whose device time may hold waits for the host (SLEEP_CYCLES).
+    cell["hisparse"]["sleep_outrun"] = statistics.mean(mine["sleep_outrun"])
     for name in made:
         got = samples[name]
         cell[name] = {"device_us": round(statistics.median(got["device"]) * 1e6, 1),

@@ -80,6 +80,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "requires(feature): skip unless the backend fixture supports the feature"
     )
+    # Without a GPU the Triton kernels run interpreted, which must be chosen before anything
+    # imports triton (transformers does): any subset of the suite then starts as all of it
+    # does, where a kernel test module is collected first.
+    if importlib.util.find_spec("triton") is not None:
+        import interpreted_kernels  # noqa: F401
     chosen = config.getoption("--backend")
     if chosen:
         # Refuse the whole run at once, with one line, rather than failing case by case.

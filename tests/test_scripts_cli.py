@@ -492,6 +492,19 @@ def test_the_pdl_hunt_runs_the_reduced_chains_and_both_newest_modes_beside_share
         assert f"{name}: exit 0" in exits, exits
 
 
+
+def test_the_pdl_hunt_runs_each_slot_again_while_the_chains_run(tmp_path: Path) -> None:
+    result, log = gpu_run_with_stubs(tmp_path, "pdl-hunt", HUNT_SHARERS="1", HUNT_OFF_RUNS="0",
+                                     HUNT_NEWEST_RUNS="1", HUNT_ROUNDS="3",
+                                     PDL_STRESS_SECONDS="30")
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = [line for line in log.splitlines() if "benchmarks/host_overhead.py" in line]
+    seeds = sorted(int(run.split("--seed ")[1].split()[0]) for run in runs)
+    assert seeds == [101, 101, 102, 102, 103, 103], runs  # 3 rounds of each mode's slot
+    exits = (tmp_path / "out" / "pdl-hunt.log").read_text()
+    assert "pdl-folded-1-3: exit 0" in exits and "pdl-separate-1-2: exit 0" in exits, exits
+
+
 def test_the_gpu_runner_refuses_a_stage_it_does_not_know(tmp_path: Path) -> None:
     result, log = gpu_run_with_stubs(tmp_path, "probe", "sw3")
     assert result.returncode == 2 and "'sw3'" in result.stderr, result.stderr

@@ -389,11 +389,7 @@ def test_the_gpu_runner_refuses_at_once_without_cuda(tmp_path: Path) -> None:
 GPU_STUBS = {
     # A python that "sees" a GPU and logs what it is asked to run; the tools beside it too.
     # Asked to collect tests, it lists one per path given (the sanitizers shard them).
-    # (A run with HISPARSE_DIRECT_LAUNCH set is logged with it in front.)
-    "python": ('#!/bin/sh\n'
-               'echo "${HISPARSE_DIRECT_LAUNCH:+direct=$HISPARSE_DIRECT_LAUNCH }python $*"'
-               ' >> "$LOG"'
-               '\ncase " $* " in *" --collect-only "*)\n'
+    "python": ('#!/bin/sh\necho "python $*" >> "$LOG"\ncase " $* " in *" --collect-only "*)\n'
                '  for a in "$@"; do case $a in tests/*) echo "$a::stub";; esac; done;;\nesac\n'
                'exit 0\n'),
     "nvidia-smi": '#!/bin/sh\necho "NVIDIA H200, 580"\n',
@@ -490,7 +486,6 @@ def test_the_pdl_hunt_runs_the_reduced_chains_and_both_newest_modes_beside_share
     for name in ("pdl-stress swap-in end", "pdl-stress swap-in start host-writes", "pdl-off-1",
                  "pdl-folded-2", "pdl-separate-2"):
         assert f"{name}: exit 0" in exits, exits
-
 
 
 def test_the_pdl_hunt_runs_each_slot_again_while_the_chains_run(tmp_path: Path) -> None:

@@ -500,6 +500,22 @@ def test_the_pdl_hunt_runs_each_slot_again_while_the_chains_run(tmp_path: Path) 
     assert "pdl-folded-1-3: exit 0" in exits and "pdl-separate-1-2: exit 0" in exits, exits
 
 
+def test_the_pdl_hunt_runs_memcheck_slots_on_the_pdl_on_decode_path(tmp_path: Path) -> None:
+    result, log = gpu_run_with_stubs(tmp_path, "pdl-hunt", HUNT_SHARERS="1", HUNT_OFF_RUNS="0",
+                                     HUNT_NEWEST_RUNS="0", HUNT_MEMCHECK_SLOTS="2",
+                                     PDL_STRESS_SECONDS="5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    sanitized = [line for line in log.splitlines()
+                 if line.startswith("compute-sanitizer --tool memcheck")]
+    assert len(sanitized) == 2, log
+    assert all("benchmarks/host_overhead.py" in line and "--pdl on" in line
+               and "--newest separate" in line for line in sanitized), sanitized
+    seeds = sorted(int(line.split("--seed ")[1].split()[0]) for line in sanitized)
+    assert seeds == [1001, 2001], sanitized
+    exits = (tmp_path / "out" / "pdl-hunt.log").read_text()
+    assert "memcheck-1-1: exit 0" in exits and "memcheck-2-1: exit 0" in exits, exits
+
+
 def test_the_gpu_runner_refuses_a_stage_it_does_not_know(tmp_path: Path) -> None:
     result, log = gpu_run_with_stubs(tmp_path, "probe", "sw3")
     assert result.returncode == 2 and "'sw3'" in result.stderr, result.stderr

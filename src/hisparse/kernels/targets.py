@@ -8,8 +8,9 @@ What is compiled is what the launch code would launch: the variants come from
 `compile_variants()` (`kernels/compile_variants.py`), which records the real launch
 functions' launches. The checks are those a device would make at load time (threads against
 the kernel's maximum, shared memory against the device's) plus a few it would not: spills,
-the registers' fit on the target, the programmatic-dependent-launch instructions and the
-wave size.
+the registers' fit on the target, the programmatic-dependent-launch instructions, the wave
+size, and (NVIDIA) a word every thread loads and one thread rewrites before a branch on it
+(`kernels/ptx_races.py`).
 
 Compiling needs triton imported without TRITON_INTERPRET=1 (the interpreter compiles
 nothing), so callers in a process that may have set it use `run_in_subprocess()`; the module
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hisparse.kernels.compile_variants import Variant, compile_variants
+from hisparse.kernels.ptx_races import reset_races
 
 NEEDS_INTEL_BACKEND = "needs the Intel Triton backend (pytorch-triton-xpu)"
 
@@ -167,6 +170,8 @@ def resources(compiled: Any, variant: Variant, target: Target) -> dict[str, Any]
         found["n_spills"] = found["stack_bytes"] // 4
         found["pdl_instructions"] = compiled.asm["ptx"].count("griddepcontrol.")
         found["max_threads"] = _nvidia_max_threads(found["n_regs"], target)
+        found["reset_races"] = [dataclasses.astuple(race)
+                                for race in reset_races(compiled.asm["ptx"])]
     elif target.backend == "hip":
         found.update(_amdgcn_usage(compiled.asm["amdgcn"], metadata.name))
         found["n_spills"] = found["scratch_bytes"] // 4
@@ -273,6 +278,14 @@ def problems(variant: Variant, target: Target, found: dict[str, Any]) -> list[st
             if (regs + found.get("agprs", 0)) * waves_per_simd > target.registers:
                 wrong.append(f"{regs} VGPRs x {waves_per_simd} waves per SIMD exceed the "
                              f"{target.registers} a SIMD lane has")
+    branches: dict[tuple[int, int], list[int]] = {}
+    for load, store, branch in found.get("reset_races", ()):
+        branches.setdefault((load, store), []).append(branch)
+    for (load, store), lines in branches.items():
+        wrong.append(f"a word every thread loads (PTX line {load}) is rewritten by one thread "
+                     f"(line {store}) with no barrier between, and branched on (lines "
+                     f"{', '.join(map(str, lines))}): a late warp takes the other path "
+                     "(kernels/ptx_races.py)")
     pdl_found = found.get("pdl_instructions", 0)
     if not target.pdl and (pdl_found or variant.uses_pdl):
         wrong.append(f"programmatic dependent launch on a target without it ({pdl_found} "

@@ -81,9 +81,9 @@ class Tuning:
     # device and triton support it: the classify kernel lets the selection launch at its
     # start, the selection lets the copy launch once it has waited for the classify grid, and
     # each waits on the device (griddepcontrol) before it reads what the previous wrote
-    # (tests/test_pdl_launch_order.py). Off by default: it saves 4.5-12.7 us a call at
-    # B <= 16 with misses, but with it on the eager decode path faults on a shared H100 and
-    # the cause is not found (benchmarks/NOTES.md, thirty-first and thirty-second passes).
+    # (tests/test_pdl_launch_order.py). Off by default until the fix of the race it exposed
+    # in the selection (select.py, the counts' barrier) has run clean on a shared GPU: it
+    # saves 4.5-12.7 us a call at B <= 16 with misses (benchmarks/NOTES.md, thirty-third pass).
     pdl: bool = False
     # The copy is launched that way only up to this batch capacity (None: always; 0: never).
     pdl_copy_max_batch: int | None = 16

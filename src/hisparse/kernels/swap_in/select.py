@@ -204,11 +204,9 @@ def _plan_in_address_order(b, row, miss, dst, K, N, plan_src_ptr, plan_dst_ptr, 
 
 
 @triton.jit
-def _add_request_counts(b, r, real, num_misses, hit_count_ptr, request_counts_ptr):
-    """Add row b's hits (the lookup's count, zeroed for the next call) and misses to its
-    request slot's counters. The program owns its request for this call: no atomics."""
-    num_hits = tl.load(hit_count_ptr + b)
-    tl.store(hit_count_ptr + b, 0, mask=num_hits != 0)
+def _add_request_counts(r, real, num_hits, num_misses, request_counts_ptr):
+    """Add a row's hits and misses (the lookup's counts) to its request slot's counters. The
+    program owns its request for this call: no atomics."""
     counts = request_counts_ptr + r.to(tl.int64) * 2
     tl.store(counts, tl.load(counts, mask=real, other=0) + num_hits.to(tl.int64), mask=real)
     tl.store(counts + 1, tl.load(counts + 1, mask=real, other=0) + num_misses.to(tl.int64),
@@ -284,15 +282,20 @@ def select_kernel(
     if USE_PDL:
         gdc_wait()
         # Only now may the copy launch: it waits for our plan, and the prefetching copy reads
-        # the classify output before that wait. Triggered at our start instead, the copy ran
-        # while the classify grid still did (three grids in flight), and on an H200 shared by
-        # 8 processes that gave illegal addresses and wrong rows about once per 27k calls
-        # (benchmarks/NOTES.md, sixteenth pass).
+        # the classify output before that wait, so the classify grid must be done.
         gdc_launch_dependents()
     num_misses = tl.load(miss_count_ptr + b)
-    tl.store(miss_count_ptr + b, 0, mask=num_misses != 0)  # zero for the next call
+    num_hits = 0
     if REQUEST_COUNTS:
-        _add_request_counts(b, r, real, num_misses, hit_count_ptr, request_counts_ptr)
+        num_hits = tl.load(hit_count_ptr + b)
+    # Every thread reads the counts before one zeroes them (for the next call): a warp that
+    # read a zeroed count would skip the selection and its barriers, and the other warps'
+    # layout conversions would then read shared memory it never wrote (kernels/ptx_races.py).
+    tl.debug_barrier()
+    tl.store(miss_count_ptr + b, 0, mask=num_misses != 0)
+    if REQUEST_COUNTS:
+        tl.store(hit_count_ptr + b, 0, mask=num_hits != 0)
+        _add_request_counts(r, real, num_hits, num_misses, request_counts_ptr)
     installed = 0
     if real & (n > H):
         if num_misses > 0:

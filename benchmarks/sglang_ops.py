@@ -15,8 +15,8 @@ SGLang ships it. Needed beside that copy: `apache-tvm-ffi` (SGLang 0.5.23 pins 0
 
 The user points `--sglang-root` (or HISPARSE_SGLANG_ROOT) at a directory holding the `sglang`
 package (site-packages, or an unpacked wheel, or a copy of its `kernels/jit`,
-`kernels/ops/kvcache/hisparse.py` and `srt/environ.py`), or at the wheel itself. Nothing of
-SGLang is kept in this repository.
+`kernels/ops/kvcache/hisparse.py` and `srt/environ.py`; SW-2's `sglang_step` column also reads
+the files of STEP_FILES), or at the wheel itself. Nothing of SGLang is kept in this repository.
 """
 
 from __future__ import annotations
@@ -45,9 +45,18 @@ REQUIRED = ("sglang/kernels/ops/kvcache/hisparse.py", "sglang/kernels/jit/utils/
 # registered as bare namespaces over the user's directories.
 BARE_PACKAGES = ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.kvcache",
                  "sglang.srt", "sglang.srt.utils")
+# What SW-2's `sglang_step` column (benchmarks/sglang_spec_step.py) reads or imports beside
+# REQUIRED: the coordinator's and pools' methods of a verify step, the kernels they launch. A
+# copy without them still runs the kernels; only that column is skipped.
+STEP_FILES = ("sglang/srt/managers/hisparse_coordinator.py",
+              "sglang/srt/mem_cache/hisparse_memory_pool.py",
+              "sglang/srt/mem_cache/pool_host/mla.py", "sglang/srt/layers/dcp/layout.py",
+              "sglang/kernels/ops/kvcache/cache_move.py", "sglang/kernels/ops/kvcache/hicache.py",
+              "sglang/kernels/kernel_api_logging.py",
+              "sglang/kernels/jit/csrc/kvcacheio/hicache_tma.cuh")
 # Members of a wheel that `find_root` unpacks.
 WHEEL_MEMBERS = ("sglang/kernels/jit/", "sglang/kernels/ops/kvcache/hisparse.py",
-                 "sglang/srt/environ.py", ".dist-info/METADATA")
+                 "sglang/srt/environ.py", ".dist-info/METADATA", *STEP_FILES)
 # SGLang's coordinator default `swap_in_block_size` (sglang/srt/mem_cache/sparsity/factory.py).
 COORDINATOR_BLOCK_SIZE = 960
 
@@ -77,7 +86,7 @@ def find_root(path: str | None = None) -> Path:
 
 def _unpack(wheel: Path) -> Path:
     target = wheel.with_name(wheel.name.removesuffix(".whl"))
-    if all((target / name).is_file() for name in REQUIRED):
+    if all((target / name).is_file() for name in REQUIRED + STEP_FILES):
         return target
     with zipfile.ZipFile(wheel) as archive:
         for name in archive.namelist():

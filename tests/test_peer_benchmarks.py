@@ -1,7 +1,7 @@
 """The newest peers' harness (benchmarks/peers.py, peers_sw2.py, sglang_ops.py, vllm_peer.py)
-on a CPU: argument checks, the peers' state built from hisparse's tables, the byte check. The
-peers' kernels themselves run only where CUDA and the user's peer sources are present
-(scripts/peers-gpu)."""
+on a CPU: argument checks, the peers' state built from hisparse's tables, the byte check (SW-2's
+`sglang_step` column: tests/test_sglang_spec_step.py). The peers' kernels themselves run only
+where CUDA and the user's peer sources are present (scripts/gpu-run)."""
 
 from __future__ import annotations
 
@@ -343,3 +343,4 @@ def test_padded_v4_entries_hold_each_entry_then_zeros_and_swap_in_byte_exact() -
     assert cell["correct"] and cell["misses_per_step"] == 2 * 32
     with pytest.raises(SystemExit):
         peers.parse_args(["--table", "sw1", "--padded-entries"])  # V4's entries only
+

@@ -255,7 +255,9 @@ def settle_union(c: DecodeContext, v: VerifyContext, records: list[RequestRecord
     t.seq_lens.index_copy_(0, block.field("seq_slot", count), block.field("seq_len", count))
     resets = len(values["page_reset"])
     if resets:
-        c.page_entries[block.field("page_reset", resets)] = -1
+        # index_fill_ hands -1 to its kernel; `entries[index] = -1` on CUDA first copies it
+        # from pageable host memory, which waits for the stream (a host sync in every end).
+        c.page_entries.index_fill_(0, block.field("page_reset", resets), -1)
     short = len(values["short_slot"])
     if short:
         slot, hot = block.field("short_slot", short), block.field("short_hot", short)

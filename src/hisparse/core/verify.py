@@ -256,7 +256,7 @@ def settle_union(c: DecodeContext, v: VerifyContext, records: list[RequestRecord
     resets = len(values["page_reset"])
     if resets:
         # index_fill_ hands -1 to its kernel; `entries[index] = -1` on CUDA first copies it
-        # from pageable host memory, which waits for the stream (a host sync in every end).
+        # from pageable host memory, which waits for the stream (a host sync in such an end).
         c.page_entries.index_fill_(0, block.field("page_reset", resets), -1)
     short = len(values["short_slot"])
     if short:

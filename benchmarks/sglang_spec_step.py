@@ -263,13 +263,11 @@ class SpecStepPeer:
         if max(seq_lens) + PAGE > spec.host_locs.shape[1]:
             raise InvalidInputError("the host locations do not reach the verify positions")
         lengths = torch.tensor(list(seq_lens), dtype=torch.int64)
-        for b in range(B):
-            first = int(lengths[b])
-            spec.host_locs[b, first: first + PAGE] = spare_first + b * PAGE + torch.arange(PAGE)
         verify = 1 + torch.arange(B * S, dtype=torch.int64, device=dev)
         req_to_token = torch.zeros(B, int(lengths.max()) + PAGE, dtype=torch.int32, device=dev)
         for b in range(B):
             first = int(lengths[b])
+            spec.host_locs[b, first: first + PAGE] = spare_first + b * PAGE + torch.arange(PAGE)
             req_to_token[b, first: first + S] = verify[b * S: (b + 1) * S].to(torch.int32)
         pool = device_pool(spec.device, code)
         streams = code.kernels.device_module

@@ -343,4 +343,3 @@ def test_padded_v4_entries_hold_each_entry_then_zeros_and_swap_in_byte_exact() -
     assert cell["correct"] and cell["misses_per_step"] == 2 * 32
     with pytest.raises(SystemExit):
         peers.parse_args(["--table", "sw1", "--padded-entries"])  # V4's entries only
-

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -32,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from hisparse.kernels.compile_variants import Variant, compile_variants
@@ -170,7 +169,7 @@ def resources(compiled: Any, variant: Variant, target: Target) -> dict[str, Any]
         found["n_spills"] = found["stack_bytes"] // 4
         found["pdl_instructions"] = compiled.asm["ptx"].count("griddepcontrol.")
         found["max_threads"] = _nvidia_max_threads(found["n_regs"], target)
-        found["reset_races"] = [dataclasses.astuple(race)
+        found["reset_races"] = [astuple(race)
                                 for race in reset_races(compiled.asm["ptx"])]
     elif target.backend == "hip":
         found.update(_amdgcn_usage(compiled.asm["amdgcn"], metadata.name))

@@ -32,7 +32,7 @@ from hisparse.core.requests import (
 )
 from hisparse.core.shared_pool import SharedPoolSpec, SharedPoolSync, build_host_pool
 from hisparse.core.sharing import Prefix, PrefixSharing
-from hisparse.core.slot_tables import build_tables, clear_slot, seed_slot
+from hisparse.core.slot_tables import SlotWriter, build_tables
 from hisparse.core.stats import CacheStats, TrafficCounters, occupancy_of, request_stats
 from hisparse.core.step import DecodeStep, wait_at_begin
 from hisparse.core.validation import (
@@ -133,6 +133,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         self._decode = DecodeContext.build(self.config, self.backend, self.device, self.tables,
                                            self._pool, self._traffic, self._lock, self._slots)
         self._order = self._decode.order
+        self._slot_writer = SlotWriter(self.tables, self._pool, self.backend, self.device)
         self._decode.shared = self._order.host_rows.shared = self._shared
         self._verify = VerifyContext.build(self.config, self.backend, self._decode)
         self._planner = StepPlanner(self._shared, self._decode, self._verify)
@@ -432,8 +433,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         # The slot's last owner may still be backing up, or be read by the last step.
         self._order.backup.wait()
         self._order.step_end.wait()
-        seed_slot(self.tables, self._pool, record)
-        self._order.tables_changed.mark()
+        self._order.tables_changed.write(lambda: self._slot_writer.seed(record))
         self._traffic.seeded_tokens += min(record.num_tokens, self.hot_slots + 1)
         record.state = RequestState.RUNNING
 
@@ -456,8 +456,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         if record.slot is None:
             return
         self._order.step_end.wait()  # the last step's kernels read these tables
-        clear_slot(self.tables, record)
-        self._order.tables_changed.mark()
+        self._order.tables_changed.write(lambda: self._slot_writer.clear(record))
         self._slots.release(record)
 
     def _end(self, request_id: Hashable, action: str, allowed: Sequence[RequestState],
@@ -502,7 +501,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
 
 
 # What close() releases: every attribute holding device tensors, streams or events.
-_DEVICE_STATE = ("tables", "_decode", "_order", "_attention_kv", "_planner")
+_DEVICE_STATE = ("tables", "_decode", "_order", "_attention_kv", "_planner", "_slot_writer")
 
 
 def _batch_records(requests: RequestTable, ids: list[Hashable], capacity: int,

@@ -45,8 +45,16 @@ class TableChanges(Barrier):
     """A decode step reads the slot tables only after every seeding and slot release before it.
 
     Seeding and release may run on a scheduler thread, on that thread's stream: they `mark()`
-    after writing the tables, and `begin_decode_step` `wait()`s before it uploads the batch.
+    after writing the tables, and `begin_decode_step` `wait()`s before it uploads the batch, as
+    does the next seeding or release (it rewrites the device fields the last one read:
+    `core.slot_tables.SlotWriter`).
     """
+
+    def write(self, change: Callable[[], None]) -> None:
+        """Run `change` (a seeding or release) after the last one, then mark it."""
+        self.wait()
+        change()
+        self.mark()
 
 
 class StepEnd(Barrier):
@@ -71,10 +79,10 @@ class NewestBackup:
     through `HostRowGuard` (a copy in flight: a full device sync, with a stream or without).
     Without a stream the backup runs in order on the compute stream and needs no device
     barrier. A step whose every layer's swap-in lookup wrote the new rows to their host rows
-    as well (`swap_in(..., newest_kv=)` on a GPU, private pools only) launches no backup
-    (`covered`): those writes ran on the compute stream, before the step's end mark, which
-    the next step's kernels follow in order and slot reseeding waits for; the host's
-    rewrites still wait for them.
+    as well (`swap_in(..., newest_kv=)` on a GPU, where this rank writes host rows) launches
+    no backup (`covered`): those writes ran on the compute stream, before the step's end
+    mark, which the next step's kernels follow in order and slot reseeding waits for; the
+    host's rewrites still wait for them.
     """
 
     def __init__(self, backend: Backend, device: torch.device, stream: Any | None,

@@ -108,7 +108,7 @@ class PrefixSharing:
                 # host_row: the new extent is the page's key now, so the request's hot slots
                 # of the old one move to it (hits stay hits); position keys stay as they are.
                 move_keys(self.tables, record.slot, record.extents[-1], extent)
-                self.tables.page_table[record.slot, len(record.extents) - 1] = extent
+                self.tables.page_table[record.slot, len(record.extents) - 1].fill_(extent)
                 self._order.tables_changed.mark()
             except BaseException:
                 self._pool.release([extent])

@@ -1,13 +1,15 @@
 """The device tables of a cache, and the writes that give a request slot to a request or take
-it back outside a decode step (seeding and release; docs/ARCHITECTURE.md)."""
+it back outside a decode step (seeding and release, `SlotWriter`; docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from hisparse.backends.base import Backend
+from hisparse.core.batch import DeviceBlock
 from hisparse.core.device_memory import check_device_memory
 from hisparse.core.host_pool import HostPool, token_rows, token_runs
 from hisparse.core.requests import RequestRecord
@@ -61,69 +63,93 @@ def build_tables(config: HiSparseConfig, backend: Backend, pool: HostPool, devic
     )
 
 
-def seed_slot(tables: CacheTables, pool: HostPool, record: RequestRecord) -> None:
-    """Load the newest `H+1` tokens of `record` into its slot's hot buffer: slots `0..H-1`
-    the `H` before the newest, oldest first, and the newest in slot `H` (or, short, every
-    token in its own slot). The caller orders it against the device work it follows."""
-    t, E = tables, tables.extent_tokens
-    H, S = t.hot_slots, t.slots_per_request
-    n, r = record.num_tokens, record.slot
-    assert r is not None
-    device = t.seq_lens.device
-    # (first token, count, first device slot) of each piece of the hot buffer
-    if n <= H:
-        pieces, lru_tokens = [(0, n, 0)], (0, n)
-    else:
-        pieces, lru_tokens = [(n - 1 - H, H, 0), (n - 1, 1, H)], (n - 1 - H, n - 1)
-    # host_row: key extents (its aliases name the shared extents it joined), whose host
-    # extents the aliases' entries of key_host_extent give; position: host extents.
-    keys = record.key_extents() if t.residency_map == "host_row" else record.extents
-    t.page_table[r].fill_(-1)
-    t.page_table[r, : len(keys)] = torch.tensor(keys, dtype=torch.int32)
-    if record.aliases:
-        assert t.key_host_extent is not None
-        aliases = torch.tensor(record.aliases, dtype=torch.long, device=device)
-        t.key_host_extent[aliases] = torch.tensor(record.extents[: aliases.numel()],
-                                                  dtype=torch.int32, device=device)
-    t.seq_lens[r] = n
-    lru_rows = torch.from_numpy(token_rows(keys, E, *lru_tokens)).to(device)
-    lru_keys = t.residency_keys(r, torch.arange(*lru_tokens, device=device), lru_rows)
-    t.slot_key[:, r].fill_(-1)
-    t.slot_key[:, r, : lru_keys.numel()] = lru_keys.to(torch.int32)
-    t.resident[:, lru_keys] = torch.arange(lru_keys.numel(), dtype=t.resident.dtype,
-                                           device=device)
-    # One stamp for all, below the clock: ties go by slot id, so the oldest token goes first.
-    t.last_use[:, r].fill_(-1)
-    t.lru_clock[:, r] = 0
-    for first, count, slot in pieces:
-        for token, row, length in token_runs(record.extents, E, first, first + count):
-            device_row = r * S + slot + token - first
-            for layer, host in enumerate(pool.layers):
-                t.device_kv[layer, device_row : device_row + length].copy_(
-                    host[row : row + length], non_blocking=True
-                )
+class SlotWriter:
+    """Gives a request slot to a request (`seed`) and takes it back (`clear`), outside a
+    decode step; the caller orders each against the device work around it.
 
+    The values the host computes (the slot's page-table row, its hot buffer's keys, its
+    aliases' host extents) go to the device in one upload from a staging ring, and every other
+    write is a fill on the device: writing a Python value or a pageable tensor into device
+    memory makes torch copy it from pageable memory, which on CUDA waits for the stream, so
+    admitting or releasing a request would block the host on the last step's work.
+    """
 
-def clear_slot(tables: CacheTables, record: RequestRecord) -> None:
-    """Empty `record`'s slot in every table (the caller orders it after the last step)."""
-    t, r = tables, record.slot
-    assert r is not None
-    own_key = int(t.residency_keys(r, 0, record.key_extents()[0] * t.extent_tokens))
-    # Empty hot slots hold -1; point them at the key of the request's first token, cleared
-    # anyway, so the scatter needs no host sync to filter them out.
-    held = t.slot_key[:, r].long()
-    t.resident.scatter_(1, torch.where(held >= 0, held, own_key), -1)
-    t.slot_key[:, r].fill_(-1)
-    t.last_use[:, r].fill_(-1)
-    t.lru_clock[:, r] = 0
-    t.seq_lens[r] = 0
-    t.page_table[r].fill_(-1)
-    if record.aliases:  # named by no page table now (a resume's seed names them again)
-        assert t.key_host_extent is not None
-        t.key_host_extent[torch.tensor(record.aliases, dtype=torch.long,
-                                       device=t.key_host_extent.device)] = -1
-    if t.request_counters is not None:  # a free slot counts nothing: the next seed starts at 0
-        t.request_counters[r] = 0
+    def __init__(self, tables: CacheTables, pool: HostPool, backend: Backend,
+                 device: torch.device) -> None:
+        self.tables = tables
+        self.pool = pool
+        pages = int(tables.page_table.shape[1])
+        i64, i32 = torch.int64, torch.int32
+        self._block = DeviceBlock([
+            ("page_row", i32, pages, -1), ("slot_keys", i32, tables.hot_slots, -1),
+            ("keys", i64, tables.hot_slots, 0), ("alias_index", i64, pages, 0),
+            ("alias_extent", i32, pages, 0),
+        ], device, backend)
+
+    def seed(self, record: RequestRecord) -> None:
+        """Load the newest `H+1` tokens of `record` into its slot's hot buffer: slots `0..H-1`
+        the `H` before the newest, oldest first, and the newest in slot `H` (or, short, every
+        token in its own slot)."""
+        t, pool, E = self.tables, self.pool, self.tables.extent_tokens
+        H, S = t.hot_slots, t.slots_per_request
+        n, r = record.num_tokens, record.slot
+        assert r is not None
+        # (first token, count, first device slot) of each piece of the hot buffer
+        if n <= H:
+            pieces, lru_tokens = [(0, n, 0)], (0, n)
+        else:
+            pieces, lru_tokens = [(n - 1 - H, H, 0), (n - 1, 1, H)], (n - 1 - H, n - 1)
+        # host_row: key extents (its aliases name the shared extents it joined), whose host
+        # extents the aliases' entries of key_host_extent give; position: host extents.
+        keys = record.key_extents() if t.residency_map == "host_row" else record.extents
+        lru_keys = t.residency_keys(r, np.arange(*lru_tokens, dtype=np.int64),
+                                    token_rows(keys, E, *lru_tokens))
+        count, aliases = len(lru_keys), len(record.aliases)
+        block = self._block
+        block.upload({"page_row": keys, "slot_keys": lru_keys, "keys": lru_keys,
+                      "alias_index": record.aliases,
+                      "alias_extent": record.extents[:aliases]})
+        t.page_table[r].copy_(block.field("page_row"))
+        if aliases:
+            assert t.key_host_extent is not None
+            t.key_host_extent.index_copy_(0, block.field("alias_index", aliases),
+                                          block.field("alias_extent", aliases))
+        t.seq_lens[r].fill_(n)
+        t.slot_key[:, r].copy_(block.field("slot_keys", H).expand(t.slot_key.shape[0], H))
+        t.resident[:, block.field("keys", count)] = torch.arange(
+            count, dtype=t.resident.dtype, device=t.resident.device)
+        # One stamp for all, below the clock: ties go by slot id, so the oldest token goes first.
+        t.last_use[:, r].fill_(-1)
+        t.lru_clock[:, r].zero_()
+        for first, count, slot in pieces:
+            for token, row, length in token_runs(record.extents, E, first, first + count):
+                device_row = r * S + slot + token - first
+                for layer, host in enumerate(pool.layers):
+                    t.device_kv[layer, device_row : device_row + length].copy_(
+                        host[row : row + length], non_blocking=True
+                    )
+
+    def clear(self, record: RequestRecord) -> None:
+        """Empty `record`'s slot in every table."""
+        t, r = self.tables, record.slot
+        assert r is not None
+        own_key = int(t.residency_keys(r, 0, record.key_extents()[0] * t.extent_tokens))
+        # Empty hot slots hold -1; point them at the key of the request's first token, cleared
+        # anyway, so the scatter needs no host sync to filter them out.
+        held = t.slot_key[:, r].long()
+        t.resident.scatter_(1, torch.where(held >= 0, held, own_key), -1)
+        t.slot_key[:, r].fill_(-1)
+        t.last_use[:, r].fill_(-1)
+        t.lru_clock[:, r].zero_()
+        t.seq_lens[r].zero_()
+        t.page_table[r].fill_(-1)
+        if record.aliases:  # named by no page table now (a resume's seed names them again)
+            assert t.key_host_extent is not None
+            aliases = len(record.aliases)
+            self._block.upload({"alias_index": record.aliases})
+            t.key_host_extent.index_fill_(0, self._block.field("alias_index", aliases), -1)
+        if t.request_counters is not None:  # a free slot counts nothing: the next seed starts at 0
+            t.request_counters[r].zero_()
 
 
 def move_keys(tables: CacheTables, slot: int, old_extent: int, new_extent: int) -> None:
@@ -141,4 +167,4 @@ def move_keys(tables: CacheTables, slot: int, old_extent: int, new_extent: int) 
     inside = (held >= old) & (held < old + E)
     t.slot_key[:, slot] = torch.where(inside, held - old + new, held)
     t.resident[:, new : new + E] = t.resident[:, old : old + E]
-    t.resident[:, old : old + E] = -1
+    t.resident[:, old : old + E].fill_(-1)

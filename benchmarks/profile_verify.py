@@ -93,15 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=20, help="steps timed, then profiled")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--noop-kernels", action="store_true",
+                        help="the CPU with kernels that do nothing "
+                        "(tests/fakes/noop_kernels.py): the engine's own Python per phase")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
+    device: Any = args.device
+    if args.noop_kernels:
+        # The fake lives with the tests' other fakes; the repository root makes it importable.
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from fakes.noop_kernels import NoopKernelCpu
+
+        device = NoopKernelCpu()
     B, S, K, seq_len, W = args.batch, args.tokens, args.top_k, args.seq_len, 656
     hot = max(2, S) * K
     steps = args.warmup + 2 * args.steps
     growth = -(-(steps * S + 2) // 64) * 64
     kv = torch.randint(0, 256, (1, seq_len, W), dtype=torch.uint8)
-    cache = verify_step.build(args.device, K, hot, S, B, seq_len, W, growth, kv)
-    zeros = torch.zeros(B, S, W, dtype=torch.uint8, device=args.device)
+    cache = verify_step.build(device, K, hot, S, B, seq_len, W, growth, kv)
+    zeros = torch.zeros(B, S, W, dtype=torch.uint8, device=cache.device)
     rng = np.random.default_rng(args.seed)
     previous = rng.integers(0, seq_len, (B, K))
 
@@ -109,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal previous
         rows = verify_step.query_rows(rng, previous, seq_len, hot, S, args.churn, args.overlap)
         previous = rows[:, 0]
-        top_k = torch.from_numpy(rows.astype(np.int32)).to(args.device)
+        top_k = torch.from_numpy(rows.astype(np.int32)).to(cache.device)
         return top_k, rng.integers(1, S + 1, B).tolist()
 
     for _ in range(args.warmup):
@@ -132,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": "python benchmarks/profile_verify.py " + " ".join(
             sys.argv[1:] if argv is None else argv),
-        "environment": run_environment(args.device),
+        "environment": run_environment(str(cache.device)),
         "batch": B, "tokens": S, "top_k": K, "churn": args.churn, "overlap": args.overlap,
         "host_us_median": {p: round(statistics.median(t[p] for t in timed) * 1e6, 1)
                            for p in PHASES},

@@ -53,33 +53,45 @@ class BatchBuffers:
     0), `num_real` `[1]`, `newest_rows` and its int64 twin `newest_rows_long` for
     `write_newest`'s `index_copy_` (device row of the new token, the sink row), `newest_host_rows`
     (its host row, -1), and the `seq_lens` update (`batch_slots` int64 index, `new_seq_lens`).
-    Uploaded only by a step that has them: the page-table entries of requests given an extent
-    (`page_index` into the flattened page table, `page_extent`) and the short-regime slot of each
-    new token (`short_slot`, `short_hot`, `short_key` int64; `short_key_i32`, `short_hot_resident`
-    as the tables store them). `out` `[G, Bcap, K]` is its own (the kernels read the caller's
-    top-k in place).
+    Uploaded only by a step that has them: the page-table entries of requests given extents
+    (`page_index` into the flattened page table, `page_extent`; up to D a request) and the
+    short-regime slot of each new token (`short_slot`, `short_hot`, `short_key` int64;
+    `short_key_i32`, `short_hot_resident` as the tables store them). Uploaded by a union step
+    (`core/verify.py`) with the rest, in the same copy: each request's S draft rows
+    (`draft_rows`, `draft_rows_long`, the sink row past the batch or a ragged count), its
+    first new position (`first`), its first draft row (`draft_base`) and the last row its
+    queries may select (`last_visible`, -1: each up to its own). `out` `[G, Bcap, K]` is its
+    own (the kernels read the caller's top-k in place).
     """
 
     def __init__(self, capacity: int, top_k: int, num_groups: int, padding_row: int,
                  resident_dtype: torch.dtype, device: torch.device,
-                 backend: Backend | None = None) -> None:
+                 backend: Backend | None = None, draft_tokens: int = 1) -> None:
         i64, i32 = torch.int64, torch.int32
+        cap, drafts = capacity, capacity * draft_tokens
         every_step = [
-            ("newest_rows_long", i64, padding_row), ("batch_slots", i64, 0),
-            ("req_slots", i32, 0), ("newest_rows", i32, padding_row),
-            ("newest_host_rows", i32, -1), ("new_seq_lens", i32, 0), ("num_real", i32, 0),
+            ("newest_rows_long", i64, cap, padding_row), ("batch_slots", i64, cap, 0),
+            ("req_slots", i32, cap, 0), ("newest_rows", i32, cap, padding_row),
+            ("newest_host_rows", i32, cap, -1), ("new_seq_lens", i32, cap, 0),
+            ("num_real", i32, 1, 0),
         ]
         some_steps = [
-            ("page_index", i64, 0), ("short_slot", i64, 0), ("short_hot", i64, 0),
-            ("short_key", i64, 0), ("page_extent", i32, 0), ("short_key_i32", i32, 0),
-            ("short_hot_resident", resident_dtype, 0),
+            ("page_index", i64, drafts, 0), ("short_slot", i64, cap, 0),
+            ("short_hot", i64, cap, 0), ("short_key", i64, cap, 0),
+            ("page_extent", i32, drafts, 0), ("short_key_i32", i32, cap, 0),
+            ("short_hot_resident", resident_dtype, cap, 0),
+        ]
+        union_steps = [
+            ("draft_rows_long", i64, drafts, padding_row), ("first", i64, cap, 0),
+            ("draft_base", i64, cap, 0), ("last_visible", i64, cap, -1),
+            ("draft_rows", i32, drafts, padding_row),
         ]
         self.capacity = capacity
-        self.block = DeviceBlock(
-            [(name, dtype, 1 if name == "num_real" else capacity, padding)
-             for name, dtype, padding in every_step + some_steps], device, backend)
-        # The two lengths an upload sends: the every-step fields, or the whole block.
+        self.block = DeviceBlock(every_step + some_steps + union_steps, device, backend)
+        # The lengths an upload sends: the every-step fields, those and a single-token step's
+        # updates, or the whole block.
         self._every_step_bytes = self.block.end_of("num_real")
+        self._update_bytes = self.block.end_of("short_hot_resident")
         self.req_slots = self.field("req_slots")
         self.num_real = self.field("num_real")
         self.newest_rows = self.field("newest_rows")
@@ -93,12 +105,15 @@ class BatchBuffers:
         return self.block.field(name, count)
 
     def upload(self, columns: Mapping[str, Sequence[int] | np.ndarray],
-               updates: Mapping[str, Sequence[int] | np.ndarray] | None = None) -> None:
+               updates: Mapping[str, Sequence[int] | np.ndarray] | None = None,
+               union: bool = False) -> None:
         """Send `columns` (every-step field -> the values of its first rows) and `updates` (the
-        same for the other fields) in one host-to-device copy; every other row of the
-        every-step fields gets its padding. Without updates the copy stops before them."""
-        self.block.upload({**columns, **(updates or {})},
-                          None if updates else self._every_step_bytes)
+        same for the other fields) in one host-to-device copy; every other row of the fields
+        sent gets its padding. The copy stops after the every-step fields without updates,
+        after a single-token step's updates with them, and covers the union fields with
+        `union`."""
+        size = None if union else self._update_bytes if updates else self._every_step_bytes
+        self.block.upload({**columns, **(updates or {})}, size)
 
     def upload_columns(self, columns: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Int32 columns on the device in one copy, each its own tensor (for rare updates)."""

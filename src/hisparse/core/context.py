@@ -59,7 +59,7 @@ class DecodeContext:
         num_groups = schedule.num_groups
         padding_row = int(tables.device_kv.shape[1]) - 1
         buffers = BatchBuffers(capacity, config.top_k, num_groups, padding_row,
-                               tables.resident.dtype, device, backend)
+                               tables.resident.dtype, device, backend, config.max_draft_tokens)
         plans = miss_plans(schedule, capacity, config.top_k, device)
         kernels = DecodeKernels(backend, config.skip_io, tables,
                                 buffers.req_slots, buffers.num_real, buffers.out, plans,

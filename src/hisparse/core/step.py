@@ -98,7 +98,7 @@ class DecodeStep:
             self._width = verify.width(context, plan.num_tokens)
             self._kernels, self._replays = self._width.kernels, self._width.replays
             cap, S = context.batch_capacity, plan.num_tokens
-            rows = verify.begin_block.field("draft_rows", cap * S)
+            rows = context.buffers.field("draft_rows", cap * S)
             self.newest_rows = rows.view(cap, S) if S > 1 else rows
         else:
             self._kernels, self._replays = context.kernels, context.replays
@@ -154,7 +154,7 @@ class DecodeStep:
         if c.validate:
             c.slots.check(records)
         if plan.union:
-            first, before = append_union(c, v, plan.num_tokens, records, appends)
+            first, before = append_union(c, plan.num_tokens, records, appends)
             return cls(c, v, plan, request_ids, records, first, [], before.tolist(),
                        appends)
         run = c.quiet if plan.quiet_advance else None

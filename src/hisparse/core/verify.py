@@ -39,14 +39,15 @@ from hisparse.layout.index_schedule import IndexSchedule
 @dataclass(eq=False)
 class VerifyContext:
     """What every verify step of one cache shares: the per-S union launchers (built at the
-    first step of each S) and the two upload blocks (the step's begin, and its end)."""
+    first step of each S) and the end's upload block (the begin's fields are the batch
+    buffers' union fields, `core.batch.BatchBuffers`)."""
 
     backend: Backend
     max_draft_tokens: int  # D
     top_k: int
     schedule: IndexSchedule
     skip_io: bool
-    begin_block: DeviceBlock
+    device: Any  # torch.device
     end_block: DeviceBlock
     # (Bcap, positions): the presence table's, a column for every position a request's page
     # table can map (the larger of max_seq_len + D and P x E)
@@ -59,12 +60,6 @@ class VerifyContext:
         D, cap = config.max_draft_tokens, c.batch_capacity
         sink = int(c.tables.device_kv.shape[1]) - 1
         i64, i32 = torch.int64, torch.int32
-        begin = DeviceBlock([
-            ("draft_rows_long", i64, cap * D, sink), ("first", i64, cap, 0),
-            ("draft_base", i64, cap, 0), ("last_visible", i64, cap, -1),
-            ("page_index", i64, cap * D, 0),
-            ("draft_rows", i32, cap * D, sink), ("page_extent", i32, cap * D, 0),
-        ], c.device, backend)
         end = DeviceBlock([
             ("commit_src", i64, cap * D, 0), ("commit_dst", i64, cap * D, 0),
             ("seq_slot", i64, cap, 0), ("page_reset", i64, cap * (D + 1), 0),
@@ -76,20 +71,20 @@ class VerifyContext:
         ], c.device, backend)
         return cls(backend=backend, max_draft_tokens=D, top_k=config.top_k,
                    schedule=config.index_schedule, skip_io=config.skip_io,
-                   begin_block=begin, end_block=end,
+                   device=c.device, end_block=end,
                    table_shape=(cap, max(c.max_seq_len + D, c.tables.positions_per_request)))
 
     def table(self) -> torch.Tensor:
         """The Triton swap-in's presence table (`union_reference.presence_table`), made at
         the first call that asks: one for every S (their swap-ins run in stream order)."""
         if self._table is None:
-            self._table = presence_table(*self.table_shape, self.begin_block.field("first").device)
+            self._table = presence_table(*self.table_shape, self.device)
         return self._table
 
     def width(self, c: DecodeContext, tokens: int) -> UnionWidth:
         width = self.widths.get(tokens)
         if width is None:
-            block = self.begin_block
+            block = c.buffers
             width = self.widths[tokens] = build_width(
                 tokens, self.backend, c.kernels, c.tables, c.buffers.req_slots,
                 c.buffers.num_real, block.field("first"), block.field("draft_base"),
@@ -100,9 +95,8 @@ class VerifyContext:
         return width
 
 
-def append_union(c: DecodeContext, v: VerifyContext, tokens: int,
-                 records: list[RequestRecord], appends: tuple[int, ...] | None = None
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def append_union(c: DecodeContext, tokens: int, records: list[RequestRecord],
+                 appends: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Append `tokens` tokens to each record (a ragged step: `appends[b]` to record b, 0..S):
     extents first, then one upload of the batch and table updates; a failure before the
     records change leaves nothing taken. Returns each record's first new position and how
@@ -133,8 +127,7 @@ def append_union(c: DecodeContext, v: VerifyContext, tokens: int,
         values = _begin_values(c, slots, first, before, taken, tokens, appends)
         c.order.backup.wait()
         c.order.tables_changed.wait()
-        c.buffers.upload(values.pop("columns"))
-        v.begin_block.upload(values)
+        c.buffers.upload(values.pop("columns"), values, union=True)
     except BaseException:
         c.pool.release([e for extents in taken.values() for e in extents])
         raise
@@ -147,8 +140,8 @@ def append_union(c: DecodeContext, v: VerifyContext, tokens: int,
     t.seq_lens.index_copy_(0, views.batch_slots, views.seq_lens)
     pages = sum(map(len, taken.values()))
     if pages:
-        c.page_entries.index_copy_(0, v.begin_block.field("page_index", pages),
-                                   v.begin_block.field("page_extent", pages))
+        c.page_entries.index_copy_(0, c.buffers.field("page_index", pages),
+                                   c.buffers.field("page_extent", pages))
     return first, before
 
 def validate_union_positions(top_k: torch.Tensor, first: Sequence[int], tokens: int,

@@ -103,7 +103,7 @@ def build_width(tokens: int, backend: Backend, main: DecodeKernels, tables: Cach
                 skip_io: bool, prefetch_stream: Any | None,
                 table: Callable[[], torch.Tensor]) -> UnionWidth:
     """The launchers, buffers, miss plans and group replays for verify steps of `tokens`;
-    `first`, `draft_base` and `last_visible` are the begin block's persistent `[Bcap]` int64
+    `first`, `draft_base` and `last_visible` are the batch buffers' persistent `[Bcap]` int64
     fields (`layout.tables.DraftUnion`),
     `draft_rows` its `[Bcap * S]` device rows of the step's tokens (int32 and int64: what the
     width's newest writer writes to), `table` hands the cache's presence table to a launcher

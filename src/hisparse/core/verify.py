@@ -298,7 +298,7 @@ def check_num_tokens(num_tokens: object, dedupe: object, max_draft_tokens: int) 
 def _begin_values(c: DecodeContext, slots: np.ndarray, first: np.ndarray, before: np.ndarray,
                   taken: dict[int, list[int]], tokens: int,
                   appends: tuple[int, ...] | None) -> dict[str, Any]:
-    """The begin block's fields and the batch buffers' columns for a verify step: each
+    """The batch buffers' columns and union fields for a verify step: each
     request's draft slots, its first token's host row, and the page entries it takes. In a
     ragged step a request's rows past its count go to the sink row, and every query may
     select up to its last appended row (`last_visible`; -1: each up to its own)."""

@@ -323,8 +323,8 @@ def test_a_reservation_whose_host_drain_fails_reserves_nothing(
     run = Lockstep(hisparse.HiSparseCache(config(), device=backend), seed)
     run.admit("a", 6)
     cache = run.cache
-    fault = FailOnce(cache.backend.synchronize)
-    monkeypatch.setattr(cache.backend, "synchronize", fault)
+    fault = FailOnce(cache.backend.synchronize_event)
+    monkeypatch.setattr(cache.backend, "synchronize_event", fault)
     cache._order.host_rows.copies_in_flight = True  # as after a prefill from device memory
     before = full_snapshot(cache)
     fault.armed = True

@@ -12,6 +12,7 @@ import torch
 
 import hisparse
 from fakes.deferred_streams import DeferredStreamCpu
+from hisparse.core.ordering import HostRowGuard, StepEnd
 from test_reliability_state import check_table_invariants, prefill_patterned, row_pattern
 
 LAYERS, WIDTH, TOP_K, HOT, EXTENT, GROUP = 6, 32, 6, 8, 4, 3
@@ -171,3 +172,38 @@ def test_a_freed_slot_and_its_rows_wait_for_the_last_steps_side_stream_work(
         assert torch.equal(cache.host_tensors()[layer][rows], want), layer
     cache.close()
     assert backend.host_races == []
+
+
+def _guard(backend: DeferredStreamCpu) -> HostRowGuard:
+    device = torch.device("cpu")
+    return HostRowGuard(backend, device, StepEnd(backend, device))
+
+
+def test_device_writes_of_host_rows_on_two_streams_are_all_waited_for() -> None:
+    """A prefill's device-to-host copies on a scheduler's stream, then a backup on the backup
+    stream: the host's next write of host rows waits for both, though it waits on the last
+    one's event alone (each device write follows the one before on the device)."""
+    backend = DeferredStreamCpu()
+    guard, landed = _guard(backend), []
+    for name in ("prefill", "backup"):
+        with backend.stream_scope(backend.new_stream()):
+            guard.device_write(lambda name=name: backend._issue(lambda: landed.append(name)))
+    assert landed == []
+    guard.drain()
+    assert landed == ["prefill", "backup"]
+
+
+def test_a_host_row_write_waits_for_the_host_row_work_alone() -> None:
+    """Work queued after the last device write of host rows (the next forward pass, the next
+    step's replays) still runs on after a drain: the host waits for those writes and the
+    last step's end, not for the device."""
+    backend = DeferredStreamCpu()
+    guard, landed = _guard(backend), []
+    stream = backend.new_stream()
+    with backend.stream_scope(stream):
+        guard.device_write(lambda: backend._issue(lambda: landed.append("backup")))
+        backend._issue(lambda: landed.append("later work"))
+    guard.drain()
+    assert landed == ["backup"]
+    backend.synchronize()
+    assert landed == ["backup", "later work"]

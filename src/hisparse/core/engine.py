@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -214,16 +215,17 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         count = rows.shape[-2]
         self._order.host_rows.drain()
         layers = [layer] if layer is not None else range(self.num_layers)
-        for index, target in enumerate(layers):
-            self._pool.write_rows(target, record.extents, start,
-                                  rows if layer is not None else rows[index])
+        write = partial(self._pool.write_layers, layers, record.extents, start, rows)
+        if rows.device != self._pool.layers[0].device and self._pool.writes_rows:
+            self._order.host_rows.device_write(write)  # device-to-host copies land later
+            if self._shared is not None:
+                self._shared.wrote()  # the readers' wait covers them
+        else:
+            write()
+        for target in layers:
             self._traffic.offloaded_tokens[target] += count
             if record.prompt_written is not None:
                 record.prompt_written.add(target, start, start + count)
-        if rows.device != self._pool.layers[0].device and self._pool.writes_rows:
-            self._order.host_rows.note_copies_in_flight()  # device-to-host copies may land later
-            if self._shared is not None:
-                self._shared.wrote()  # the readers' wait covers them
 
     @_operation
     def commit_prefill(self, request_id: Hashable) -> None:

@@ -347,6 +347,14 @@ class HostPool:
             host[row : row + length].copy_(rows[token - start : token - start + length],
                                            non_blocking=True)
 
+    def write_layers(self, layers: Sequence[int], extents: Sequence[int], start: int,
+                     rows: torch.Tensor) -> None:
+        """`write_rows` for each of `layers`, from `rows` `[len(layers), T, W]` (one layer:
+        `[T, W]` too)."""
+        rows = rows if rows.dim() == 3 else rows[None]
+        for index, layer in enumerate(layers):
+            self.write_rows(layer, extents, start, rows[index])
+
     def reservation(self, request_id: object, extents: Sequence[int], num_tokens: int,
                     prefix_tokens: int = 0) -> HostReservation:
         """Where a transfer engine writes rows `prefix_tokens .. num_tokens - 1` of

@@ -99,17 +99,15 @@ class NewestBackup:
     def issue(self, launch: Callable[[], None], step_end: StepEnd) -> None:
         """Run `launch` (the backup kernel) on the side stream after `step_end`, marked just
         now behind the step's writes (one event serves both rules)."""
+        # On the compute stream too the kernel writes host rows after the host has moved on:
+        # the host's own writes of host rows wait for it (`HostRowGuard.device_write`).
         if self.stream is None:
-            launch()
+            self._host_rows.device_write(launch)
         else:
             with self._backend.stream_scope(self.stream):
                 step_end.wait()
-                launch()
+                self._host_rows.device_write(launch)
                 self._done.mark()
-        # On the compute stream too the kernel writes host rows after the host has moved on:
-        # the host's own copies of host rows (a shared prefix's boundary or private copy)
-        # must wait for it (a device sync; a no-op on the CPU backend).
-        self._host_rows.note_copies_in_flight()
 
     def covered(self) -> None:
         """The step's lookups wrote every layer's host row, on the compute stream: nothing to
@@ -126,17 +124,19 @@ class HostRowGuard:
     """The CPU, or a transfer engine, rewrites host rows only after the device work that may
     still read or write them.
 
-    Two kinds of work: copies between device and host memory still in flight (a prefill
-    written from device memory, a backup on its side stream), which only a device sync
-    covers; and the last step's kernels reading host rows that a finish, abort or cancel has
-    just freed, which the step's end covers. `drain()` runs before every host-row write;
-    a drain that fails leaves both flags set, so the next one waits again.
+    Two kinds of work: device writes of host rows still in flight (a prefill written from
+    device memory, a backup on either stream: `device_write`, each after the one before on
+    the device, so that the last one's event covers them all; and the lookups that backed
+    rows up, before the step's end); and the last step's kernels reading host rows that a
+    finish, abort or cancel has just freed, which the step's end covers. `drain()` runs
+    before every host-row write and waits on the host for those events alone, not for the
+    device work queued after them (an overlap scheduler's next forward pass runs on); a
+    drain that fails leaves both flags set, so the next one waits again.
     """
 
     def __init__(self, backend: Backend, device: torch.device, step_end: StepEnd) -> None:
-        self._backend = backend
-        self._device = device
         self._step_end = step_end
+        self._device_writes = Barrier(backend, device)
         self.copies_in_flight = False
         self.rows_recycled = False
         # A shared host pool (core/shared_pool.py): the writer rank rewrites freed rows only
@@ -144,6 +144,15 @@ class HostRowGuard:
         self.shared: Any | None = None
 
     def note_copies_in_flight(self) -> None:
+        """Host rows were written by work before the step's end (the lookups' backups)."""
+        self.copies_in_flight = True
+
+    def device_write(self, issue: Callable[[], None]) -> None:
+        """Issue device work that writes host rows, on the current stream, after the last
+        such work, and mark it."""
+        self._device_writes.wait()
+        issue()
+        self._device_writes.mark()
         self.copies_in_flight = True
 
     def note_rows_recycled(self) -> None:
@@ -155,8 +164,8 @@ class HostRowGuard:
         if self.shared is not None:
             self.shared.before_write()  # the other ranks' reads of rows freed before
         if self.copies_in_flight:
-            self._backend.synchronize(self._device)
-        elif self.rows_recycled:
+            self._device_writes.wait_on_host()
+        if self.copies_in_flight or self.rows_recycled:
             self._step_end.wait_on_host()
         self.copies_in_flight = self.rows_recycled = False
 

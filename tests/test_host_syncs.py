@@ -150,3 +150,41 @@ def test_no_call_synchronizes_the_gpu_outside_cancels(shape: dict[str, object]) 
         fuzz.cache.close()
     assert counts["mismatches"] == 0, (seed, fuzz.mismatch_details)
     assert not found, (seed, dict(found))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU "
+                    "(torch.cuda.set_sync_debug_mode reports the device's synchronizations)")
+def test_a_prefill_from_device_memory_into_freed_rows_does_not_wait_for_the_device() -> None:
+    """After a step backed rows up and a finish freed its request's rows, admitting the next
+    request and writing its prompt from device memory queue their copies behind that work on
+    the device: torch reports no synchronization at all."""
+    config = hisparse.HiSparseConfig.from_preset("tiny", max_requests=1, validate=False)
+    cache = hisparse.HiSparseCache(config, device="cuda")
+    L, W, T = config.num_layers, config.row_bytes, 200
+    try:
+        cache.admit("a", T)
+        cache.write_prefill("a", torch.randint(0, 256, (L, T, W), dtype=torch.uint8,
+                                               device="cuda"))
+        cache.commit_prefill("a")
+        step = cache.begin_decode_step(["a"])
+        top_k = torch.arange(config.top_k, dtype=torch.int32, device="cuda")[None]
+        for layer in range(L):
+            step.swap_in(layer, top_k if layer == config.anchor_layer(
+                config.group_of_layer(layer)) else None,
+                newest_kv=torch.zeros(1, W, dtype=torch.uint8, device="cuda"))
+        step.end()
+        cache.finish("a")
+        rows = torch.randint(0, 256, (L, T, W), dtype=torch.uint8, device="cuda")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            cache.admit("b", T)
+            cache.write_prefill("b", rows)
+            cache.commit_prefill("b")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        host = torch.stack([cache.host_tensors()[layer][torch.from_numpy(
+            cache.host_rows("b")).long()] for layer in range(L)])
+        assert torch.equal(host, rows.cpu())
+    finally:
+        cache.close()

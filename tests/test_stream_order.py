@@ -207,3 +207,23 @@ def test_a_host_row_write_waits_for_the_host_row_work_alone() -> None:
     assert landed == ["backup"]
     backend.synchronize()
     assert landed == ["backup", "later work"]
+
+
+def test_a_prefill_from_device_memory_follows_the_last_step_on_the_device() -> None:
+    """`write_prefill` from device memory into rows a finish freed: its copies follow the last
+    step's end (whose kernels may still read those rows) on the device, and the host waits
+    for nothing."""
+    backend = DeferredStreamCpu()
+    device = torch.device("cpu")
+    step_end = StepEnd(backend, device)
+    guard, landed = HostRowGuard(backend, device, step_end), []
+    step_stream, copy_stream = backend.new_stream(), backend.new_stream()
+    with backend.stream_scope(step_stream):
+        backend._issue(lambda: landed.append("the last step reads the rows"))
+        step_end.mark()
+    with backend.stream_scope(copy_stream):
+        guard.device_write(lambda: backend._issue(lambda: landed.append("the prefill")),
+                           into_freed_rows=True)
+    assert landed == []  # nothing ran on the host's account
+    copy_stream.run_through(len(copy_stream.queued))
+    assert landed == ["the last step reads the rows", "the prefill"]

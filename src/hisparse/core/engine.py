@@ -213,14 +213,14 @@ class HiSparseCache(PrefixSharing, RequestQueries):
             device=self.device, admitted_tokens=record.admitted_tokens, request_id=request_id,
             prefix_tokens=record.prefix_tokens)
         count = rows.shape[-2]
-        self._order.host_rows.drain()
         layers = [layer] if layer is not None else range(self.num_layers)
         write = partial(self._pool.write_layers, layers, record.extents, start, rows)
         if rows.device != self._pool.layers[0].device and self._pool.writes_rows:
-            self._order.host_rows.device_write(write)  # device-to-host copies land later
+            self._order.host_rows.device_write(write, into_freed_rows=True)  # (no host wait)
             if self._shared is not None:
                 self._shared.wrote()  # the readers' wait covers them
         else:
+            self._order.host_rows.drain()
             write()
         for target in layers:
             self._traffic.offloaded_tokens[target] += count

@@ -129,9 +129,11 @@ class HostRowGuard:
     the device, so that the last one's event covers them all; and the lookups that backed
     rows up, before the step's end); and the last step's kernels reading host rows that a
     finish, abort or cancel has just freed, which the step's end covers. `drain()` runs
-    before every host-row write and waits on the host for those events alone, not for the
-    device work queued after them (an overlap scheduler's next forward pass runs on); a
-    drain that fails leaves both flags set, so the next one waits again.
+    before every host-row write the host or a transfer engine makes and waits on the host
+    for those events alone, not for the device work queued after them (an overlap
+    scheduler's next forward pass runs on); a drain that fails leaves both flags set, so the
+    next one waits again. A prefill from device memory waits for neither on the host: its
+    copies follow them on the device (`device_write(..., into_freed_rows=True)`).
     """
 
     def __init__(self, backend: Backend, device: torch.device, step_end: StepEnd) -> None:
@@ -147,9 +149,15 @@ class HostRowGuard:
         """Host rows were written by work before the step's end (the lookups' backups)."""
         self.copies_in_flight = True
 
-    def device_write(self, issue: Callable[[], None]) -> None:
+    def device_write(self, issue: Callable[[], None], into_freed_rows: bool = False) -> None:
         """Issue device work that writes host rows, on the current stream, after the last
-        such work, and mark it."""
+        such work, and mark it. `into_freed_rows` (a prefill from device memory into rows just
+        given to its request): also after the last step's kernels, which may still read rows
+        freed before, on the device, and after the other ranks' reads of them, on the host."""
+        if into_freed_rows:
+            if self.shared is not None:
+                self.shared.before_write()
+            self._step_end.wait()
         self._device_writes.wait()
         issue()
         self._device_writes.mark()

@@ -180,17 +180,19 @@ def _guard(backend: DeferredStreamCpu) -> HostRowGuard:
 
 
 def test_device_writes_of_host_rows_on_two_streams_are_all_waited_for() -> None:
-    """A prefill's device-to-host copies on a scheduler's stream, then a backup on the backup
-    stream: the host's next write of host rows waits for both, though it waits on the last
-    one's event alone (each device write follows the one before on the device)."""
+    """Prefills' device-to-host copies on two scheduler streams, then a backup on the backup
+    stream: the host's next write of host rows waits for all three, though it waits on the
+    last prefill's and the last backup's events alone (a prefill follows the one before on
+    the device)."""
     backend = DeferredStreamCpu()
     guard, landed = _guard(backend), []
-    for name in ("prefill", "backup"):
+    for name in ("prefill 1", "prefill 2", "backup"):
         with backend.stream_scope(backend.new_stream()):
-            guard.device_write(lambda name=name: backend._issue(lambda: landed.append(name)))
+            guard.device_write(lambda name=name: backend._issue(lambda: landed.append(name)),
+                               into_freed_rows=name != "backup")
     assert landed == []
     guard.drain()
-    assert landed == ["prefill", "backup"]
+    assert sorted(landed) == ["backup", "prefill 1", "prefill 2"]
 
 
 def test_a_host_row_write_waits_for_the_host_row_work_alone() -> None:
@@ -211,19 +213,22 @@ def test_a_host_row_write_waits_for_the_host_row_work_alone() -> None:
 
 def test_a_prefill_from_device_memory_follows_the_last_step_on_the_device() -> None:
     """`write_prefill` from device memory into rows a finish freed: its copies follow the last
-    step's end (whose kernels may still read those rows) on the device, and the host waits
-    for nothing."""
+    step's end (whose kernels may still read those rows) and the last backup (which may still
+    write them) on the device, and the host waits for nothing."""
     backend = DeferredStreamCpu()
     device = torch.device("cpu")
     step_end = StepEnd(backend, device)
     guard, landed = HostRowGuard(backend, device, step_end), []
-    step_stream, copy_stream = backend.new_stream(), backend.new_stream()
+    step_stream, backup_stream, copy_stream = (backend.new_stream() for _ in range(3))
     with backend.stream_scope(step_stream):
         backend._issue(lambda: landed.append("the last step reads the rows"))
         step_end.mark()
+    with backend.stream_scope(backup_stream):
+        guard.device_write(lambda: backend._issue(lambda: landed.append("a backup")))
     with backend.stream_scope(copy_stream):
         guard.device_write(lambda: backend._issue(lambda: landed.append("the prefill")),
                            into_freed_rows=True)
     assert landed == []  # nothing ran on the host's account
     copy_stream.run_through(len(copy_stream.queued))
-    assert landed == ["the last step reads the rows", "the prefill"]
+    assert sorted(landed[:-1]) == ["a backup", "the last step reads the rows"], landed
+    assert landed[-1] == "the prefill"

@@ -76,7 +76,7 @@ class NewestBackup:
     mark (`StepEnd`, which the step records once its writes and replays are queued). The next
     step's upload of the batch buffers, and the seeding of a slot whose newest row it may
     still be copying, `wait()` for it (`done`); the host, before it rewrites host rows,
-    through `HostRowGuard` (a copy in flight: a full device sync, with a stream or without).
+    through `HostRowGuard` (a host wait on the last backup's event, with a stream or without).
     Without a stream the backup runs in order on the compute stream and needs no device
     barrier. A step whose every layer's swap-in lookup wrote the new rows to their host rows
     as well (`swap_in(..., newest_kv=)` on a GPU, where this rank writes host rows) launches
@@ -125,9 +125,9 @@ class HostRowGuard:
     still read or write them.
 
     Two kinds of work: device writes of host rows still in flight (a prefill written from
-    device memory, a backup on either stream: `device_write`, each after the one before on
-    the device, so that the last one's event covers them all; and the lookups that backed
-    rows up, before the step's end); and the last step's kernels reading host rows that a
+    device memory, a backup on either stream: `device_write`, each after the one of its kind
+    before on the device, so that the last one's event covers them all; and the lookups that
+    backed rows up, before the step's end); and the last step's kernels reading host rows that a
     finish, abort or cancel has just freed, which the step's end covers. `drain()` runs
     before every host-row write the host or a transfer engine makes and waits on the host
     for those events alone, not for the device work queued after them (an overlap
@@ -138,7 +138,9 @@ class HostRowGuard:
 
     def __init__(self, backend: Backend, device: torch.device, step_end: StepEnd) -> None:
         self._step_end = step_end
-        self._device_writes = Barrier(backend, device)
+        # The last backup's and the last device-memory prefill's (each after the ones before).
+        self._backups = Barrier(backend, device)
+        self._prefills = Barrier(backend, device)
         self.copies_in_flight = False
         self.rows_recycled = False
         # A shared host pool (core/shared_pool.py): the writer rank rewrites freed rows only
@@ -150,17 +152,23 @@ class HostRowGuard:
         self.copies_in_flight = True
 
     def device_write(self, issue: Callable[[], None], into_freed_rows: bool = False) -> None:
-        """Issue device work that writes host rows, on the current stream, after the last
-        such work, and mark it. `into_freed_rows` (a prefill from device memory into rows just
-        given to its request): also after the last step's kernels, which may still read rows
-        freed before, on the device, and after the other ranks' reads of them, on the host."""
+        """Issue device work that writes host rows on the current stream, and mark it: a
+        backup, after the backups before it; with `into_freed_rows`, a prefill from device
+        memory into rows just given to its request, after the backups and prefills before it
+        and the last step's kernels (which may still read rows freed before) on the device,
+        and after the other ranks' reads of those rows on the host. A backup does not wait
+        for prefills: they write other requests' rows."""
         if into_freed_rows:
             if self.shared is not None:
                 self.shared.before_write()
-            self._step_end.wait()
-        self._device_writes.wait()
-        issue()
-        self._device_writes.mark()
+            for barrier in (self._step_end, self._backups, self._prefills):
+                barrier.wait()
+            issue()
+            self._prefills.mark()
+        else:
+            self._backups.wait()
+            issue()
+            self._backups.mark()
         self.copies_in_flight = True
 
     def note_rows_recycled(self) -> None:
@@ -172,7 +180,8 @@ class HostRowGuard:
         if self.shared is not None:
             self.shared.before_write()  # the other ranks' reads of rows freed before
         if self.copies_in_flight:
-            self._device_writes.wait_on_host()
+            self._backups.wait_on_host()
+            self._prefills.wait_on_host()
         if self.copies_in_flight or self.rows_recycled:
             self._step_end.wait_on_host()
         self.copies_in_flight = self.rows_recycled = False

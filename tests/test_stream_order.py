@@ -12,7 +12,7 @@ import torch
 
 import hisparse
 from fakes.deferred_streams import DeferredStreamCpu
-from hisparse.core.ordering import HostRowGuard, StepEnd
+from hisparse.core.ordering import HostRowGuard, NewestBackup, StepEnd
 from test_reliability_state import check_table_invariants, prefill_patterned, row_pattern
 
 LAYERS, WIDTH, TOP_K, HOT, EXTENT, GROUP = 6, 32, 6, 8, 4, 3
@@ -174,22 +174,26 @@ def test_a_freed_slot_and_its_rows_wait_for_the_last_steps_side_stream_work(
     assert backend.host_races == []
 
 
-def _guard(backend: DeferredStreamCpu) -> HostRowGuard:
+def _ordering(backend: DeferredStreamCpu) -> tuple[StepEnd, HostRowGuard, NewestBackup]:
+    """The host-row rules of one cache, its backup on a side stream of `backend`."""
     device = torch.device("cpu")
-    return HostRowGuard(backend, device, StepEnd(backend, device))
+    step_end = StepEnd(backend, device)
+    guard = HostRowGuard(backend, device, step_end)
+    return step_end, guard, NewestBackup(backend, device, backend.new_stream(), guard)
 
 
-def test_device_writes_of_host_rows_on_two_streams_are_all_waited_for() -> None:
-    """Prefills' device-to-host copies on two scheduler streams, then a backup on the backup
-    stream: the host's next write of host rows waits for all three, though it waits on the
-    last prefill's and the last backup's events alone (a prefill follows the one before on
-    the device)."""
+def test_device_writes_of_host_rows_on_several_streams_are_all_waited_for() -> None:
+    """Prefills' device-to-host copies on two scheduler streams and a backup on its own: the
+    host's next write of host rows waits for all three, though it waits on the last
+    prefill's and the last backup's events alone (a prefill follows the one before on the
+    device)."""
     backend = DeferredStreamCpu()
-    guard, landed = _guard(backend), []
-    for name in ("prefill 1", "prefill 2", "backup"):
+    step_end, guard, backup = _ordering(backend)
+    landed: list[str] = []
+    for name in ("prefill 1", "prefill 2"):
         with backend.stream_scope(backend.new_stream()):
-            guard.device_write(lambda name=name: backend._issue(lambda: landed.append(name)),
-                               into_freed_rows=name != "backup")
+            guard.device_prefill(lambda name=name: backend._issue(lambda: landed.append(name)))
+    backup.issue(lambda: backend._issue(lambda: landed.append("backup")), step_end)
     assert landed == []
     guard.drain()
     assert sorted(landed) == ["backup", "prefill 1", "prefill 2"]
@@ -200,10 +204,10 @@ def test_a_host_row_write_waits_for_the_host_row_work_alone() -> None:
     step's replays) still runs on after a drain: the host waits for those writes and the
     last step's end, not for the device."""
     backend = DeferredStreamCpu()
-    guard, landed = _guard(backend), []
-    stream = backend.new_stream()
-    with backend.stream_scope(stream):
-        guard.device_write(lambda: backend._issue(lambda: landed.append("backup")))
+    step_end, guard, backup = _ordering(backend)
+    landed: list[str] = []
+    backup.issue(lambda: backend._issue(lambda: landed.append("backup")), step_end)
+    with backend.stream_scope(backup.stream):
         backend._issue(lambda: landed.append("later work"))
     guard.drain()
     assert landed == ["backup"]
@@ -211,24 +215,24 @@ def test_a_host_row_write_waits_for_the_host_row_work_alone() -> None:
     assert landed == ["backup", "later work"]
 
 
-def test_a_prefill_from_device_memory_follows_the_last_step_on_the_device() -> None:
+@pytest.mark.parametrize("backed_up", [True, False], ids=["backup", "lookups-backed-up"])
+def test_a_prefill_from_device_memory_follows_the_last_step_on_the_device(
+        backed_up: bool) -> None:
     """`write_prefill` from device memory into rows a finish freed: its copies follow the last
-    step's end (whose kernels may still read those rows) and the last backup (which may still
-    write them) on the device, and the host waits for nothing."""
+    step's end (whose kernels may still read those rows) and its backup if it launched one
+    (which may still write them) on the device, and the host waits for nothing."""
     backend = DeferredStreamCpu()
-    device = torch.device("cpu")
-    step_end = StepEnd(backend, device)
-    guard, landed = HostRowGuard(backend, device, step_end), []
-    step_stream, backup_stream, copy_stream = (backend.new_stream() for _ in range(3))
+    step_end, guard, backup = _ordering(backend)
+    landed: list[str] = []
+    step_stream, copy_stream = backend.new_stream(), backend.new_stream()
     with backend.stream_scope(step_stream):
         backend._issue(lambda: landed.append("the last step reads the rows"))
         step_end.mark()
-    with backend.stream_scope(backup_stream):
-        guard.device_write(lambda: backend._issue(lambda: landed.append("a backup")))
+    if backed_up:
+        backup.issue(lambda: backend._issue(lambda: landed.append("a backup")), step_end)
     with backend.stream_scope(copy_stream):
-        guard.device_write(lambda: backend._issue(lambda: landed.append("the prefill")),
-                           into_freed_rows=True)
+        guard.device_prefill(lambda: backend._issue(lambda: landed.append("the prefill")))
     assert landed == []  # nothing ran on the host's account
     copy_stream.run_through(len(copy_stream.queued))
-    assert sorted(landed[:-1]) == ["a backup", "the last step reads the rows"], landed
-    assert landed[-1] == "the prefill"
+    assert landed == ["the last step reads the rows", *(["a backup"] * backed_up),
+                      "the prefill"]

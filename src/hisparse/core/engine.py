@@ -216,7 +216,7 @@ class HiSparseCache(PrefixSharing, RequestQueries):
         layers = [layer] if layer is not None else range(self.num_layers)
         write = partial(self._pool.write_layers, layers, record.extents, start, rows)
         if rows.device != self._pool.layers[0].device and self._pool.writes_rows:
-            self._order.host_rows.device_write(write, into_freed_rows=True)  # (no host wait)
+            self._order.host_rows.device_prefill(write)  # (no host wait)
             if self._shared is not None:
                 self._shared.wrote()  # the readers' wait covers them
         else:

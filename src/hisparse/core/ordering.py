@@ -90,7 +90,7 @@ class NewestBackup:
         self._backend = backend
         self.stream = stream
         self._host_rows = host_rows
-        self._done = Barrier(backend, device)
+        self._done = host_rows.backups  # (the host's waits and the device's share it)
 
     @property
     def asynchronous(self) -> bool:
@@ -99,15 +99,17 @@ class NewestBackup:
     def issue(self, launch: Callable[[], None], step_end: StepEnd) -> None:
         """Run `launch` (the backup kernel) on the side stream after `step_end`, marked just
         now behind the step's writes (one event serves both rules)."""
-        # On the compute stream too the kernel writes host rows after the host has moved on:
-        # the host's own writes of host rows wait for it (`HostRowGuard.device_write`).
         if self.stream is None:
-            self._host_rows.device_write(launch)
+            launch()
+            self._done.mark()
         else:
             with self._backend.stream_scope(self.stream):
                 step_end.wait()
-                self._host_rows.device_write(launch)
+                launch()
                 self._done.mark()
+        # On the compute stream too the kernel writes host rows after the host has moved on:
+        # the host's own writes of host rows wait for it (`HostRowGuard.drain`).
+        self._host_rows.note_copies_in_flight()
 
     def covered(self) -> None:
         """The step's lookups wrote every layer's host row, on the compute stream: nothing to
@@ -124,23 +126,23 @@ class HostRowGuard:
     """The CPU, or a transfer engine, rewrites host rows only after the device work that may
     still read or write them.
 
-    Two kinds of work: device writes of host rows still in flight (a prefill written from
-    device memory, a backup on either stream: `device_write`, each after the one of its kind
-    before on the device, so that the last one's event covers them all; and the lookups that
-    backed rows up, before the step's end); and the last step's kernels reading host rows that a
+    Two kinds of work: device writes of host rows still in flight (a backup, on its stream
+    or the compute stream: `backups`, the last one's event; a prefill written from device
+    memory: `device_prefill`, each after the one before on the device, so that the last
+    one's event covers them all; and the lookups that backed rows up, before the step's
+    end); and the last step's kernels reading host rows that a
     finish, abort or cancel has just freed, which the step's end covers. `drain()` runs
     before every host-row write the host or a transfer engine makes and waits on the host
     for those events alone, not for the device work queued after them (an overlap
     scheduler's next forward pass runs on); a drain that fails leaves both flags set, so the
     next one waits again. A prefill from device memory waits for neither on the host: its
-    copies follow them on the device (`device_write(..., into_freed_rows=True)`).
+    copies follow them on the device (`device_prefill`).
     """
 
     def __init__(self, backend: Backend, device: torch.device, step_end: StepEnd) -> None:
         self._step_end = step_end
-        # The last backup's and the last device-memory prefill's (each after the ones before).
-        self._backups = Barrier(backend, device)
-        self._prefills = Barrier(backend, device)
+        self.backups = Barrier(backend, device)  # marked after each backup (NewestBackup)
+        self._prefills = Barrier(backend, device)  # after each prefill from device memory
         self.copies_in_flight = False
         self.rows_recycled = False
         # A shared host pool (core/shared_pool.py): the writer rank rewrites freed rows only
@@ -148,27 +150,22 @@ class HostRowGuard:
         self.shared: Any | None = None
 
     def note_copies_in_flight(self) -> None:
-        """Host rows were written by work before the step's end (the lookups' backups)."""
+        """Device work writes host rows: a backup (`backups` marks it) or a step's lookups
+        (before its end)."""
         self.copies_in_flight = True
 
-    def device_write(self, issue: Callable[[], None], into_freed_rows: bool = False) -> None:
-        """Issue device work that writes host rows on the current stream, and mark it: a
-        backup, after the backups before it; with `into_freed_rows`, a prefill from device
-        memory into rows just given to its request, after the backups and prefills before it
-        and the last step's kernels (which may still read rows freed before) on the device,
-        and after the other ranks' reads of those rows on the host. A backup does not wait
-        for prefills: they write other requests' rows."""
-        if into_freed_rows:
-            if self.shared is not None:
-                self.shared.before_write()
-            for barrier in (self._step_end, self._backups, self._prefills):
-                barrier.wait()
-            issue()
-            self._prefills.mark()
-        else:
-            self._backups.wait()
-            issue()
-            self._backups.mark()
+    def device_prefill(self, issue: Callable[[], None]) -> None:
+        """Issue a prefill's copies from device memory into host rows just given to its
+        request, on the current stream, and mark them: after the last step's kernels (which may
+        still read rows freed before), the last backup and the last such prefill (which may
+        still write them) on the device, and after the other ranks' reads of freed rows on the
+        host. A backup does not wait for prefills: they write other requests' rows."""
+        if self.shared is not None:
+            self.shared.before_write()
+        for barrier in (self._step_end, self.backups, self._prefills):
+            barrier.wait()
+        issue()
+        self._prefills.mark()
         self.copies_in_flight = True
 
     def note_rows_recycled(self) -> None:
@@ -180,7 +177,7 @@ class HostRowGuard:
         if self.shared is not None:
             self.shared.before_write()  # the other ranks' reads of rows freed before
         if self.copies_in_flight:
-            self._backups.wait_on_host()
+            self.backups.wait_on_host()
             self._prefills.wait_on_host()
         if self.copies_in_flight or self.rows_recycled:
             self._step_end.wait_on_host()

@@ -10,6 +10,10 @@ that raises must leave the cache as it was.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 
@@ -85,17 +89,63 @@ def model(request: pytest.FixtureRequest, seed: int) -> torch.nn.Module:
     return built
 
 
+@contextlib.contextmanager
+def indexer_top_k(log: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """Records each indexer top-k the model code takes (`scores.topk(index_topk)`: scores
+    `[B, S, keys]`, the chosen key indices)."""
+    original = torch.Tensor.topk
+
+    def topk(self: torch.Tensor, k: int, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, k, *args, **kwargs)
+        if k == SHAPE["index_topk"]:
+            log.append((self.detach().clone(), out.indices.clone()))
+        return out
+
+    torch.Tensor.topk = topk  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original  # type: ignore[method-assign]
+
+
+def first_near_tie(want: list[tuple[torch.Tensor, torch.Tensor]],
+                   got: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    """Per batch row, the first decode step at which the two runs' indexers chose different
+    keys (NEW_TOKENS: none). Each such choice must be a near tie: the runs' scores agree to
+    float rounding (the attention before sums in another order: 16 gathered rows against all
+    keys masked), and so do the k-th and (k+1)-th best, so that rounding alone can swap
+    them. Anything else is a wrong row upstream."""
+    first = [NEW_TOKENS] * len(PROMPTS)
+    assert len(want) == len(got)
+    for (want_scores, want_keys), (scores, keys) in zip(want, got, strict=True):
+        torch.testing.assert_close(scores, want_scores, rtol=1e-5, atol=1e-6)
+        differ = (want_keys.sort(-1).values != keys.sort(-1).values).any(-1)
+        for b, s in differ.nonzero().tolist():
+            best = want_scores[b, s].sort(descending=True).values
+            k = want_keys.shape[-1]
+            assert best[k - 1] - best[k] <= 1e-6, (b, s, best[k - 1].item(), best[k].item())
+            step = want_scores.shape[-1] - max(PROMPTS)  # the keys before this pass's query
+            first[b] = min(first[b], step)
+    return first
+
+
 def test_greedy_tokens_match_transformers_own_cache(model: torch.nn.Module, seed: int) -> None:
+    """Token for token and logit for logit, up to the first step (if any) where rounding
+    tipped an indexer's near tie the other way in one run (checked to be that)."""
     ids, mask = prompts(seed)
     dense = transformers.DynamicCache(config=model.config)
-    want_tokens, want_logits = generate(model, ids, mask, dense)
-    with HiSparseDSACache(model, **CACHE) as cache:
+    want_choices: list[tuple[torch.Tensor, torch.Tensor]] = []
+    choices: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with indexer_top_k(want_choices):
+        want_tokens, want_logits = generate(model, ids, mask, dense)
+    with HiSparseDSACache(model, **CACHE) as cache, indexer_top_k(choices):
         tokens, logits = generate(model, ids, mask, cache)
         stats = cache.engine.stats()
         assert stats.misses >= 0.3 * (stats.hits + stats.misses), (stats.hits, stats.misses)
         assert 0 < cache.device_bytes() < dense_cache_bytes(dense)
-    assert torch.equal(tokens, want_tokens)
-    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+    for b, step in enumerate(first_near_tie(want_choices, choices)):
+        assert torch.equal(tokens[b, : ids.shape[1] + step], want_tokens[b, : ids.shape[1] + step])
+        torch.testing.assert_close(logits[:step, b], want_logits[:step, b], rtol=1e-4, atol=1e-4)
     assert model.config._attn_implementation == "eager"  # given back by close()
 
 

@@ -19,9 +19,10 @@ reservations, preempt and resume, finish and abort, cancels) runs with validate 
 Allowed (docs/integration.md lists them): a cancel, and the end of a ragged step in which a
 request keeps none of its rows, which give a newest slot its previous row back from host
 memory once the device's backups into it have landed (`DecodeStep._restore_newest_slots`,
-`single.undo_one`); the host-row writers' wait for the device work that may still touch
-rows a finish freed (`HostRowGuard.drain`: `write_prefill`, `reserve_host_slots`, a private
-copy of a prefix's last extent). Everything else fails with the line that waits.
+`single.undo_one`); the host's own host-row writes' wait for the device work that may still
+touch rows a finish freed (`HostRowGuard.drain`: `write_prefill` from host memory,
+`reserve_host_slots`, a prefix's tail or private copy). A prefill from device memory waits
+for nothing (its own test below). Everything else fails with the line that waits.
 """
 
 from __future__ import annotations

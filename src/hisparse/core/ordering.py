@@ -130,13 +130,13 @@ class HostRowGuard:
     or the compute stream: `backups`, the last one's event; a prefill written from device
     memory: `device_prefill`, each after the one before on the device, so that the last
     one's event covers them all; and the lookups that backed rows up, before the step's
-    end); and the last step's kernels reading host rows that a
-    finish, abort or cancel has just freed, which the step's end covers. `drain()` runs
-    before every host-row write the host or a transfer engine makes and waits on the host
-    for those events alone, not for the device work queued after them (an overlap
-    scheduler's next forward pass runs on); a drain that fails leaves both flags set, so the
-    next one waits again. A prefill from device memory waits for neither on the host: its
-    copies follow them on the device (`device_prefill`).
+    end); and the last step's kernels reading host rows that a finish, abort or cancel has
+    just freed, which the step's end covers. `drain()` runs before every host-row write the
+    host or a transfer engine makes and waits on the host for those events alone, not for
+    the device work queued after them (an overlap scheduler's next forward pass runs on); a
+    drain that fails leaves both flags set, so the next one waits again. A prefill from
+    device memory waits for neither on the host: its copies follow them on the device
+    (`device_prefill`).
     """
 
     def __init__(self, backend: Backend, device: torch.device, step_end: StepEnd) -> None:

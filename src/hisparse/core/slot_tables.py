@@ -81,8 +81,8 @@ class SlotWriter:
         pages = int(tables.page_table.shape[1])
         i64, i32 = torch.int64, torch.int32
         self._block = DeviceBlock([
-            ("page_row", i32, pages, -1), ("slot_keys", i32, tables.hot_slots, -1),
-            ("keys", i64, tables.hot_slots, 0), ("alias_index", i64, pages, 0),
+            ("page_row", i32, pages, -1), ("keys", i64, tables.hot_slots, -1),
+            ("alias_index", i64, pages, 0),
             ("alias_extent", i32, pages, 0),
         ], device, backend)
 
@@ -106,7 +106,7 @@ class SlotWriter:
                                     token_rows(keys, E, *lru_tokens))
         count, aliases = len(lru_keys), len(record.aliases)
         block = self._block
-        block.upload({"page_row": keys, "slot_keys": lru_keys, "keys": lru_keys,
+        block.upload({"page_row": keys, "keys": lru_keys,
                       "alias_index": record.aliases,
                       "alias_extent": record.extents[:aliases]})
         t.page_table[r].copy_(block.field("page_row"))
@@ -115,7 +115,8 @@ class SlotWriter:
             t.key_host_extent.index_copy_(0, block.field("alias_index", aliases),
                                           block.field("alias_extent", aliases))
         t.seq_lens[r].fill_(n)
-        t.slot_key[:, r].copy_(block.field("slot_keys", H).expand(t.slot_key.shape[0], H))
+        # (-1 past the keys: empty slots; copy_ narrows them to the table's int32)
+        t.slot_key[:, r].copy_(block.field("keys").expand(t.slot_key.shape[0], H))
         t.resident[:, block.field("keys", count)] = torch.arange(
             count, dtype=t.resident.dtype, device=t.resident.device)
         # One stamp for all, below the clock: ties go by slot id, so the oldest token goes first.

@@ -465,10 +465,12 @@ class LockstepRun:
             got = [host[layer][held[("prefix", handle_id)]] for layer in range(NUM_LAYERS)]
             assert [[bytes(r) for r in layer] for layer in got] == rows, (
                 f"retained prefix #{handle_id}'s rows changed")
-        holders_of: dict[int, set[object]] = {}
+        # A holding is a holder at a position: a request that copied off a retained prefix's
+        # tail may get the freed row back for a later position, a new holding of new bytes.
+        holders_of: dict[int, set[tuple[object, int]]] = {}
         for holder, rows in held.items():
-            for row in rows.tolist():
-                holders_of.setdefault(row, set()).add(holder)
+            for position, row in enumerate(rows.tolist()):
+                holders_of.setdefault(row, set()).add((holder, position))
 
         def checksum(row: int) -> int:
             return zlib.crc32(b"".join(host[layer][row].tobytes() for layer in range(NUM_LAYERS)))
@@ -481,7 +483,8 @@ class LockstepRun:
             still = holders & holders_of.get(row, set())
             if still:
                 assert checksum(row) == before, (
-                    f"host row {row} changed while {sorted(map(str, still))} held it")
+                    f"host row {row} changed while {sorted(map(str, still))} (holder, "
+                    f"position) held it")
                 self.counts.shared_rows_watched += len(holders) > 1
         self.watched = {row: (checksum(row), frozenset(holders))
                         for row, holders in holders_of.items()}

@@ -114,7 +114,8 @@ def test_bad_specs_are_refused_before_anything_is_made(pool_name: str) -> None:
             (dict(rank=2, ranks=2), "rank=2 must be an int in 0..1"),
             (dict(rank=0, ranks=0), "ranks=0 must be an int in 1..64"),
             (dict(rank=0, ranks=2, writer_rank=5), "writer_rank=5"),
-            (dict(rank=0, ranks=2, wait_timeout_s=0), "wait_timeout_s=0")]:
+            (dict(rank=0, ranks=2, wait_timeout_s=0), "wait_timeout_s=0"),
+            (dict(rank=0, ranks=2, liveness_period_s=-1), "liveness_period_s=-1")]:
         with pytest.raises(InvalidInputError, match=complaint):
             SharedPoolSpec(pool_name, **kwargs)
     for name in ["", "../etc", "a/b", ".hidden", "x" * 201]:
@@ -123,6 +124,29 @@ def test_bad_specs_are_refused_before_anything_is_made(pool_name: str) -> None:
     with pytest.raises(InvalidInputError, match="must be a SharedPoolSpec"):
         HiSparseCache(config, "cpu", shared_pool=pool_name)  # type: ignore[arg-type]
     assert not os.path.exists(shared_segment.segment_path(pool_name))
+
+
+@pytest.mark.parametrize("period", [0.0, 3600.0])
+def test_an_operation_checks_the_group_once_the_liveness_period_passed(
+        pool_name: str, period: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that dies while no one waits for it is found by the first operation after
+    `liveness_period_s` (0: every operation), which fails the pool naming it; not before."""
+    config = HiSparseConfig.from_preset("tiny", **CONFIG)
+    writer, reader = (HiSparseCache(config, "cpu", shared_pool=SharedPoolSpec(
+        pool_name, rank, 2, liveness_period_s=period)) for rank in range(2))
+    with monkeypatch.context() as patch:  # the reader's process "died" (both ranks are ours)
+        patch.setattr(shared_segment.SharedSegment, "dead_ranks", lambda self: [(1, 4242)])
+        if period:
+            writer.admit("a", 4)
+            assert writer.seq_len("a") == 4
+        else:
+            with pytest.raises(SharedPoolError, match=r"rank 1 \(a reader, pid 4242\) of the "
+                               "group exited without closing"):
+                writer.admit("a", 4)
+            with pytest.raises(SharedPoolError, match="failed"):
+                reader.admit("a", 4)
+    writer.close()
+    reader.close()
 
 
 def test_bad_handles_give_clear_errors_and_leave_the_group_working(

@@ -27,8 +27,9 @@ own device hot buffers, tables and allocator; the rules that make that safe:
   (`HostRowGuard.drain`), before a step's end backup, and, where its lookups back new rows
   up during the step, before the step's begin (the step plan's `wait_for_readers_at_begin`).
 - **Faults.** Every wait checks that the ranks it waits for are alive (and every operation
-  checks all ranks at most every `LIVENESS_PERIOD_S`); a dead rank, a divergence or a
-  timeout marks the pool failed, and every rank's next operation raises SharedPoolError.
+  checks all ranks at most every `SharedPoolSpec.liveness_period_s`); a dead rank, a
+  divergence or a timeout marks the pool failed, and every rank's next operation raises
+  SharedPoolError.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ from hisparse.errors import FeatureDisabledWarning, InvalidInputError, SharedPoo
 if TYPE_CHECKING:
     from hisparse.config import HiSparseConfig
 
-LIVENESS_PERIOD_S = 0.25  # how often an operation checks that every rank still runs
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,9 @@ class SharedPoolSpec:
     """How one rank joins its group's shared host pool; pass it as `shared_pool=` to
     `HiSparseCache`. `writer_rank` creates the pool (reclaiming a stale one of that name);
     the other ranks attach, waiting up to `attach_timeout_s` for it. A rank waits at most
-    `wait_timeout_s` for another rank before the pool fails."""
+    `wait_timeout_s` for another rank before the pool fails, and an operation checks that
+    every rank still runs once `liveness_period_s` has passed since the last check (0: every
+    operation, one read of /proc per rank)."""
 
     name: str
     rank: int
@@ -82,6 +84,7 @@ class SharedPoolSpec:
     writer_rank: int = 0
     attach_timeout_s: float = 60.0
     wait_timeout_s: float = 60.0
+    liveness_period_s: float = 0.25
 
     def __post_init__(self) -> None:
         def count(value: object) -> bool:
@@ -99,6 +102,9 @@ class SharedPoolSpec:
             value = getattr(self, field)
             if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
                 problems.append(f"{field}={value!r} must be a positive number of seconds")
+        period = self.liveness_period_s
+        if not isinstance(period, int | float) or isinstance(period, bool) or not period >= 0:
+            problems.append(f"liveness_period_s={period!r} must be a number of seconds >= 0")
         if problems:
             raise InvalidInputError(
                 "bad SharedPoolSpec: " + "; ".join(problems) + "; pass the rank's index in "
@@ -179,7 +185,7 @@ class SharedPoolSync:
         self.seq = 0  # operations completed
         self._hash = 0
         self._last_calls: dict[str, tuple[object, int]] = {}  # by call name
-        self._next_liveness = time.monotonic() + LIVENESS_PERIOD_S
+        self._next_liveness = time.monotonic() + spec.liveness_period_s
         self._pending_event: Any | None = None
         self._recycled_at = 0  # writer: the last operation that freed rows
         self._reads_confirmed = 0  # writer: every reader's reads_done covers this
@@ -194,7 +200,7 @@ class SharedPoolSync:
             raise SharedPoolError(f"shared host pool {self.segment.path} failed: "
                                   f"{self.segment.failure()}; rebuild the group's caches")
         if time.monotonic() >= self._next_liveness:
-            self._next_liveness = time.monotonic() + LIVENESS_PERIOD_S
+            self._next_liveness = time.monotonic() + self.spec.liveness_period_s
             self._check_alive(range(self.spec.ranks))
 
     def end_op(self, name: str, key: object) -> None:

@@ -68,7 +68,6 @@ if TYPE_CHECKING:
     from hisparse.config import HiSparseConfig
 
 
-
 @dataclass(frozen=True)
 class SharedPoolSpec:
     """How one rank joins its group's shared host pool; pass it as `shared_pool=` to

@@ -198,8 +198,9 @@ def test_scheduler_and_model_threads_keep_every_byte(backend: Any, seed: int, va
 
 
 def test_the_per_layer_calls_take_no_lock_and_the_step_calls_do(backend: Any) -> None:
-    """With the bookkeeping lock held elsewhere, write_newest and swap_in still run (the hot
-    path never waits on the scheduler), while begin_decode_step waits for the lock."""
+    """With the bookkeeping lock held elsewhere, write_newest and swap_in still run without
+    asking for it (the hot path never waits on the scheduler), while end_decode_step asks for
+    it and waits, its step still open (the lock notes the ask: no sleep decides)."""
     cache = build(backend)
     cache.admit("a", 12)
     cache.write_prefill("a", torch.zeros(LAYERS, 12, WIDTH, dtype=torch.uint8, device=cache.device))
@@ -216,14 +217,29 @@ def test_the_per_layer_calls_take_no_lock_and_the_step_calls_do(backend: Any) ->
             cache.swap_in(layer, top_k)
         hot_path_done.set()
 
-    with cache._lock:  # the scheduler, mid-call
+    lock, asked = cache._lock, threading.Event()
+
+    class NotingLock:  # the cache's lock, noting that a call has asked for it
+        def __enter__(self) -> object:
+            asked.set()
+            return lock.__enter__()
+
+        def __exit__(self, *exc: object) -> object:
+            return lock.__exit__(*exc)
+
+    cache._lock = NotingLock()
+    with lock:  # the scheduler, mid-call
         worker = threading.Thread(target=hot_path)
         worker.start()
         assert hot_path_done.wait(timeout=10), "the hot path waited on the bookkeeping lock"
+        assert not asked.is_set(), "the hot path asked for the bookkeeping lock"
         ender = threading.Thread(target=cache.end_decode_step)
         ender.start()
-        time.sleep(0.05)
-        assert ender.is_alive(), "end_decode_step ran while the lock was held"
+        give_up = time.monotonic() + 10
+        while not asked.wait(timeout=0.01):
+            assert ender.is_alive(), "end_decode_step ended without the bookkeeping lock"
+            assert time.monotonic() < give_up, "end_decode_step never asked for the lock"
+        assert cache._step is not None, "end_decode_step ended the step before the lock"
     ender.join(timeout=10)
     assert not ender.is_alive() and cache._step is None
     worker.join()

@@ -47,7 +47,7 @@ class VerifyContext:
     top_k: int
     schedule: IndexSchedule
     skip_io: bool
-    device: Any  # torch.device
+    device: torch.device
     end_block: DeviceBlock
     # (Bcap, positions): the presence table's, a column for every position a request's page
     # table can map (the larger of max_seq_len + D and P x E)
@@ -84,14 +84,13 @@ class VerifyContext:
     def width(self, c: DecodeContext, tokens: int) -> UnionWidth:
         width = self.widths.get(tokens)
         if width is None:
-            block = c.buffers
+            buffers, rows = c.buffers, c.batch_capacity * tokens
             width = self.widths[tokens] = build_width(
-                tokens, self.backend, c.kernels, c.tables, c.buffers.req_slots,
-                c.buffers.num_real, block.field("first"), block.field("draft_base"),
-                block.field("last_visible"), (block.field("draft_rows", c.batch_capacity * tokens),
-                 block.field("draft_rows_long", c.batch_capacity * tokens)),
-                self.top_k, self.schedule, self.skip_io,
-                c.prefetch_stream, self.table)
+                tokens, self.backend, c.kernels, c.tables, buffers.req_slots,
+                buffers.num_real, buffers.field("first"), buffers.field("draft_base"),
+                buffers.field("last_visible"),
+                (buffers.field("draft_rows", rows), buffers.field("draft_rows_long", rows)),
+                self.top_k, self.schedule, self.skip_io, c.prefetch_stream, self.table)
         return width
 
 
